@@ -1,0 +1,136 @@
+"""GraniKV options: one frozen dataclass; the CLI flags are generated from it.
+
+Every field becomes ``--granikv-<field-with-dashes>`` (``enable`` becomes ``--enable-granikv``)
+and a keyword of the offline API (``sglang.Engine(enable_granikv=True, granikv_<field>=...)``).
+Ranges and option sets live in the field metadata and are checked in ``__post_init__``, so an
+invalid value fails at startup with the flag, the value and the allowed range in the message.
+"""
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Literal, Mapping, Optional, get_args
+
+AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
+
+FLAG_PREFIX = "granikv_"
+ENABLE_FLAG = "enable_granikv"
+
+
+def _opt(default, help: str, *, lo=None, hi=None, choices=None):
+    return field(default=default, metadata={"help": help, "lo": lo, "hi": hi, "choices": choices})
+
+
+@dataclass(frozen=True)
+class GraniKVConfig:
+    enable: bool = _opt(False, "Turn GraniKV on (HOT/COLD KV storage and shared-prefix attention).")
+    hot_min_tokens: int = _opt(
+        1024,
+        "A radix-tree prefix becomes HOT (contiguous extent) only if it is at least this long.",
+        lo=16,
+        hi=1 << 22,
+    )
+    hot_min_sharers: int = _opt(
+        2,
+        "A prefix becomes HOT only when at least this many live requests share it.",
+        lo=1,
+        hi=4096,
+    )
+    hot_fraction: float = _opt(
+        0.5,
+        "Upper bound on the HOT region, as a fraction of the KV slots; the rest is the COLD pool.",
+        lo=0.0,
+        hi=0.9,
+    )
+    attention_path: AttentionPath = _opt(
+        "auto",
+        "Decode attention path: auto = per-step cost model; cascade/fused/bgemm force a path "
+        "(falling back to paged where it cannot serve a batch); paged = stock backend only.",
+        choices=get_args(AttentionPath),
+    )
+    min_group_size: int = _opt(
+        2,
+        "Requests sharing a HOT prefix form a cascade group only if there are at least this many.",
+        lo=1,
+        hi=4096,
+    )
+    cost_model: Optional[str] = _opt(
+        None,
+        "Path to a cost-model JSON (benchmark/kernels/calibrate.py writes one); default: the "
+        "checked-in file for this GPU, else a conservative default.",
+    )
+    debug_integrity: bool = _opt(
+        False, "Run check_integrity() on the pools and the cache after every scheduler step (slow)."
+    )
+    debug_compare_every: int = _opt(
+        0,
+        "Every N decode steps, also run the paged path for layer 0 and log the max difference "
+        "(0 = off).",
+        lo=0,
+        hi=1 << 30,
+    )
+    log_interval: int = _opt(
+        40, "Log GraniKV metrics every N decode steps (0 = never).", lo=0, hi=1 << 30
+    )
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            md = f.metadata
+            flag = cli_flag(f.name)
+            if md.get("choices") is not None and value not in md["choices"]:
+                raise ValueError(
+                    f"{flag}={value!r} is not one of {', '.join(map(str, md['choices']))}"
+                )
+            lo, hi = md.get("lo"), md.get("hi")
+            if lo is not None and not (lo <= value <= hi):
+                raise ValueError(f"{flag}={value!r} is outside the allowed range [{lo}, {hi}]")
+
+    # ---- conversions ----------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "GraniKVConfig":
+        """Build from flag-style keys (``enable_granikv``, ``granikv_hot_min_tokens``, ...).
+
+        Missing keys take the defaults; ``None`` values too (argparse leaves them ``None``).
+        """
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            key = attr_name(f.name)
+            if values.get(key) is not None:
+                kwargs[f.name] = values[key]
+        return cls(**kwargs)
+
+    def to_mapping(self) -> Dict[str, Any]:
+        return {attr_name(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def attr_name(field_name: str) -> str:
+    """Field name -> argparse dest / Engine keyword."""
+    return ENABLE_FLAG if field_name == "enable" else FLAG_PREFIX + field_name
+
+
+def cli_flag(field_name: str) -> str:
+    return "--" + attr_name(field_name).replace("_", "-")
+
+
+def is_granikv_key(key: str) -> bool:
+    return key == ENABLE_FLAG or key.startswith(FLAG_PREFIX)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per config field to an argparse parser (SGLang's server-args parser)."""
+    group = parser.add_argument_group("GraniKV (shared-prefix KV storage and attention)")
+    for f in dataclasses.fields(GraniKVConfig):
+        md = f.metadata
+        help_text = md["help"]
+        if md.get("lo") is not None:
+            help_text += f" Range [{md['lo']}, {md['hi']}]."
+        help_text += f" Default: {f.default}."
+        if f.type is bool:
+            group.add_argument(cli_flag(f.name), dest=attr_name(f.name), action="store_true",
+                               default=None, help=help_text)
+            continue
+        kind = {int: int, float: float}.get(f.type, str)
+        group.add_argument(cli_flag(f.name), dest=attr_name(f.name), type=kind, default=None,
+                           choices=md.get("choices"), help=help_text)
