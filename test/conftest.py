@@ -2,9 +2,6 @@ import os
 
 import pytest
 
-# Triton kernels run on CPU through the interpreter; set before any triton import.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 def _has_cuda() -> bool:
     try:
@@ -15,8 +12,14 @@ def _has_cuda() -> bool:
         return False
 
 
+HAS_CUDA = _has_cuda()
+if not HAS_CUDA:
+    # Triton kernels run on CPU through the interpreter; must be set before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
+    if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host)")
     for item in items:
