@@ -37,7 +37,7 @@ class GraniKVConfig:
         hi=4096,
     )
     hot_fraction: float = _opt(
-        0.5,
+        0.25,
         "Upper bound on the HOT region, as a fraction of the KV slots; the rest is the COLD pool.",
         lo=0.0,
         hi=0.9,

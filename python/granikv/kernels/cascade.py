@@ -1,0 +1,131 @@
+"""Top-level cascade attention entry points (what the attention backend calls per layer).
+
+Plan once per step (``CascadeWorkspace.fill``), then per layer:
+
+    cascade_attention        prefix launch + suffix launch + merge launch   (memory-optimal)
+    fused_cascade_attention  the same work in one launch                     (small fan-out)
+    bgemm_cascade_attention  torch flash attention per group for the prefix  (large fan-out, eager)
+                             + suffix launch + merge launch
+
+All write ``out`` [bs, Hq, D] in q's dtype and are equal to plain decode attention over each
+request's whole sequence (up to rounding). The first two are CUDA-graph capturable: they only
+read the workspace's fixed buffers, so a replay after a new ``fill`` serves the new batch.
+"""
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from .fused_cascade import fused_cascade
+from .merge_state import merge_state
+from .prefix_attention import prefix_attention
+from .suffix_attention import suffix_attention
+from .work_list import CascadeWorkspace
+
+__all__ = [
+    "PrefixState",
+    "cascade_attention",
+    "fused_cascade_attention",
+    "bgemm_prefix_attention",
+    "bgemm_cascade_attention",
+]
+
+
+def _out(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    if out.dtype != q.dtype or out.shape[1:] != q.shape[1:] or out.shape[0] < q.shape[0]:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)} {q.dtype}")
+    return out
+
+
+def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                      workspace: CascadeWorkspace, *, sm_scale: float,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Shared-prefix decode attention in three launches (prefix, suffix, merge).
+
+    q [bs, Hq, D] fp16/bf16/fp32; k_buffer / v_buffer [slots, Hkv, D] (one layer);
+    req_to_token int32 [rows, max_ctx]; workspace filled for this batch; out [>= bs, Hq, D]
+    (allocated if None). Returns out.
+    """
+    out = _out(q, out)
+    prefix_attention(q, k_buffer, v_buffer, workspace, sm_scale=sm_scale)
+    suffix_attention(q, k_buffer, v_buffer, req_to_token, workspace, sm_scale=sm_scale)
+    return merge_state(workspace, out)
+
+
+def fused_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                            req_to_token: torch.Tensor, workspace: CascadeWorkspace, *, sm_scale: float,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``cascade_attention`` in ONE launch (last writer of a request merges it; see fused_cascade.py).
+
+    Every request of the batch must have at least one token (seq_len >= 1), as in decode.
+    """
+    out = _out(q, out)
+    return fused_cascade(q, k_buffer, v_buffer, req_to_token, workspace, out, sm_scale=sm_scale)
+
+
+class PrefixState(NamedTuple):
+    """Prefix attention of each group member, in ``group_req_idx`` order."""
+
+    o: torch.Tensor  # fp32 [nnz, Hq, D]
+    lse: torch.Tensor  # fp32 [nnz, Hq], natural log
+
+
+def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group_start, group_len,
+                           group_req_indptr, group_req_idx, *, sm_scale: float) -> PrefixState:
+    """Compute-optimal prefix path: per group, [Hkv, n*ratio, D] stacked queries against the dense
+    extent view [Hkv, len, D] through torch flash attention (CUDA) or fp32 matmul/softmax (CPU).
+
+    Grouping arrays are numpy (docs/contracts.md). One torch call per group; eager only (the
+    number of calls and their shapes depend on the batch).
+    """
+    bs, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    ratio = hq // hkv
+    nnz = len(group_req_idx)
+    o_all = torch.empty(nnz, hq, d, dtype=torch.float32, device=q.device)
+    lse_all = torch.empty(nnz, hq, dtype=torch.float32, device=q.device)
+    idx = torch.as_tensor(np.asarray(group_req_idx, dtype=np.int64)).to(q.device, non_blocking=True)
+    for g in range(len(group_start)):
+        lo, hi = int(group_req_indptr[g]), int(group_req_indptr[g + 1])
+        s, n = int(group_start[g]), int(group_len[g])
+        if hi == lo:
+            continue
+        # [m, Hq, D] -> [1, Hkv, m*ratio, D]; row = member * ratio + r
+        qs = q.index_select(0, idx[lo:hi]).view(hi - lo, hkv, ratio, d).permute(1, 0, 2, 3)
+        qs = qs.reshape(1, hkv, (hi - lo) * ratio, d)
+        k = k_buffer[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D] strided view, no copy
+        v = v_buffer[s : s + n].transpose(0, 1).unsqueeze(0)
+        if q.is_cuda and q.dtype != torch.float32:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qs, k, v, scale=sm_scale)[:2]
+        else:
+            sc = torch.matmul(qs.float(), k.float().transpose(-1, -2)) * sm_scale
+            lse = torch.logsumexp(sc, dim=-1)
+            o = torch.matmul(torch.exp(sc - lse[..., None]), v.float())
+        o = o.float().view(hkv, hi - lo, ratio, d).permute(1, 0, 2, 3).reshape(hi - lo, hq, d)
+        lse = lse.float().view(hkv, hi - lo, ratio).permute(1, 0, 2).reshape(hi - lo, hq)
+        o_all[lo:hi] = o
+        lse_all[lo:hi] = lse
+    return PrefixState(o_all, lse_all)
+
+
+def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                            req_to_token: torch.Tensor, workspace: CascadeWorkspace, *, sm_scale: float,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bgemm prefix + suffix kernel + merge. The workspace must be filled with
+    ``single_prefix_chunk=True`` (one prefix partial row per member, written here). Eager only.
+    """
+    ws = workspace
+    if ws.bgemm_groups is None:
+        raise ValueError("bgemm_cascade_attention needs a workspace filled with single_prefix_chunk=True")
+    out = _out(q, out)
+    g_start, g_len, g_ptr, g_idx = ws.bgemm_groups
+    if len(g_idx):
+        st = bgemm_prefix_attention(q, k_buffer, v_buffer, g_start, g_len, g_ptr, g_idx, sm_scale=sm_scale)
+        rows = torch.as_tensor(ws.work_list.part_indptr[np.asarray(g_idx)].astype(np.int64)).to(q.device)
+        ws.part_o.index_copy_(0, rows, st.o)
+        ws.part_lse.index_copy_(0, rows, st.lse)
+    suffix_attention(q, k_buffer, v_buffer, req_to_token, ws, sm_scale=sm_scale)
+    return merge_state(ws, out)

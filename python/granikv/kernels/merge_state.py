@@ -1,0 +1,95 @@
+"""LSE merge of each request's partial states (prefix chunks + suffix chunks) into the output.
+
+For request i and q-head j, with partial rows p in [part_indptr[i], part_indptr[i+1]):
+
+    m      = max_p lse[p, j]
+    w_p    = exp(lse[p, j] - m)
+    out[i, j] = sum_p w_p * o[p, j] / sum_p w_p          (fp32 math, stored in out's dtype)
+
+A request with no partial rows (or only empty ones, lse = -inf) gets zeros.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["merge_state", "merge_rows"]
+
+
+@triton.jit
+def _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
+                RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge partial rows [p_lo, p_hi) of the RATIO q-heads of kv head h into Out[b]."""
+    r = tl.arange(0, BLOCK_R)
+    ok = r < RATIO
+    qh = h * RATIO + r
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for p in range(p_lo, p_hi):
+        lse = tl.load(PartLse + p * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    for p in range(p_lo, p_hi):
+        lse = tl.load(PartLse + p * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        wgt = tl.exp2(lse * 1.4426950408889634 - m)
+        o = tl.load(PartO + p * stride_pr + qh[:, None] * stride_ph + d[None, :], mask=ok[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += wgt[:, None] * o
+        s += wgt
+    out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
+    b64 = b.to(tl.int64)
+    tl.store(Out + b64 * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(PartO, PartLse, Out, Counts, PartIndptr, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
+                  RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if b < tl.load(Counts):
+        p_lo = tl.load(PartIndptr + b)
+        p_hi = tl.load(PartIndptr + b + 1)
+        _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
+                    RATIO, BLOCK_R, HEAD_DIM)
+
+
+def merge_state(workspace, out: torch.Tensor) -> torch.Tensor:
+    """Merge a filled workspace's partial states into ``out`` (one launch).
+
+    workspace: CascadeWorkspace whose ``part_o`` [rows, Hq, D] fp32 / ``part_lse`` [rows, Hq] fp32
+               hold every request's partial rows (CSR ``part_indptr``).
+    out:       [>= bs, Hq, D] in the query dtype; rows [0, bs) are written, others untouched.
+    Grid: (max_bs, Hkv), fixed per workspace; programs past the live batch exit.
+    """
+    ws = workspace
+    if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
+                         f"{ws.head_dim}] with a contiguous last dim")
+    grid = (ws.max_bs, ws.num_kv_heads)
+    _merge_kernel[grid](
+        ws.part_o, ws.part_lse, out, ws.counts, ws.part_indptr,
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), out.stride(0), out.stride(1),
+        RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.Tensor, out: torch.Tensor,
+               num_kv_heads: int) -> torch.Tensor:
+    """Stand-alone merge of a CSR of partial states (no workspace): for tests and the bgemm path.
+
+    part_o [rows, Hq, D] fp32, part_lse [rows, Hq] fp32, part_indptr int32 [bs+1] (device),
+    out [bs, Hq, D]. Every request's rows are merged; grid (bs, num_kv_heads).
+    """
+    bs, hq, d = out.shape
+    ratio = hq // num_kv_heads
+    counts = torch.tensor([bs], dtype=torch.int32, device=out.device)
+    _merge_kernel[(bs, num_kv_heads)](
+        part_o, part_lse, out, counts, part_indptr,
+        part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
+        RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, num_warps=4,
+    )  # fmt: skip
+    return out

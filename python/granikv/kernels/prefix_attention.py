@@ -1,0 +1,136 @@
+"""Grouped shared-prefix attention: every group's stacked decode queries against its HOT extent.
+
+For one kv head h, a prefix work item stacks the q-heads of h of whole requests of one group
+(row = member * ratio + r, at most block_m rows) and streams the group's contiguous K/V chunk
+``[slot_lo, slot_lo + n_kv)`` once through tensor-core tiles with an online softmax, writing one
+partial state (o, lse) per row into the workspace's partial table (see work_list.py):
+
+            kv chunk 0          kv chunk 1          ...      (items of one group, tile fastest)
+    tile 0  item(0,0) -> split 0  item(1,0) -> split 1
+    tile 1  item(0,1) -> split 0  item(1,1) -> split 1
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["prefix_attention"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr):
+    """One online-softmax step over a [BLOCK_N, D] key/value tile (base-2 exponentials)."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(tl.arange(0, BLOCK_N)[None, :] < n_left, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr,
+                   HEAD_DIM: tl.constexpr):
+    """Normalise and write rows' (o, natural-log lse) to partial rows ``rows_part`` (int64)."""
+    d = tl.arange(0, HEAD_DIM)
+    o = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(PartO + rows_part[:, None] * stride_pr + qh[:, None] * stride_ph + d[None, :], o, mask=row_ok[:, None])
+    tl.store(PartLse + rows_part * stride_lr + qh, lse, mask=row_ok)
+
+
+@triton.jit
+def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+                 stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                 RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):
+    """Attention of prefix item ``w`` for kv head ``h``; returns its member range (m_lo, m_hi)."""
+    m_lo = tl.load(PfxItems + w)
+    m_hi = tl.load(PfxItems + pfx_cap + w)
+    slot_lo = tl.load(PfxItems + 2 * pfx_cap + w).to(tl.int64)
+    n_kv = tl.load(PfxItems + 3 * pfx_cap + w)
+    split = tl.load(PfxItems + 4 * pfx_cap + w)
+
+    rows = tl.arange(0, BLOCK_M)
+    member = m_lo + rows // RATIO
+    qh = h * RATIO + rows % RATIO
+    row_ok = (member < m_hi) & (rows < (BLOCK_M // RATIO) * RATIO)
+    b = tl.load(GroupReqIdx + member, mask=row_ok, other=0).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b[:, None] * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = K + (slot_lo + offs_n)[:, None] * stride_kb + h * stride_kh + d[None, :]
+    v_ptrs = V + (slot_lo + offs_n)[:, None] * stride_vb + h * stride_vh + d[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_full = n_kv // BLOCK_N
+    for _ in range(0, n_full):
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, BLOCK_N, INPUT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kb
+        v_ptrs += BLOCK_N * stride_vb
+    n_left = n_kv - n_full * BLOCK_N
+    if n_left > 0:
+        kv_ok = offs_n[:, None] < n_left
+        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, True, BLOCK_N, INPUT_PRECISION)
+
+    rows_part = tl.load(PartIndptr + b, mask=row_ok, other=0).to(tl.int64) + split
+    _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr, HEAD_DIM)
+    return m_lo, m_hi
+
+
+@triton.jit
+def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
+                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                   stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr):
+    h = tl.program_id(1)
+    n_items = tl.load(Counts + 1)
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                     stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs are multiplied in full fp32 ("ieee"), never tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, workspace, *,
+                     sm_scale: float) -> None:
+    """Grouped prefix attention of a filled ``CascadeWorkspace``'s prefix items (one launch).
+
+    q:         [bs, Hq, D] fp16/bf16/fp32, batch order (rows read through group_req_idx)
+    k_buffer:  [slots, Hkv, D] same dtype; one layer; the extents [slot_lo, slot_lo+n_kv) are read
+    v_buffer:  [slots, Hkv, D]
+    workspace: CascadeWorkspace after ``fill``; writes ``part_o`` [rows, Hq, D] fp32 and
+               ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
+    Grid: (prefix capacity, Hkv), fixed per workspace (CUDA-graph safe).
+    """
+    ws = workspace
+    ws.check_shapes(q, k_buffer)
+    cfg = ws.config
+    grid = (ws.grid_items("prefix"), ws.num_kv_heads)
+    _prefix_kernel[grid](
+        q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
+        RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        INPUT_PRECISION=input_precision(q.dtype), num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+    )  # fmt: skip

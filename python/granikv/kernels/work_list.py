@@ -1,0 +1,405 @@
+"""Host-side work lists for the cascade kernels, and the fixed-capacity device workspace.
+
+A decode batch of ``bs`` requests is cut into two kinds of work items and a partial-state table:
+
+    prefix item (m_lo, m_hi, slot_lo, n_kv, split)      one per (group, request tile, kv chunk)
+        rows   = q-heads of kv head h of members group_req_idx[m_lo:m_hi]  (whole requests,
+                 <= block_m // ratio of them, stacked: row = (m - m_lo) * ratio + r)
+        keys   = slots [slot_lo, slot_lo + n_kv) of the group's HOT extent (contiguous)
+        writes = partial row part_indptr[b] + split for every member b
+    suffix item (req, t_lo, t_hi, row)                  one per (request, token chunk)
+        rows   = the ratio q-heads of kv head h of batch position req
+        keys   = req_to_token[req_pool_indices[req], t_lo:t_hi]   (page size 1, gathered)
+        writes = partial row ``row``
+
+Every kernel grid has a second axis over the kv heads. Partial rows of request i:
+
+    part_indptr[i]                                       part_indptr[i+1]
+    | prefix chunk 0 | ... | prefix chunk C_g-1 | suffix 0 | ... | suffix S_i-1 |
+      (C_g = chunks of i's group, 0 if ungrouped)  (S_i = ceil(suffix_len / suffix_chunk))
+
+Chunk sizes are chosen here so that each launch has about ``waves * sm_count`` programs
+(work items x kv heads) of equal size, whatever the mix of prefix lengths and fan-outs.
+
+``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
+states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
+it in place with one non-blocking copy from pinned memory, so a captured CUDA graph stays valid
+and replays a different batch correctly: grids are fixed at capacity and programs read the
+live item counts from ``meta`` (device memory).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of the cascade kernels (all compile-time except the waves)."""
+
+    block_m: int = 128
+    """Prefix rows per tile (q-heads x requests stacked); a tile holds block_m // ratio requests."""
+    block_n: int = 64
+    """Prefix keys per inner step."""
+    prefix_warps: int = 8
+    prefix_stages: int = 2
+    suffix_block_n: int = 64
+    """Suffix keys (gathered slots) per inner step."""
+    suffix_warps: int = 4
+    suffix_stages: int = 2
+    prefix_waves: float = 2.0
+    """Prefix launch aims at prefix_waves * sm_count programs."""
+    suffix_waves: float = 4.0
+    """Suffix launch aims at suffix_waves * sm_count programs."""
+    min_prefix_chunk: int = 256
+    """Smallest kv chunk of a prefix item (bounds the partial-state traffic)."""
+    min_suffix_chunk: int = 64
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "suffix_block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16")
+
+
+def default_config(head_dim: int) -> KernelConfig:
+    """Tile sizes that fit the register file for this head_dim (tuned on H200, see docs/kernels.md)."""
+    if head_dim > 128:
+        return KernelConfig(block_m=64, block_n=32, prefix_warps=4, suffix_block_n=32)
+    return KernelConfig()
+
+
+class WorkList(NamedTuple):
+    """One step's work items (numpy int32, see the module docstring for the layout)."""
+
+    bs: int
+    prefix_chunk: int  # kv tokens per prefix item (last chunk of a group may be shorter)
+    suffix_chunk: int  # tokens per suffix item
+    pfx_m_lo: np.ndarray  # [Np] first member (index into group_req_idx)
+    pfx_m_hi: np.ndarray  # [Np] one past the last member
+    pfx_slot_lo: np.ndarray  # [Np] first kv slot
+    pfx_n_kv: np.ndarray  # [Np] kv tokens (>= 1)
+    pfx_split: np.ndarray  # [Np] chunk index within the group
+    group_req_idx: np.ndarray  # [nnz] batch positions, group by group
+    sfx_req: np.ndarray  # [Ns] batch position
+    sfx_lo: np.ndarray  # [Ns] first token position (index into the req_to_token row)
+    sfx_hi: np.ndarray  # [Ns] one past the last token position (> sfx_lo)
+    sfx_row: np.ndarray  # [Ns] partial row written
+    part_indptr: np.ndarray  # [bs+1] CSR of partial rows per request
+    n_prefix_parts: np.ndarray  # [bs] prefix chunks of each request's group (0 = ungrouped)
+
+    @property
+    def num_prefix_items(self) -> int:
+        return len(self.pfx_m_lo)
+
+    @property
+    def num_suffix_items(self) -> int:
+        return len(self.sfx_req)
+
+    @property
+    def num_partials(self) -> int:
+        return int(self.part_indptr[-1])
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _round_up(x: int, m: int) -> int:
+    return _cdiv(x, m) * m
+
+
+def _segment_arange(counts: np.ndarray) -> tuple:
+    """For counts [3, 1, 2] return owners [0,0,0,1,2,2] and local [0,1,2,0,0,1]."""
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    local = np.arange(total) - starts[owner]
+    return owner, local
+
+
+def build_work_list(
+    group_start,
+    group_len,
+    group_req_indptr,
+    group_req_idx,
+    prefix_len,
+    seq_lens,
+    *,
+    ratio: int,
+    num_kv_heads: int,
+    config: KernelConfig,
+    sm_count: int,
+    max_splits: int,
+    single_prefix_chunk: bool = False,
+) -> WorkList:
+    """Cut a grouped decode batch into prefix items, suffix items and partial rows.
+
+    Arguments are numpy integer arrays in the planner's layout (docs/contracts.md):
+    ``group_start[G]``, ``group_len[G]`` (>= 1), ``group_req_indptr[G+1]``, ``group_req_idx[nnz]``
+    (batch positions), ``prefix_len[bs]`` (``group_len`` of the request's group, 0 if none),
+    ``seq_lens[bs]``. ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills
+    those rows itself). Vectorised: no Python loop over requests or groups.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    prefix_len = np.asarray(prefix_len, dtype=np.int64)
+    g_start = np.asarray(group_start, dtype=np.int64)
+    g_len = np.asarray(group_len, dtype=np.int64)
+    g_ptr = np.asarray(group_req_indptr, dtype=np.int64)
+    g_idx = np.asarray(group_req_idx, dtype=np.int64)
+    bs = len(seq_lens)
+    rpt = config.block_m // ratio  # requests per prefix tile
+
+    # ---- prefix items: (group, chunk, tile), tile fastest so a chunk's tiles run together (L2)
+    n_mem = np.diff(g_ptr)
+    tiles = _cdiv(n_mem, rpt)
+    if len(g_len):
+        if single_prefix_chunk:
+            chunk = int(g_len.max())
+        else:
+            target = max(1, int(config.prefix_waves * sm_count) // num_kv_heads)
+            work = int((tiles * g_len).sum())
+            chunk = max(_cdiv(work, target), config.min_prefix_chunk, _cdiv(int(g_len.max()), max_splits))
+            chunk = _round_up(chunk, config.block_n)
+        chunks = _cdiv(g_len, chunk)
+    else:
+        chunk, chunks = 0, np.zeros(0, np.int64)
+    item_g, local = _segment_arange(tiles * chunks)
+    tiles_of = tiles[item_g]
+    c = local // np.maximum(tiles_of, 1)
+    t = local - c * tiles_of
+    m_lo = g_ptr[item_g] + t * rpt
+    m_hi = np.minimum(m_lo + rpt, g_ptr[item_g + 1])
+    kv_lo = c * chunk
+    n_kv = np.minimum(chunk, g_len[item_g] - kv_lo)
+    slot_lo = g_start[item_g] + kv_lo
+
+    # ---- partial rows per request
+    n_pre = np.zeros(bs, np.int64)
+    n_pre[g_idx] = np.repeat(chunks, n_mem)
+    sfx_len = np.maximum(seq_lens - prefix_len, 0)
+    if bs:
+        target = max(1, int(config.suffix_waves * sm_count) // num_kv_heads)
+        s_chunk = max(_cdiv(int(sfx_len.sum()), target), config.min_suffix_chunk, _cdiv(int(sfx_len.max()), max_splits))
+        s_chunk = _round_up(s_chunk, config.suffix_block_n)
+    else:
+        s_chunk = config.suffix_block_n
+    n_sfx = _cdiv(sfx_len, s_chunk)
+    part_indptr = np.zeros(bs + 1, np.int64)
+    np.cumsum(n_pre + n_sfx, out=part_indptr[1:])
+
+    # ---- suffix items
+    s_req, s_local = _segment_arange(n_sfx)
+    s_lo = prefix_len[s_req] + s_local * s_chunk
+    s_hi = np.minimum(s_lo + s_chunk, seq_lens[s_req])
+    s_row = part_indptr[s_req] + n_pre[s_req] + s_local
+
+    i32 = lambda a: a.astype(np.int32)  # noqa: E731
+    return WorkList(
+        bs=bs,
+        prefix_chunk=int(chunk),
+        suffix_chunk=int(s_chunk),
+        pfx_m_lo=i32(m_lo),
+        pfx_m_hi=i32(m_hi),
+        pfx_slot_lo=i32(slot_lo),
+        pfx_n_kv=i32(n_kv),
+        pfx_split=i32(c),
+        group_req_idx=i32(g_idx),
+        sfx_req=i32(s_req),
+        sfx_lo=i32(s_lo),
+        sfx_hi=i32(s_hi),
+        sfx_row=i32(s_row),
+        part_indptr=i32(part_indptr),
+        n_prefix_parts=i32(n_pre),
+    )
+
+
+class CascadeWorkspace:
+    """Fixed-capacity device metadata + partial states for the cascade kernels.
+
+    Allocate once per (max batch size, head shape); call ``fill`` once per decode step (before
+    the layers run, outside any CUDA graph), then run the kernels of every layer against it.
+
+    Capacities (all derived from the constructor arguments, never from a batch):
+
+    - prefix items  <= target_p + ceil(max_bs / rpt) + max_groups,  target_p = prefix_waves*SMs/Hkv
+    - suffix items  <= target_s + max_bs
+    - partial rows  <= rpt * target_p + max_bs  (prefix)  +  suffix items
+      (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
+
+    Device buffers (int32 unless noted):
+      ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1)] = counts (bs, n_prefix_items,
+      n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr;
+      ``req_pool_indices`` [max_bs]; ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
+      [rows, Hq]; ``counters`` [max_bs, Hkv] (fused kernel arrivals, zero between launches).
+    """
+
+    def __init__(
+        self,
+        max_bs: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device,
+        *,
+        max_groups: Optional[int] = None,
+        max_splits: int = 32,
+        sm_count: Optional[int] = None,
+        config: Optional[KernelConfig] = None,
+    ):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.device = torch.device(device)
+        self.config = config or default_config(head_dim)
+        self.ratio = num_q_heads // num_kv_heads
+        if self.ratio > self.config.block_m:
+            raise ValueError(f"GQA ratio {self.ratio} exceeds block_m={self.config.block_m}")
+        if sm_count is None:
+            sm_count = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else 132
+            )
+        self.max_bs, self.num_q_heads, self.num_kv_heads, self.head_dim = max_bs, num_q_heads, num_kv_heads, head_dim
+        self.max_groups = max_bs if max_groups is None else max_groups
+        self.max_splits, self.sm_count = max_splits, sm_count
+        cfg = self.config
+        rpt = cfg.block_m // self.ratio
+        target_p = max(1, int(cfg.prefix_waves * sm_count) // num_kv_heads)
+        target_s = max(1, int(cfg.suffix_waves * sm_count) // num_kv_heads)
+        self.prefix_cap = target_p + _cdiv(max_bs, rpt) + self.max_groups
+        self.suffix_cap = target_s + max_bs
+        self.partial_cap = rpt * target_p + max_bs + self.suffix_cap
+
+        # meta layout
+        P, S = self.prefix_cap, self.suffix_cap
+        offs, o = {}, 0
+        for name, n in (("counts", 3), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs), ("pptr", max_bs + 1)):
+            offs[name], o = o, o + n
+        self._offs, self._meta_len = offs, o
+        pin = self.device.type == "cuda"
+        self._host = [torch.zeros(o, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._events = [None, None]
+        self._flip = 0
+        self.meta = torch.zeros(o, dtype=torch.int32, device=self.device)
+        self.counts = self.meta[0:3]
+        self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
+        self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
+        self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
+        self.part_indptr = self.meta[offs["pptr"] : offs["pptr"] + max_bs + 1]
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
+        self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(max_bs, num_kv_heads, dtype=torch.int32, device=self.device)
+        self.work_list: Optional[WorkList] = None
+        self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
+
+    # ------------------------------------------------------------------ fill
+    def fill(
+        self,
+        group_start,
+        group_len,
+        group_req_indptr,
+        group_req_idx,
+        prefix_len,
+        seq_lens,
+        req_pool_indices,
+        *,
+        single_prefix_chunk: bool = False,
+    ) -> WorkList:
+        """Plan one decode step and copy its metadata into the fixed device buffers (async).
+
+        Grouping arrays as in docs/contracts.md (numpy); ``seq_lens`` numpy [bs];
+        ``req_pool_indices`` [bs] device tensor (copied device-to-device) or numpy.
+        ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``.
+        Raises ValueError when the batch exceeds the workspace's capacity.
+        """
+        bs = len(seq_lens)
+        if bs > self.max_bs:
+            raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
+        if len(group_len) > self.max_groups:
+            raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
+        wl = build_work_list(
+            group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
+            ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
+            sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
+        )  # fmt: skip
+        np_, ns = wl.num_prefix_items, wl.num_suffix_items
+        if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
+            raise ValueError(
+                f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
+                f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
+            )
+        self._upload(wl, req_pool_indices)
+        self.work_list = wl
+        self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
+        return wl
+
+    def fill_grouping(self, grouping, seq_lens, req_pool_indices, **kw) -> WorkList:
+        """``fill`` from any object with the planner's Grouping attribute names."""
+        g = grouping
+        return self.fill(
+            g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len,
+            seq_lens, req_pool_indices, **kw,
+        )  # fmt: skip
+
+    def _upload(self, wl: WorkList, req_pool_indices) -> None:
+        k = self._flip
+        self._flip ^= 1
+        if self._events[k] is not None:
+            self._events[k].synchronize()  # the copy that last read this pinned buffer is done
+        h = self._host_np[k]
+        P, S, o = self.prefix_cap, self.suffix_cap, self._offs
+        h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
+        n = wl.num_prefix_items
+        for j, a in enumerate((wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
+            h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a
+        n = wl.num_suffix_items
+        for j, a in enumerate((wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row)):
+            h[o["sfx"] + j * S : o["sfx"] + j * S + n] = a
+        h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
+        h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
+        non_blocking = self.device.type == "cuda"
+        self.meta.copy_(self._host[k], non_blocking=non_blocking)
+        if non_blocking:
+            ev = self._events[k] or torch.cuda.Event()
+            ev.record()
+            self._events[k] = ev
+        if isinstance(req_pool_indices, torch.Tensor):
+            self.req_pool_indices[: wl.bs].copy_(req_pool_indices[: wl.bs], non_blocking=True)
+        else:
+            self.req_pool_indices[: wl.bs].copy_(torch.from_numpy(np.asarray(req_pool_indices, dtype=np.int32)))
+
+    # -------------------------------------------------------------- helpers
+    def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
+        """Raise ValueError if q / k_buffer do not match this workspace."""
+        if q.dim() != 3 or q.shape[1:] != (self.num_q_heads, self.head_dim):
+            raise ValueError(f"q {tuple(q.shape)} does not match [bs, {self.num_q_heads}, {self.head_dim}]")
+        if k_buffer.dim() != 3 or k_buffer.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"k_buffer {tuple(k_buffer.shape)} does not match [slots, {self.num_kv_heads}, {self.head_dim}]"
+            )
+        if q.shape[0] > self.max_bs:
+            raise ValueError(f"q batch {q.shape[0]} exceeds max_bs={self.max_bs}")
+
+    def grid_items(self, kind: str) -> int:
+        """Programs along axis 0 for a launch ('prefix', 'suffix', 'fused'); fixed per workspace."""
+        return {"prefix": self.prefix_cap, "suffix": self.suffix_cap, "fused": self.prefix_cap + self.suffix_cap}[kind]
+
+    def check_integrity(self) -> None:
+        """Assert the last work list is self-consistent (debug aid, host-side only)."""
+        wl = self.work_list
+        assert wl is not None, "workspace was never filled"
+        assert wl.num_partials <= self.partial_cap, f"{wl.num_partials} partial rows > cap {self.partial_cap}"
+        assert (wl.pfx_n_kv > 0).all() and (wl.sfx_hi > wl.sfx_lo).all(), "empty work item"
+        rows = np.zeros(wl.num_partials, np.int64)
+        np.add.at(rows, wl.sfx_row, 1)
+        for m_lo, m_hi, sp in zip(wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_split):
+            b = wl.group_req_idx[m_lo:m_hi]
+            np.add.at(rows, wl.part_indptr[b] + sp, 1)
+        assert (rows == 1).all(), "partial rows not written exactly once"

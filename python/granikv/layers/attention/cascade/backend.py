@@ -1,0 +1,249 @@
+"""``GraniKVAttnBackend``: wraps the attention backend SGLang built (flashinfer, triton, ...).
+
+Extend/prefill/idle batches go to the wrapped backend untouched. For a decode batch, the plan
+(``plan.group_requests`` + ``dispatcher.Dispatcher``) picks a path once per step, on the host:
+
+- ``paged``: the wrapped backend with the batch's real metadata; GraniKV adds nothing (eager) or
+  three empty launches per layer (CUDA graph: the captured cascade kernels read ``bs = 0``).
+- ``cascade`` / ``fused`` / ``bgemm``: the wrapped backend still runs (it writes the step's K/V
+  into the pool exactly as stock SGLang does) but plans every request with ``seq_len = 1``, so
+  its attention costs next to nothing; GraniKV's kernels then compute every request's
+  attention (HOT prefix once per group + COLD suffix + LSE merge) and overwrite the wrapped
+  backend's output rows in place.
+
+CUDA graphs: the graph captures ``wrapped decode -> cascade kernels``. All plan-dependent data
+lives in the fixed-capacity ``CascadeWorkspace`` (refilled in ``init_forward_metadata_out_graph``
+before every replay), and the wrapped backend's metadata is refilled from a view whose
+``seq_lens`` reflect the path; so a replay with any grouping, or with none, is valid. The fused
+and bgemm paths are not captured: under graphs the choice is between paged and cascade.
+
+The per-step host input is staged by the scheduler hook (``stage_batch``: the batch's
+``req_pool_idx`` values, known on the host without a device sync); HOT runs come from the
+``HotPrefixTable`` numpy mirror.
+"""
+
+import copy
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from granikv.layers.attention.cascade.dispatcher import Decision, Path
+from granikv.layers.attention.cascade.plan import BatchDescription, Grouping, group_requests
+from granikv.layers.attention.cascade.step_stats import StepStats
+from granikv.layers.attention.cascade.support import build_dispatcher, unsupported_reason
+
+logger = logging.getLogger("granikv")
+
+try:  # SGLang is the host; GraniKV's kernels and planner do not need it.
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+except ImportError:  # pragma: no cover
+    AttentionBackend = object
+
+# Class-level flags of AttentionBackend that __getattr__ would not forward (they exist on the
+# base class), copied from the wrapped backend at construction.
+_FORWARDED_FLAGS = (
+    "needs_cpu_seq_lens",
+    "supports_ragged_verify_graph",
+    "use_captured_forward_metadata_for_breakable_cuda_graph",
+    "supports_full_cuda_graph_chunked_prefix",
+    "prefill_attention_backend_str",
+    "decode_attention_backend_str",
+)
+
+
+class GraniKVAttnBackend(AttentionBackend):
+    """Decode through the shared-prefix kernels when the plan says so; everything else as-is."""
+
+    @classmethod
+    def wrap(cls, inner, *, model_runner, cfg, backend_name: str):
+        """Wraps ``inner``, or returns it unchanged (with a log line) when GraniKV cannot serve."""
+        reason = unsupported_reason(model_runner, cfg)
+        if reason is not None:
+            logger.warning("GraniKV attention off (%s): decode uses the stock %s backend",
+                           reason, backend_name)
+            return inner
+        return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name)
+
+    def __init__(self, inner, *, model_runner, cfg, backend_name: str):
+        self.inner = inner
+        self.cfg = cfg
+        self.backend_name = backend_name
+        self.model_runner = model_runner
+        for name in _FORWARDED_FLAGS:
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
+        self.dispatcher = build_dispatcher(model_runner, cfg)
+        geo = self.dispatcher.geometry
+        self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
+        self.device = torch.device(model_runner.device)
+        self.workspace = None  # CascadeWorkspace, sized in _ensure_workspace
+        self.stats = StepStats()
+        self._staged: Optional[np.ndarray] = None
+        self._path = Path.PAGED  # path of the current step
+        self._graph_mode = False  # True once CUDA-graph state exists
+        self._ones = None
+
+    def __getattr__(self, name):
+        # Only called for attributes not found normally: delegate to the wrapped backend.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # ---- shared state ------------------------------------------------------------------
+
+    @property
+    def hot_prefix_table(self):
+        return self.model_runner.token_to_kv_pool_allocator.hot_prefix_table
+
+    def stage_batch(self, req_pool_indices: np.ndarray) -> None:
+        """The next decode batch's ``req_pool_idx`` per request, in batch order (host ints)."""
+        self._staged = req_pool_indices
+
+    def _ensure_workspace(self, max_bs: int):
+        """The workspace; never reallocated once CUDA graphs captured its buffers."""
+        from granikv.kernels.work_list import CascadeWorkspace
+
+        if self.workspace is None or (self.workspace.max_bs < max_bs and not self._graph_mode):
+            geo = self.dispatcher.geometry
+            self.workspace = CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads,
+                                              geo.head_dim, self.device)
+            self._ones = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        return self.workspace
+
+    # ---- planning (host side, once per step) -----------------------------------------
+
+    def _plan(self, fb, graph: bool):
+        """Returns (grouping, desc, decision) or None for the paged path."""
+        staged, self._staged = self._staged, None
+        if not fb.forward_mode.is_decode():
+            return None
+        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        too_big = self._graph_mode and fb.batch_size > self.workspace.max_bs
+        if staged is None or len(staged) != bs or fb.seq_lens_cpu is None or too_big:
+            self.stats.unplanned += 1
+            return None
+        table = self.hot_prefix_table
+        desc = BatchDescription.from_table(
+            staged, fb.seq_lens_cpu[:bs].numpy().astype(np.int64), table.start_np,
+            table.length_np,
+        )
+        grouping = group_requests(desc, min_group_size=self.cfg.min_group_size)
+        decision = self.dispatcher.choose(grouping, desc, graph_safe_only=graph)
+        decision = _graph_restrict(decision) if graph else decision
+        self.stats.record(decision, grouping)
+        if decision.path is Path.PAGED:
+            return None
+        return grouping, desc, decision
+
+    def _fill_workspace(self, plan, fb) -> None:
+        ws = self._ensure_workspace(0 if plan is None else fb.batch_size)
+        if plan is None:
+            ws.fill(*_EMPTY_FILL)
+            return
+        grouping, desc, decision = plan
+        padded = fb.batch_size
+        prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens,
+                                         desc.req_pool_indices, padded)
+        ws.fill(grouping.group_start, grouping.group_len, grouping.group_req_indptr,
+                grouping.group_req_idx, prefix_len, seq_lens, rpi,
+                single_prefix_chunk=decision.path is Path.BGEMM)
+
+    def _inner_view(self, fb):
+        """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
+        bs = fb.batch_size
+        view = copy.copy(fb)
+        view.seq_lens = self._ones[:bs].to(fb.seq_lens.dtype)
+        view.seq_lens_cpu = torch.ones(bs, dtype=fb.seq_lens_cpu.dtype)
+        view.seq_lens_sum = bs
+        return view
+
+    # ---- AttentionBackend metadata contract ---------------------------------------------
+
+    def init_forward_metadata(self, forward_batch):
+        plan = self._plan(forward_batch, graph=False)
+        self._path = Path.PAGED if plan is None else plan[2].path
+        if plan is None:
+            if self._graph_mode and forward_batch.forward_mode.is_decode():
+                self._fill_workspace(None, forward_batch)  # decode runs the kernels: bs = 0
+            return self.inner.init_forward_metadata(forward_batch)
+        self._fill_workspace(plan, forward_batch)
+        self.inner.init_forward_metadata(self._inner_view(forward_batch))
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if not (self._graph_mode and forward_batch.forward_mode.is_decode()):
+            return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        plan = None if in_capture else self._plan(forward_batch, graph=True)
+        self._path = Path.PAGED if plan is None else Path.CASCADE
+        self._fill_workspace(plan, forward_batch)
+        view = forward_batch if plan is None else self._inner_view(forward_batch)
+        self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self.inner.init_forward_metadata_in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._ensure_workspace(max_bs)
+        self._graph_mode = True
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.inner.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self):
+        return self.inner.on_after_cuda_graph_warmup()
+
+    # ---- compute --------------------------------------------------------------------------
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.inner.forward_extend(q, k, v, layer, forward_batch,
+                                         save_kv_cache=save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        o = self.inner.forward_decode(q, k, v, layer, forward_batch,
+                                      save_kv_cache=save_kv_cache, **kwargs)
+        # In graph mode the kernels always run (a captured graph cannot skip them; with bs = 0
+        # in the workspace they exit at once), so warm-up compiles them before capture.
+        if self._path is not Path.PAGED or self._graph_mode:
+            self._run_shared_prefix(q, layer, o)
+        return o
+
+    def _run_shared_prefix(self, q, layer, o):
+        from granikv.kernels import cascade as kernels
+
+        pool = self.model_runner.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        q3 = q.view(-1, self.num_q_heads, self.head_dim)
+        out = o.view(-1, self.num_q_heads, self.head_dim)
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        run = {Path.FUSED: kernels.fused_cascade_attention,
+               Path.BGEMM: kernels.bgemm_cascade_attention}.get(self._path,
+                                                                kernels.cascade_attention)
+        run(q3, k_buf, v_buf, req_to_token, self.workspace, sm_scale=layer.scaling, out=out)
+
+
+_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
+               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+               np.zeros(0, np.int64))
+
+
+def _graph_restrict(decision: Decision) -> Decision:
+    """Under CUDA graphs only paged and cascade are captured: pick the cheaper of the two."""
+    if decision.path in (Path.PAGED, Path.CASCADE):
+        return decision
+    t = decision.times
+    path = Path.CASCADE if t.cascade < t.paged else Path.PAGED
+    return Decision(path, t, f"graph: {decision.path.value} not captured -> {path.value}")
+
+
+def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):
+    """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1)."""
+    bs = len(seq_lens)
+    if padded == bs:
+        return prefix_len, seq_lens, req_pool_indices
+    extra = padded - bs
+    return (np.concatenate([prefix_len, np.zeros(extra, np.int64)]),
+            np.concatenate([seq_lens, np.ones(extra, np.int64)]),
+            np.concatenate([req_pool_indices, np.zeros(extra, np.int64)]))

@@ -1,0 +1,263 @@
+"""Time estimates of each decode attention path from bytes moved, FLOPs and launches.
+
+Two halves:
+
+- ``Workload``: what one decode layer of a batch moves and computes on each path (bytes of
+  KV, FLOPs of the stacked prefix pass, groups). Pure accounting, no hardware numbers.
+- ``CostModel``: a small set of per-GPU coefficients (achieved bandwidths, throughputs and
+  fixed overheads) measured by benchmark/kernels/calibrate.py and stored as JSON, turning a
+  ``Workload`` into microseconds per decode step.
+
+Every path's time is a sum of terms (no overlap assumed, which over-estimates rather than
+under-estimates)::
+
+    paged   = paged_launch_us + seq_unique_bytes / paged_gbps + reread_bytes / paged_reuse_gbps
+    cascade = plan_us/layers + 3 launch_us + G work_item_us          (prefix, suffix, merge)
+              + prefix_bytes / prefix_gbps + prefix_flops / prefix_tflops
+              + (suffix_bytes + state_bytes) / suffix_gbps
+    fused   = plan_us/layers + 1 launch_us + G work_item_us
+              + prefix_bytes / prefix_gbps + prefix_flops / fused_tflops
+              + suffix_bytes / suffix_gbps
+    bgemm   = plan_us/layers + 2 launch_us + G (work_item_us + bgemm_group_us)
+              + prefix_bytes / prefix_gbps + prefix_flops / bgemm_tflops
+              + (suffix_bytes + state_bytes) / suffix_gbps
+
+``reread_bytes`` are the paged kernel's repeated reads of a shared prefix (one per extra group
+member); they are mostly served from L2, hence their own (higher) bandwidth. Units: ``*_us``
+microseconds, ``*_gbps`` 1e9 bytes/s, ``*_tflops`` 1e12 FLOP/s.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Optional
+
+FORMAT_VERSION = 1
+DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data")
+DEFAULT_FILE = "cost_model_default.json"
+
+
+class HeadGeometry(NamedTuple):
+    """Attention shape of one layer on this rank (after tensor parallelism)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token of one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def flops_per_query_token(self) -> int:
+        """QK^T and PV for one request (all q heads) against one KV token: 2 GEMV of 2*D."""
+        return 4 * self.num_q_heads * self.head_dim
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """A partial state (fp32 o [Hq, D] + lse [Hq]), written once and read once."""
+        return 2 * 4 * self.num_q_heads * (self.head_dim + 1)
+
+
+class Workload(NamedTuple):
+    """Bytes and FLOPs of ONE decode layer of a batch, per path (see the module docstring).
+
+    - ``seq_bytes``: KV of every request's whole sequence (what a paged kernel reads).
+    - ``reread_bytes``: part of ``seq_bytes`` that re-reads a group prefix another member of the
+      group already read (``sum_g (size_g - 1) * len_g`` tokens).
+    - ``prefix_bytes``: KV of each group prefix, once (``sum_g len_g`` tokens).
+    - ``suffix_bytes``: KV outside group prefixes (``seq_bytes`` minus every member's prefix).
+    - ``prefix_flops``: attention FLOPs of the stacked prefix pass.
+    - ``state_bytes``: partial states of the prefix and suffix passes, written and read by the
+      merge, plus the output.
+    - ``num_groups``: work items of the prefix pass.
+    """
+
+    seq_bytes: float
+    reread_bytes: float
+    prefix_bytes: float
+    suffix_bytes: float
+    prefix_flops: float
+    state_bytes: float
+    num_groups: int
+
+    @classmethod
+    def from_sums(
+        cls,
+        geometry: HeadGeometry,
+        *,
+        batch_size: int,
+        seq_tokens: int,
+        prefix_tokens: int,
+        stacked_prefix_tokens: int,
+        num_grouped: int,
+        num_groups: int,
+    ) -> "Workload":
+        """From token counts: ``seq_tokens = sum(seq_lens)``, ``prefix_tokens = sum_g len_g``,
+        ``stacked_prefix_tokens = sum_g size_g * len_g``, ``num_grouped = sum_g size_g``."""
+        hq, hkv, d, nbytes = geometry
+        bpt = 2 * hkv * d * nbytes
+        state = 8 * hq * (d + 1) * (num_grouped + batch_size) + batch_size * hq * d * nbytes
+        return cls(
+            float(seq_tokens * bpt),
+            float((stacked_prefix_tokens - prefix_tokens) * bpt),
+            float(prefix_tokens * bpt),
+            float((seq_tokens - stacked_prefix_tokens) * bpt),
+            float(stacked_prefix_tokens * 4 * hq * d),
+            float(state),
+            num_groups,
+        )
+
+
+def _coef(help: str):
+    return dataclasses.field(metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-GPU coefficients; ``load`` reads them from JSON. All strictly positive."""
+
+    paged_launch_us: float = _coef("fixed time of one stock paged decode call (launch, reduce)")
+    paged_gbps: float = _coef("bandwidth of the paged kernel on KV read once (HBM)")
+    paged_reuse_gbps: float = _coef(
+        "bandwidth of the paged kernel re-reading a prefix other requests read (mostly L2)"
+    )
+    launch_us: float = _coef("fixed time of one GraniKV kernel launch")
+    work_item_us: float = _coef("per group overhead of GraniKV's prefix pass (scheduling, tail)")
+    prefix_gbps: float = _coef("bandwidth of the prefix pass reading a contiguous HOT extent")
+    prefix_tflops: float = _coef("throughput of the cascade prefix kernel on stacked queries")
+    fused_tflops: float = _coef("throughput of the fused single-launch kernel's prefix part")
+    bgemm_tflops: float = _coef("tensor-core throughput of the batched-GEMM prefix path")
+    bgemm_group_us: float = _coef("per group host and launch overhead of the eager bgemm path")
+    suffix_gbps: float = _coef("bandwidth of GraniKV's paged suffix and merge kernels")
+    plan_us: float = _coef("host planning and metadata upload per decode step (all layers)")
+
+    # ---- estimates (microseconds per decode step of `num_layers` layers) --------------------
+
+    def paged_time(self, w: Workload, *, num_layers: int = 1) -> float:
+        unique = w.seq_bytes - w.reread_bytes
+        layer = (
+            self.paged_launch_us
+            + unique / (self.paged_gbps * 1e3)
+            + w.reread_bytes / (self.paged_reuse_gbps * 1e3)
+        )
+        return num_layers * layer
+
+    def cascade_time(self, w: Workload, *, num_layers: int = 1) -> float:
+        layer = (
+            3 * self.launch_us
+            + self._prefix(w, self.prefix_tflops)
+            + (w.suffix_bytes + w.state_bytes) / (self.suffix_gbps * 1e3)
+        )
+        return num_layers * layer + self.plan_us
+
+    def fused_time(self, w: Workload, *, num_layers: int = 1) -> float:
+        layer = (
+            self.launch_us
+            + self._prefix(w, self.fused_tflops)
+            + w.suffix_bytes / (self.suffix_gbps * 1e3)
+        )
+        return num_layers * layer + self.plan_us
+
+    def bgemm_time(self, w: Workload, *, num_layers: int = 1) -> float:
+        layer = (
+            2 * self.launch_us
+            + w.num_groups * self.bgemm_group_us
+            + self._prefix(w, self.bgemm_tflops)
+            + (w.suffix_bytes + w.state_bytes) / (self.suffix_gbps * 1e3)
+        )
+        return num_layers * layer + self.plan_us
+
+    def _prefix(self, w: Workload, tflops: float) -> float:
+        return (
+            w.num_groups * self.work_item_us
+            + w.prefix_bytes / (self.prefix_gbps * 1e3)
+            + w.prefix_flops / (tflops * 1e6)
+        )
+
+    # ---- persistence -------------------------------------------------------------------------
+
+    @classmethod
+    def coefficient_names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "<mapping>") -> "CostModel":
+        """Validates ``{"format": 1, "gpu_name": ..., "coefficients": {...}}`` (extra top-level
+        keys, e.g. ``"calibration"``, are kept out of the model). Raises ``ValueError`` naming
+        ``source`` and the offending field."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{source}: expected a JSON object, got {type(values).__name__}")
+        if values.get("format") != FORMAT_VERSION:
+            raise ValueError(
+                f"{source}: field 'format' must be {FORMAT_VERSION}, got {values.get('format')!r}"
+            )
+        coefs = values.get("coefficients")
+        if not isinstance(coefs, Mapping):
+            raise ValueError(f"{source}: field 'coefficients' must be an object, got {coefs!r}")
+        names = cls.coefficient_names()
+        unknown = sorted(set(coefs) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown field 'coefficients.{unknown[0]}' (known: {', '.join(names)})"
+            )
+        kwargs = {}
+        for name in names:
+            if name not in coefs:
+                raise ValueError(f"{source}: missing field 'coefficients.{name}'")
+            v = coefs[name]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok or not (math.isfinite(v) and v > 0):
+                raise ValueError(
+                    f"{source}: field 'coefficients.{name}' must be a positive finite number, "
+                    f"got {v!r}"
+                )
+            kwargs[name] = float(v)
+        return cls(**kwargs)
+
+    def to_mapping(self, gpu_name: str, **extra: Any) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "gpu_name": gpu_name,
+            "coefficients": dataclasses.asdict(self),
+            **extra,
+        }
+
+    @classmethod
+    def load(cls, path: Optional[str], gpu_name: Optional[str] = None) -> "CostModel":
+        """Loads ``path`` if given, else the checked-in file for ``gpu_name``
+        (``data/cost_model_<slug>.json``, e.g. ``cost_model_nvidia-h200.json``), else the
+        conservative default (``data/cost_model_default.json``)."""
+        if path is None:
+            path = default_path(gpu_name)
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the cost model ({e.strerror})") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_mapping(values, source=path)
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia-h200"`` (file-name safe)."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
+def calibrated_path(gpu_name: str) -> str:
+    return os.path.normpath(os.path.join(DATA_DIR, f"cost_model_{gpu_slug(gpu_name)}.json"))
+
+
+def default_path(gpu_name: Optional[str]) -> str:
+    """The calibrated file for ``gpu_name`` when one is checked in, else the default."""
+    if gpu_name:
+        path = calibrated_path(gpu_name)
+        if os.path.exists(path):
+            return path
+    return os.path.normpath(os.path.join(DATA_DIR, DEFAULT_FILE))

@@ -1,0 +1,150 @@
+"""Per-step choice of the decode attention path, from the cost model only.
+
+The dispatcher turns a ``Grouping`` into a ``Workload`` (O(G) sums), asks the ``CostModel`` for
+each eligible path's time and takes the cheapest, ``PAGED`` on ties. There are no thresholds of
+its own: when a path wins, it is because the measured coefficients say so.
+
+Eligibility:
+
+- ``PAGED``: always (the stock backend is correct on any batch).
+- ``CASCADE``, ``FUSED``: the batch has at least one group.
+- ``BGEMM``: also needs an eager step (``graph_safe_only=False``): its launches depend on the
+  grouping, so it cannot be captured in a CUDA graph.
+
+A forced path (``forced_path != "auto"``) is returned whenever it is eligible, else ``PAGED``.
+The caller is responsible for the same-physical-slots check (``plan.verify_same_slots``) in
+debug mode; grouping is by slot, so a correct ``HotPrefixTable`` makes it hold by construction.
+"""
+
+import enum
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from granikv.layers.attention.cascade.cost_model import CostModel, HeadGeometry, Workload
+from granikv.layers.attention.cascade.plan import BatchDescription, Grouping
+
+FORCED_PATHS = ("auto", "paged", "cascade", "fused", "bgemm")
+
+
+class Path(enum.Enum):
+    PAGED = "paged"
+    CASCADE = "cascade"
+    FUSED = "fused"
+    BGEMM = "bgemm"
+
+
+class PathTimes(NamedTuple):
+    """Estimated microseconds per decode step of each path; ``inf`` = not eligible."""
+
+    paged: float
+    cascade: float
+    fused: float
+    bgemm: float
+
+    def of(self, path: Path) -> float:
+        return getattr(self, path.value)
+
+
+class Decision(NamedTuple):
+    path: Path
+    times: PathTimes
+    reason: str
+
+
+_INF = math.inf
+_ORDER = (Path.PAGED, Path.CASCADE, Path.FUSED, Path.BGEMM)  # field order of PathTimes
+
+
+class Dispatcher:
+    """Chooses a path per decode step. Stateless after construction; ``choose`` is O(G).
+
+    ``num_layers`` spreads the per-step planning cost (``CostModel.plan_us``) over the layers
+    that share one plan; leaving it at 1 charges the whole plan to one layer (conservative).
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype_bytes: int,
+        forced_path: str = "auto",
+        num_layers: int = 1,
+    ):
+        if forced_path not in FORCED_PATHS:
+            raise ValueError(
+                f"forced_path={forced_path!r} is not one of {', '.join(FORCED_PATHS)}"
+            )
+        for name, v in (
+            ("num_q_heads", num_q_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("kv_dtype_bytes", kv_dtype_bytes),
+            ("num_layers", num_layers),
+        ):
+            if v < 1:
+                raise ValueError(f"{name}={v} must be >= 1")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.cost_model = cost_model
+        self.geometry = HeadGeometry(num_q_heads, num_kv_heads, head_dim, kv_dtype_bytes)
+        self.forced = None if forced_path == "auto" else Path(forced_path)
+        self.num_layers = num_layers
+
+    def workload(self, grouping: Grouping, desc: BatchDescription) -> Workload:
+        """Bytes and FLOPs of one layer of this batch (O(G) plus one sum over seq_lens)."""
+        return Workload.from_sums(
+            self.geometry,
+            batch_size=grouping.batch_size,
+            seq_tokens=int(np.add.reduce(desc.seq_lens)),
+            prefix_tokens=grouping.prefix_tokens,
+            stacked_prefix_tokens=grouping.stacked_prefix_tokens,
+            num_grouped=grouping.num_grouped,
+            num_groups=grouping.num_groups,
+        )
+
+    def estimate(
+        self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True
+    ) -> PathTimes:
+        """Estimated time of every eligible path (``inf`` for the others)."""
+        w = self.workload(grouping, desc)
+        cm, n = self.cost_model, self.num_layers
+        paged = cm.paged_time(w, num_layers=n)
+        if grouping.num_groups == 0:
+            return PathTimes(paged, _INF, _INF, _INF)
+        return PathTimes(
+            paged=paged,
+            cascade=cm.cascade_time(w, num_layers=n),
+            fused=cm.fused_time(w, num_layers=n),
+            bgemm=_INF if graph_safe_only else cm.bgemm_time(w, num_layers=n),
+        )
+
+    def choose(
+        self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True
+    ) -> Decision:
+        """The path for this step. ``graph_safe_only=True`` (a CUDA-graph step) excludes BGEMM."""
+        times = self.estimate(grouping, desc, graph_safe_only=graph_safe_only)
+        if grouping.num_groups == 0:
+            return Decision(Path.PAGED, times, "no group")
+        if self.forced is not None:
+            if math.isinf(times.of(self.forced)):
+                return Decision(
+                    Path.PAGED, times, f"forced {self.forced.value} needs an eager step: paged"
+                )
+            return Decision(self.forced, times, f"forced {self.forced.value}")
+        k = min(range(4), key=times.__getitem__)  # PathTimes order = _ORDER: PAGED wins ties
+        if k == 0:
+            j = min(range(1, 4), key=times.__getitem__)
+            reason = f"paged {times[0]:.1f}us <= {_ORDER[j].value} {times[j]:.1f}us"
+        else:
+            reason = (
+                f"{_ORDER[k].value} {times[k]:.1f}us < paged {times[0]:.1f}us "
+                f"({times[0] / times[k]:.2f}x)"
+            )
+        return Decision(_ORDER[k], times, reason)

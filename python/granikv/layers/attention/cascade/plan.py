@@ -1,0 +1,221 @@
+r"""Host-side planning of one decode step: which requests share a HOT prefix (grouping).
+
+A request whose first ``hot_len`` tokens live in the contiguous HOT run ``[hot_start,
+hot_start + hot_len)`` can have its prefix attention served from that dense slice. Requests
+that start at the SAME slot share those slots physically, so their queries can be stacked and
+the prefix read once per step (docs/contracts.md, "Batch description -> plan")::
+
+    batch position:      0     1     2     3     4     5
+    hot_start:         900   100   900   100   100     -
+    hot_len:           300   512   200   512   640     0
+                        \___________/     \_________/
+    group 0: start 100, len min(512, 512, 640) = 512, requests [1, 3, 4]
+    group 1: start 900, len min(300, 200)      = 200, requests [0, 2]
+    prefix_len:        200   512   200   512   512     0
+
+    request i reads  slots [group_start, group_start + prefix_len[i])      -> prefix pass
+                     req_to_token[req_pool_indices[i], prefix_len[i]:seq_lens[i]] -> suffix pass
+
+Grouping is by physical slot, never by token ids: two requests with equal prompts in
+different slots are not grouped. ``verify_same_slots`` checks the claim against
+``req_to_token`` (debug mode and tests; it reads the device table).
+
+Planning runs once per decode step on the host and must cost microseconds: everything here is
+a handful of vectorised numpy calls (benchmark/kernels/bench_planning.py measures it).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_ZERO_INDPTR = np.zeros(1, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class BatchDescription:
+    """The decode batch as the planner sees it: numpy int64 arrays ``[bs]`` in batch order.
+
+    - ``req_pool_indices[i]``: row of request i in SGLang's ``req_to_token``.
+    - ``seq_lens[i]``: tokens of request i, including the one decoded this step.
+    - ``hot_start[i]``, ``hot_len[i]``: the HOT run request i starts with (slots
+      ``[hot_start, hot_start + hot_len)`` hold its first ``hot_len`` tokens); ``hot_len == 0``
+      means none, and ``hot_start`` is then ignored.
+
+    The arrays are not copied: the caller must not mutate them while the description is in use.
+    """
+
+    req_pool_indices: np.ndarray
+    seq_lens: np.ndarray
+    hot_start: np.ndarray
+    hot_len: np.ndarray
+
+    def __post_init__(self):
+        bs = self.req_pool_indices.shape
+        for name in ("seq_lens", "hot_start", "hot_len"):
+            shape = getattr(self, name).shape
+            if shape != bs or len(shape) != 1:
+                raise ValueError(
+                    f"BatchDescription.{name} has shape {shape}, expected {bs} "
+                    "(1-D, like req_pool_indices)"
+                )
+
+    @classmethod
+    def from_table(
+        cls,
+        req_pool_indices: np.ndarray,
+        seq_lens: np.ndarray,
+        table_start: np.ndarray,
+        table_length: np.ndarray,
+    ) -> "BatchDescription":
+        """Gathers the HOT runs of the batch's rows from a per-``req_pool_idx`` table.
+
+        ``table_start``/``table_length`` are ``HotPrefixTable.start_np``/``length_np``
+        (int64 ``[R+1]``); ``req_pool_indices`` and ``seq_lens`` are int64 ``[bs]``.
+        """
+        return cls(
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            hot_start=table_start[req_pool_indices],
+            hot_len=table_length[req_pool_indices],
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class Grouping:
+    """Requests grouped by the HOT extent they start with (numpy int64 arrays).
+
+    - ``group_start[G]``, ``group_len[G]``: the group's prefix is slots
+      ``[group_start[g], group_start[g] + group_len[g])``, ``group_len[g] >= 1``; groups are
+      ordered by ``group_start``.
+    - ``group_req_indptr[G+1]``, ``group_req_idx[nnz]``: CSR; the batch positions of group g are
+      ``group_req_idx[group_req_indptr[g]:group_req_indptr[g+1]]``, ascending.
+    - ``prefix_len[bs]``: tokens of request i served by its group's prefix (0 = not grouped);
+      ``prefix_len[i] <= seq_lens[i]``.
+    """
+
+    group_start: np.ndarray
+    group_len: np.ndarray
+    group_req_indptr: np.ndarray
+    group_req_idx: np.ndarray
+    prefix_len: np.ndarray
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "Grouping":
+        """No group: every request goes through the paged (or suffix-only) path."""
+        return cls(_EMPTY, _EMPTY, _ZERO_INDPTR, _EMPTY, np.zeros(batch_size, dtype=np.int64))
+
+    @property
+    def batch_size(self) -> int:
+        return self.prefix_len.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.group_start.shape[0]
+
+    @property
+    def num_grouped(self) -> int:
+        """Requests that belong to a group (nnz of the CSR)."""
+        return self.group_req_idx.shape[0]
+
+    @property
+    def group_size(self) -> np.ndarray:
+        """Requests per group, int64 ``[G]``."""
+        return np.diff(self.group_req_indptr)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Prefix tokens read once per step by a prefix pass: sum of ``group_len``."""
+        return sum(self.group_len.tolist())
+
+    @property
+    def stacked_prefix_tokens(self) -> int:
+        """(request, prefix token) pairs: sum of ``prefix_len`` = sum of size * len per group."""
+        return int(np.add.reduce(self.prefix_len))
+
+
+def group_requests(
+    desc: BatchDescription, *, min_group_size: int, min_prefix_len: int = 1
+) -> Grouping:
+    """Groups the batch's requests by the HOT slot they start at.
+
+    Requests with the same ``hot_start`` and an effective HOT length (``min(hot_len,
+    seq_lens)``) of at least ``min_prefix_len`` form a group when there are at least
+    ``min_group_size`` of them; the group's prefix length is the minimum effective HOT length
+    of its members, so every member really holds slots ``[start, start + len)``. Smaller
+    groups are dissolved: their requests get ``prefix_len`` 0.
+
+    Cost: O(bs log bs) in a fixed number of numpy calls (no Python loop over requests).
+    """
+    if min_group_size < 1 or min_prefix_len < 1:
+        raise ValueError(
+            f"min_group_size={min_group_size} and min_prefix_len={min_prefix_len} must be >= 1"
+        )
+    bs = desc.batch_size
+    hot_len = np.minimum(desc.hot_len, desc.seq_lens)
+    cand = np.flatnonzero(hot_len >= min_prefix_len)
+    if cand.shape[0] < min_group_size:
+        return Grouping.empty(bs)
+
+    # Sort candidates by start (stable: batch order inside a group), then cut into runs of equal
+    # start:   starts (sorted) 100 100 100 900 900  ->  seg_begin [0, 3], seg_size [3, 2]
+    order = cand[np.argsort(desc.hot_start[cand], kind="stable")]
+    starts = desc.hot_start[order]
+    cuts = np.flatnonzero(starts[1:] != starts[:-1])
+    bounds = np.empty(cuts.shape[0] + 2, dtype=np.int64)
+    bounds[0], bounds[-1] = 0, order.shape[0]
+    bounds[1:-1] = cuts + 1
+    seg_begin = bounds[:-1]
+    seg_size = bounds[1:] - seg_begin
+
+    keep = seg_size >= min_group_size
+    if not keep.any():
+        return Grouping.empty(bs)
+    group_len = np.minimum.reduceat(hot_len[order], seg_begin)[keep]
+    group_size = seg_size[keep]
+    group_req_idx = order[np.repeat(keep, seg_size)]
+    indptr = np.zeros(group_size.shape[0] + 1, dtype=np.int64)
+    np.cumsum(group_size, out=indptr[1:])
+
+    prefix_len = np.zeros(bs, dtype=np.int64)
+    prefix_len[group_req_idx] = np.repeat(group_len, group_size)
+    return Grouping(
+        group_start=starts[seg_begin[keep]],
+        group_len=group_len,
+        group_req_indptr=indptr,
+        group_req_idx=group_req_idx,
+        prefix_len=prefix_len,
+    )
+
+
+def verify_same_slots(grouping: Grouping, desc: BatchDescription, req_to_token) -> bool:
+    """True iff every grouped request's ``req_to_token`` row starts with its group's slots.
+
+    For each group g and each member i, checks
+    ``req_to_token[req_pool_indices[i], :group_len[g]] == arange(group_start[g], group_start[g]
+    + group_len[g])`` in one vectorised torch comparison on ``req_to_token``'s device (a
+    ``[nnz, max group_len]`` temporary; synchronises with the device: debug mode and tests only).
+
+    ``req_to_token``: int32/int64 tensor ``[rows, max_context_len]`` (SGLang's
+    ``ReqToTokenPool.req_to_token``). A group longer than a row is reported as False.
+    """
+    import torch
+
+    if grouping.num_grouped == 0:
+        return True
+    max_len = int(grouping.group_len.max())
+    if max_len > req_to_token.shape[1]:
+        return False
+    dev = req_to_token.device
+    sizes = grouping.group_size
+    rows = torch.from_numpy(desc.req_pool_indices[grouping.group_req_idx]).to(dev)
+    start = torch.from_numpy(np.repeat(grouping.group_start, sizes)).to(dev)
+    length = torch.from_numpy(np.repeat(grouping.group_len, sizes)).to(dev)
+    pos = torch.arange(max_len, device=dev)
+    got = req_to_token[rows, :max_len].to(torch.int64)
+    want = start[:, None] + pos[None, :]
+    return bool(((got == want) | (pos[None, :] >= length[:, None])).all())

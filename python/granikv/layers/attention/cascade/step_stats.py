@@ -1,0 +1,36 @@
+"""Per-step counters of the attention dispatcher (what ran, and why)."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    """Counts decode steps per chosen path, grouped requests and steps the planner skipped."""
+
+    paths: Counter = field(default_factory=Counter)
+    steps: int = 0
+    grouped_requests: int = 0
+    requests: int = 0
+    groups: int = 0
+    unplanned: int = 0  # decode steps with no staged batch (fell back to paged)
+    last_reason: str = ""
+
+    def record(self, decision, grouping) -> None:
+        self.steps += 1
+        self.paths[decision.path.value] += 1
+        self.requests += grouping.batch_size
+        if decision.path.value != "paged":
+            self.grouped_requests += grouping.num_grouped
+            self.groups += grouping.num_groups
+        self.last_reason = decision.reason
+
+    def snapshot(self) -> dict:
+        return {
+            "decode_steps": self.steps,
+            "steps_per_path": dict(self.paths),
+            "hot_hit_rate": self.grouped_requests / self.requests if self.requests else 0.0,
+            "groups_per_step": self.groups / self.steps if self.steps else 0.0,
+            "unplanned_steps": self.unplanned,
+            "last_reason": self.last_reason,
+        }

@@ -1,0 +1,48 @@
+"""GraniKVMetrics: counters and gauges of the storage layer (plain data, no behaviour)."""
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass
+class GraniKVMetrics:
+    # gauges (refreshed by GraniKVRadixCache.refresh_gauges)
+    hot_extents: int = 0
+    hot_used_tokens: int = 0
+    hot_capacity: int = 0
+    cold_used_tokens: int = 0
+    cold_capacity: int = 0
+    # counters
+    promotions: int = 0
+    promotions_skipped: int = 0
+    skip_reasons: Counter = field(default_factory=Counter)
+    promoted_tokens: int = 0
+    hot_evictions: int = 0
+    hot_evicted_tokens: int = 0
+    hot_splits: int = 0
+    compactions: int = 0
+    compaction_moves: int = 0
+    rows_rewritten: int = 0
+    bytes_copied: int = 0
+
+    def skip(self, reason: str) -> None:
+        self.promotions_skipped += 1
+        self.skip_reasons[reason] += 1
+
+    def snapshot(self) -> Dict[str, object]:
+        snap = dataclasses.asdict(self)
+        snap["skip_reasons"] = dict(self.skip_reasons)
+        return snap
+
+    def format(self) -> str:
+        hot_pct = 100.0 * self.hot_used_tokens / max(self.hot_capacity, 1)
+        cold_pct = 100.0 * self.cold_used_tokens / max(self.cold_capacity, 1)
+        return (
+            f"GraniKV: hot {self.hot_used_tokens}/{self.hot_capacity} ({hot_pct:.1f}%) "
+            f"in {self.hot_extents} extents, cold {self.cold_used_tokens}/{self.cold_capacity} "
+            f"({cold_pct:.1f}%), promotions {self.promotions} (skipped {self.promotions_skipped}), "
+            f"hot evictions {self.hot_evictions}, splits {self.hot_splits}, "
+            f"compactions {self.compactions}, copied {self.bytes_copied / 2**20:.1f} MiB"
+        )

@@ -1,0 +1,221 @@
+"""GraniKV's SGLang entry point: every hook into SGLang lives in this module, nothing else does.
+
+SGLang calls :func:`register` in every process (launcher, Engine, each scheduler) through the
+``sglang.srt.plugins`` entry point. Hooks are pass-through unless ``--enable-granikv`` is set
+(``server_args._granikv.enable``), so an installed-but-disabled GraniKV changes nothing: same
+allocator class, same radix cache, same attention backend.
+
+Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
+
+    ServerArgs.add_cli_args                        AFTER   add --enable-granikv, --granikv-*
+    ServerArgs.from_cli_args                       AROUND  flags -> GraniKVConfig on server_args._granikv
+    Engine.__init__                                AROUND  same for Engine(enable_granikv=True, granikv_*=...)
+    KVCacheConfigurator._build_token_to_kv_pool_allocator
+                                                   AFTER   stock allocator -> GraniKVAllocator (HOT + COLD)
+    KVCacheConfigurator.configure                  AFTER   scheduler token budget = COLD capacity
+    register_radix_cache_backend("granikv")        registry GraniKVRadixCache
+    _build_full_attention_backend_from_str         AROUND  wrap the stock backend in GraniKVAttnBackend
+    Scheduler.run_batch                            BEFORE  promotions, per-request HOT table, plan staging
+    Scheduler.get_internal_state                   AFTER   GraniKV counters in server info
+"""
+
+import logging
+from typing import Any, Optional
+
+from granikv.config import GraniKVConfig, is_granikv_key
+
+logger = logging.getLogger("granikv")
+
+CACHE_BACKEND_NAME = "granikv"
+_SA = "sglang.srt.server_args.ServerArgs"
+_TARGETS = {
+    "add_cli_args": f"{_SA}.add_cli_args",
+    "from_cli_args": f"{_SA}.from_cli_args",
+    "engine_init": "sglang.srt.entrypoints.engine.Engine.__init__",
+    "allocator": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+    "._build_token_to_kv_pool_allocator",
+    "configure": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+    "attn_backend": "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
+    "._build_full_attention_backend_from_str",
+    "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
+    "internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+}
+
+
+def register() -> None:
+    """Entry point (group ``sglang.srt.plugins``): registers hooks, does nothing else."""
+    from sglang.srt.mem_cache.registry import _RADIX_CACHE_REGISTRY, register_radix_cache_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = [
+        ("add_cli_args", _after_add_cli_args, HookType.AFTER),
+        ("from_cli_args", _around_from_cli_args, HookType.AROUND),
+        ("engine_init", _around_engine_init, HookType.AROUND),
+        ("allocator", _after_build_allocator, HookType.AFTER),
+        ("configure", _after_configure, HookType.AFTER),
+        ("attn_backend", _around_build_attn_backend, HookType.AROUND),
+        ("run_batch", _before_run_batch, HookType.BEFORE),
+        ("internal_state", _after_get_internal_state, HookType.AFTER),
+    ]
+    for key, fn, kind in hooks:
+        HookRegistry.register(_TARGETS[key], fn, kind)
+    if CACHE_BACKEND_NAME not in _RADIX_CACHE_REGISTRY:
+        register_radix_cache_backend(CACHE_BACKEND_NAME, _make_radix_cache)
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+def config_of(server_args: Any) -> Optional[GraniKVConfig]:
+    """The GraniKV config carried by ``server_args`` if GraniKV is enabled, else None."""
+    cfg = getattr(server_args, "_granikv", None)
+    return cfg if cfg is not None and cfg.enable else None
+
+
+def _apply_to_server_kwargs(cfg: GraniKVConfig, kwargs: dict, get, set_) -> None:
+    """Settings GraniKV needs from SGLang itself (before ServerArgs is built and sealed)."""
+    if not cfg.enable:
+        return
+    backend = get("radix_cache_backend")
+    if backend not in (None, CACHE_BACKEND_NAME):
+        raise ValueError(
+            f"--enable-granikv needs --radix-cache-backend={CACHE_BACKEND_NAME} (or unset), "
+            f"got {backend!r}"
+        )
+    set_("radix_cache_backend", CACHE_BACKEND_NAME)
+    page_size = get("page_size")
+    if page_size not in (None, 1):
+        logger.warning(
+            "GraniKV: --page-size=%s overridden to 1 (the COLD pool is token-granular)", page_size
+        )
+    set_("page_size", 1)
+    if get("disable_radix_cache"):
+        raise ValueError("--enable-granikv needs the radix cache; drop --disable-radix-cache")
+
+
+def _after_add_cli_args(result, parser):
+    from granikv.config import add_cli_args
+
+    add_cli_args(parser)
+
+
+def _around_from_cli_args(orig, cls, args):
+    cfg = GraniKVConfig.from_mapping(vars(args))
+    _apply_to_server_kwargs(cfg, vars(args), lambda k: getattr(args, k, None),
+                            lambda k, v: setattr(args, k, v))
+    server_args = orig(cls, args)
+    server_args._granikv = cfg
+    if cfg.enable:
+        logger.info("GraniKV enabled: %s", cfg)
+    return server_args
+
+
+def _around_engine_init(orig, self, **kwargs):
+    if "server_args" in kwargs:
+        sa = kwargs["server_args"]
+        if getattr(sa, "_granikv", None) is None:
+            sa._granikv = GraniKVConfig()
+        return orig(self, **kwargs)
+    values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
+    cfg = GraniKVConfig.from_mapping(values)
+    _apply_to_server_kwargs(cfg, kwargs, kwargs.get, kwargs.__setitem__)
+    kwargs.setdefault("log_level", "error")  # Engine's own default
+    server_args = self.server_args_class(**kwargs)
+    server_args._granikv = cfg
+    return orig(self, server_args=server_args)
+
+
+# ---- storage -------------------------------------------------------------------------------
+
+
+def _after_build_allocator(result, configurator, **kw):
+    cfg = config_of(configurator.server_args)
+    if cfg is None or configurator.is_draft_worker or kw.get("token_to_kv_pool_allocator"):
+        return None
+    from granikv.mem_cache.allocator import GraniKVAllocator
+    from granikv.mem_cache.hot_prefix_table import HotPrefixTable
+
+    if type(result).__name__ != "TokenToKVPoolAllocator":
+        raise ValueError(
+            f"--enable-granikv supports SGLang's page-size-1 TokenToKVPoolAllocator, but this "
+            f"configuration builds {type(result).__name__} (hybrid/SWA/MLA/NPU pools are not "
+            "supported)"
+        )
+    allocator = GraniKVAllocator.from_stock(result, hot_fraction=cfg.hot_fraction,
+                                            debug_checks=cfg.debug_integrity)
+    # The per-request HOT table lives beside the allocator: the cache (scheduler) writes it,
+    # the attention backend (model runner) reads it; both reach the allocator.
+    req_to_token_pool = kw["req_to_token_pool"]
+    allocator.hot_prefix_table = HotPrefixTable(req_to_token_pool.req_to_token.shape[0],
+                                                result.device)
+    logger.info("GraniKV allocator: %d COLD slots, %d HOT slots from %d", allocator.cold_capacity,
+                allocator.hot_capacity, allocator.hot_base)
+    return allocator
+
+
+def _after_configure(result, configurator, **kw):
+    """SGLang budgets (and leak-checks) ``max_total_num_tokens`` against the allocator's
+    ``available_size()`` + the cache's evictable/protected sizes, all COLD-only under GraniKV:
+    the HOT region is a reserved, separately accounted part of the same KV buffers."""
+    allocator = result.token_to_kv_pool_allocator
+    cold = getattr(allocator, "cold_capacity", None)
+    if cold is None or config_of(configurator.server_args) is None:
+        return None
+    import msgspec
+
+    logger.info("GraniKV: scheduler token budget %d COLD of %d KV slots (%d HOT)",
+                cold, result.max_total_num_tokens, allocator.hot_capacity)
+    return msgspec.structs.replace(result, max_total_num_tokens=cold)
+
+
+def _make_radix_cache(ctx):
+    from granikv.mem_cache.radix_cache import GraniKVRadixCache
+
+    cfg = config_of(ctx.server_args)
+    if cfg is None:
+        raise ValueError(
+            f"--radix-cache-backend={CACHE_BACKEND_NAME} is set without --enable-granikv"
+        )
+    allocator = ctx.params.token_to_kv_pool_allocator
+    return GraniKVRadixCache(
+        ctx.params,
+        cfg=cfg,
+        kv_pool=allocator.get_kvcache(),
+        hot_prefix_table=allocator.hot_prefix_table,
+    )
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+
+def _around_build_attn_backend(orig, *, model_runner, backend_str, init_new_workspace):
+    inner = orig(model_runner=model_runner, backend_str=backend_str,
+                 init_new_workspace=init_new_workspace)
+    cfg = config_of(model_runner.server_args)
+    if cfg is None or getattr(model_runner, "is_draft_worker", False):
+        return inner
+    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+
+    return GraniKVAttnBackend.wrap(inner, model_runner=model_runner, cfg=cfg,
+                                   backend_name=backend_str)
+
+
+# ---- scheduler step ------------------------------------------------------------------------
+
+
+def _before_run_batch(scheduler, batch, *args, **kwargs):
+    cfg = config_of(scheduler.server_args)
+    if cfg is None:
+        return None
+    from granikv.scheduler_step import on_run_batch
+
+    on_run_batch(scheduler, batch, cfg)
+    return None
+
+
+def _after_get_internal_state(result, scheduler, *args, **kwargs):
+    if isinstance(result, dict) and config_of(scheduler.server_args) is not None:
+        from granikv.scheduler_step import metrics_snapshot
+
+        result["granikv"] = metrics_snapshot(scheduler)
+    return None

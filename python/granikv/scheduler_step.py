@@ -1,0 +1,80 @@
+"""What GraniKV does once per scheduler step, just before SGLang runs a batch.
+
+Called by the ``Scheduler.run_batch`` hook (plugin.py). At that point the batch is formed and
+its KV slots are allocated (``alloc_for_extend`` / ``alloc_for_decode`` ran), and its forward has
+not been launched, which makes it the safe point to:
+
+1. run queued promotions (copy a shared prefix into a HOT extent, rewrite the rows of the
+   requests that hold it). Under the overlap scheduler the previous batch's forward may still
+   be running on the forward stream and reading ``req_to_token``; the schedule stream waits for
+   it first (a device-side wait, no host sync), and the next forward waits for the schedule
+   stream as SGLang already arranges;
+2. record the HOT run of every request of an extend batch in the HotPrefixTable;
+3. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan;
+4. optionally check integrity, and log metrics at the configured cadence.
+"""
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("granikv")
+
+
+def on_run_batch(scheduler, batch, cfg) -> None:
+    cache = scheduler.tree_cache
+    if not hasattr(cache, "apply_pending_promotions"):
+        return
+    if cache.has_pending_promotions():
+        _wait_for_forward_stream(scheduler)
+        cache.apply_pending_promotions()
+    mode = batch.forward_mode
+    if mode.is_extend():
+        for req in batch.reqs:
+            cache.update_request_hot_prefix(req)
+    backend = _granikv_backend(scheduler)
+    if backend is not None:
+        rows = np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64,
+                           count=len(batch.reqs))
+        backend.stage_batch(rows if mode.is_decode() else None)
+    if cfg.debug_integrity:
+        cache.check_integrity()
+        scheduler.token_to_kv_pool_allocator.check_integrity()
+    if cfg.log_interval and mode.is_decode():
+        _maybe_log(scheduler, cache, backend, cfg.log_interval)
+
+
+def _wait_for_forward_stream(scheduler) -> None:
+    fwd = getattr(scheduler, "forward_stream", None)
+    if getattr(scheduler, "enable_overlap", False) and fwd is not None and torch.cuda.is_available():
+        torch.cuda.current_stream().wait_stream(fwd)
+
+
+def _granikv_backend(scheduler):
+    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+
+    try:
+        backend = scheduler.tp_worker.model_runner.attn_backend
+    except AttributeError:
+        return None
+    return backend if isinstance(backend, GraniKVAttnBackend) else None
+
+
+def _maybe_log(scheduler, cache, backend, interval: int) -> None:
+    n = getattr(scheduler, "_granikv_decode_steps", 0) + 1
+    scheduler._granikv_decode_steps = n
+    if n % interval:
+        return
+    attn = backend.stats.snapshot() if backend is not None else {}
+    logger.info("GraniKV: %s | attention %s", cache.metrics.format(), attn)
+
+
+def metrics_snapshot(scheduler) -> dict:
+    """Storage and attention counters, for server info / the metrics endpoint."""
+    cache = scheduler.tree_cache
+    out = dict(cache.metrics.snapshot()) if hasattr(cache, "metrics") else {}
+    backend = _granikv_backend(scheduler)
+    if backend is not None:
+        out["attention"] = backend.stats.snapshot()
+    return out

@@ -1,0 +1,147 @@
+"""Cost model: JSON loading and validation, workload accounting, estimate sanity (CPU)."""
+
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+
+from granikv.layers.attention.cascade import cost_model as cm_mod
+from granikv.layers.attention.cascade.cost_model import (
+    CostModel,
+    HeadGeometry,
+    Workload,
+    gpu_slug,
+)
+
+LLAMA = HeadGeometry(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2)
+
+
+def default_model() -> CostModel:
+    return CostModel.load(None, None)
+
+
+def write(tmp_path, values, name="cm.json"):
+    path = tmp_path / name
+    path.write_text(values if isinstance(values, str) else json.dumps(values))
+    return str(path)
+
+
+def valid_mapping():
+    return default_model().to_mapping("Test GPU")
+
+
+def test_default_file_loads_and_is_checked_in():
+    model = default_model()
+    assert all(v > 0 for v in dataclasses.asdict(model).values())
+    assert os.path.exists(cm_mod.default_path(None))
+    # An unknown GPU falls back to the default file.
+    assert CostModel.load(None, "Imaginary GPU 9000") == model
+    assert cm_mod.default_path("Imaginary GPU 9000") == cm_mod.default_path(None)
+
+
+def test_gpu_slug():
+    assert gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert cm_mod.calibrated_path("NVIDIA H200").endswith("data/cost_model_nvidia-h200.json")
+
+
+def test_round_trip_and_explicit_path(tmp_path):
+    values = valid_mapping()
+    values["coefficients"]["plan_us"] = 12.5
+    values["calibration"] = {"anything": [1, 2]}
+    model = CostModel.load(write(tmp_path, values), "ignored when a path is given")
+    assert model.plan_us == 12.5
+    assert CostModel.from_mapping(model.to_mapping("x")) == model
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda v: v["coefficients"].pop("prefix_gbps"), "coefficients.prefix_gbps"),
+        (lambda v: v["coefficients"].update(prefix_gpbs=1.0), "coefficients.prefix_gpbs"),
+        (lambda v: v["coefficients"].update(launch_us=-3), "coefficients.launch_us"),
+        (lambda v: v["coefficients"].update(launch_us=0), "coefficients.launch_us"),
+        (lambda v: v["coefficients"].update(suffix_gbps="fast"), "coefficients.suffix_gbps"),
+        (lambda v: v["coefficients"].update(suffix_gbps=True), "coefficients.suffix_gbps"),
+        (lambda v: v["coefficients"].update(bgemm_tflops=None), "coefficients.bgemm_tflops"),
+        (lambda v: v.update(format=2), "'format'"),
+        (lambda v: v.pop("coefficients"), "'coefficients'"),
+    ],
+)
+def test_invalid_fields_name_the_file_and_the_field(tmp_path, mutate, field):
+    values = valid_mapping()
+    mutate(values)
+    path = write(tmp_path, values)
+    with pytest.raises(ValueError) as e:
+        CostModel.load(path, None)
+    assert path in str(e.value) and field in str(e.value)
+
+
+def test_non_finite_values_are_rejected(tmp_path):
+    text = json.dumps(valid_mapping()).replace('"plan_us": 60.0', '"plan_us": NaN')
+    assert "NaN" in text
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match="coefficients.plan_us.*positive finite"):
+        CostModel.load(path, None)
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="nope.json: cannot read"):
+        CostModel.load(missing, None)
+    bad = write(tmp_path, "{not json", "bad.json")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        CostModel.load(bad, None)
+    arr = write(tmp_path, "[1, 2]", "arr.json")
+    with pytest.raises(ValueError, match="arr.json: expected a JSON object"):
+        CostModel.load(arr, None)
+
+
+def test_workload_accounting_by_hand():
+    # 3 requests: two share a 100-token prefix, seq_lens 130 / 120 / 50 (third ungrouped).
+    w = Workload.from_sums(
+        LLAMA, batch_size=3, seq_tokens=300, prefix_tokens=100,
+        stacked_prefix_tokens=200, num_grouped=2, num_groups=1,
+    )  # fmt: skip
+    bpt = 2 * 8 * 128 * 2
+    assert w.seq_bytes == 300 * bpt
+    assert w.prefix_bytes == 100 * bpt
+    assert w.reread_bytes == 100 * bpt  # the second member re-reads the prefix
+    assert w.suffix_bytes == 100 * bpt  # 30 + 20 + 50
+    assert w.prefix_flops == 200 * 4 * 32 * 128
+    assert w.state_bytes == (2 + 3) * 2 * 4 * 32 * 129 + 3 * 32 * 128 * 2
+    assert w.num_groups == 1
+
+
+def one_group(n, prefix, suffix=256):
+    return Workload.from_sums(
+        LLAMA, batch_size=n, seq_tokens=n * (prefix + suffix), prefix_tokens=prefix,
+        stacked_prefix_tokens=n * prefix, num_grouped=n, num_groups=1,
+    )  # fmt: skip
+
+
+def test_estimates_grow_with_work_and_layers():
+    model = default_model()
+    for fn in (model.paged_time, model.cascade_time, model.fused_time, model.bgemm_time):
+        assert fn(one_group(64, 16384)) > fn(one_group(32, 16384)) > 0
+        assert fn(one_group(64, 16384)) > fn(one_group(64, 4096))
+        one, many = fn(one_group(8, 4096)), fn(one_group(8, 4096), num_layers=32)
+        assert many > one and math.isfinite(many)
+    # Planning is charged once per step, the kernels once per layer.
+    w = one_group(8, 4096)
+    assert model.cascade_time(w, num_layers=2) - 2 * model.cascade_time(w) == pytest.approx(
+        -model.plan_us
+    )
+    assert model.paged_time(w, num_layers=2) == pytest.approx(2 * model.paged_time(w))
+
+
+def test_default_model_matches_the_design_anchors():
+    """The conservative default reproduces the measured orderings of DESIGN.md (one H200):
+    at 16K x 64 a cascade is several times faster than paged; at 4K x 8 paged wins."""
+    model = default_model()
+    big = one_group(64, 16384)
+    assert model.paged_time(big) > 1.5 * model.cascade_time(big)
+    small = one_group(8, 4096)
+    assert model.paged_time(small, num_layers=32) < model.cascade_time(small, num_layers=32)

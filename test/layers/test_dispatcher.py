@@ -1,0 +1,142 @@
+"""Per-step path choice on synthetic batches (CPU): monotonic sanity, forced paths, eligibility."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from granikv.layers.attention.cascade.cost_model import CostModel
+from granikv.layers.attention.cascade.dispatcher import Decision, Dispatcher, Path, PathTimes
+from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+
+HOT = 1_000_000
+
+
+def batch(groups, *, suffix=256, ungrouped=0, ungrouped_len=4096):
+    """groups: list of (prefix_len, n_requests), each at its own HOT start."""
+    starts, lens = [], []
+    for k, (plen, n) in enumerate(groups):
+        starts += [HOT + k * 100_000] * n
+        lens += [plen] * n
+    starts += [0] * ungrouped
+    lens += [0] * ungrouped
+    hot_len = np.asarray(lens, dtype=np.int64)
+    seq = np.where(hot_len > 0, hot_len + suffix, ungrouped_len)
+    bs = len(lens)
+    desc = BatchDescription(
+        req_pool_indices=np.arange(1, bs + 1, dtype=np.int64),
+        seq_lens=seq.astype(np.int64),
+        hot_start=np.asarray(starts, dtype=np.int64),
+        hot_len=hot_len,
+    )
+    return group_requests(desc, min_group_size=2), desc
+
+
+def make(forced="auto", model=None, num_layers=32):
+    return Dispatcher(
+        model or CostModel.load(None, None),
+        num_q_heads=32, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2,
+        forced_path=forced, num_layers=num_layers,
+    )  # fmt: skip
+
+
+def test_many_requests_on_a_long_prefix_leave_paged():
+    d = make().choose(*batch([(16384, 64)]))
+    assert isinstance(d, Decision)
+    assert d.path in (Path.CASCADE, Path.FUSED)
+    assert d.times.of(d.path) < d.times.paged
+    assert d.path.value in d.reason and "paged" in d.reason
+
+
+def test_one_request_is_paged():
+    d = make().choose(*batch([(16384, 1)]))
+    assert d.path is Path.PAGED and d.reason == "no group"
+    assert math.isinf(d.times.cascade) and math.isfinite(d.times.paged)
+
+
+def test_short_prefixes_are_paged():
+    for n in (2, 8, 64, 256):
+        d = make().choose(*batch([(64, n)]))
+        assert d.path is Path.PAGED, (n, d)
+
+
+def test_the_design_small_case_is_paged():
+    """4K prefix, 8 requests: every cascade measured slower than paged (DESIGN.md)."""
+    assert make().choose(*batch([(4096, 8)])).path is Path.PAGED
+
+
+@pytest.mark.parametrize("prefix", [1024, 4096, 16384, 32768])
+def test_monotonic_in_fan_out(prefix):
+    """Once sharing pays off, adding requests to the group keeps it paying off."""
+    dispatcher = make()
+    left_paged = False
+    for n in (2, 3, 5, 8, 17, 32, 37, 64, 128, 256):
+        path = dispatcher.choose(*batch([(prefix, n)])).path
+        if left_paged:
+            assert path is not Path.PAGED, (prefix, n)
+        left_paged |= path is not Path.PAGED
+
+
+def test_monotonic_in_prefix_length():
+    dispatcher = make()
+    left_paged = False
+    for prefix in (64, 256, 1024, 2048, 4096, 8192, 16384, 32768):
+        path = dispatcher.choose(*batch([(prefix, 32)])).path
+        if left_paged:
+            assert path is not Path.PAGED, prefix
+        left_paged |= path is not Path.PAGED
+
+
+def test_forest_with_ungrouped_requests():
+    grouping, desc = batch([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], ungrouped=5)
+    assert grouping.num_groups == 4
+    d = make().choose(grouping, desc)
+    assert d.path is not Path.PAGED
+    assert all(math.isfinite(t) for t in d.times[:3])
+
+
+def test_bgemm_only_when_eager():
+    cheap_bgemm = dataclasses.replace(
+        CostModel.load(None, None), bgemm_tflops=1e6, bgemm_group_us=1e-3
+    )
+    dispatcher = make(model=cheap_bgemm)
+    args = batch([(16384, 128)])
+    graph = dispatcher.choose(*args)  # default: graph_safe_only=True
+    assert graph.path is not Path.BGEMM and math.isinf(graph.times.bgemm)
+    eager = dispatcher.choose(*args, graph_safe_only=False)
+    assert eager.path is Path.BGEMM and math.isfinite(eager.times.bgemm)
+
+
+@pytest.mark.parametrize("forced", ["paged", "cascade", "fused", "bgemm"])
+def test_forced_paths(forced):
+    dispatcher = make(forced)
+    short = batch([(64, 2)])  # auto would pick paged
+    d = dispatcher.choose(*short, graph_safe_only=False)
+    assert d.path is Path(forced) and forced in d.reason
+    # No group: always paged.
+    assert dispatcher.choose(*batch([], ungrouped=3), graph_safe_only=False).path is Path.PAGED
+    assert dispatcher.choose(*batch([(16384, 1)]), graph_safe_only=False).path is Path.PAGED
+
+
+def test_forced_bgemm_under_cuda_graph_falls_back_to_paged():
+    d = make("bgemm").choose(*batch([(16384, 64)]), graph_safe_only=True)
+    assert d.path is Path.PAGED and "eager" in d.reason
+
+
+def test_paged_wins_ties(monkeypatch):
+    dispatcher = make()
+    tie = PathTimes(paged=5.0, cascade=5.0, fused=5.0, bgemm=math.inf)
+    monkeypatch.setattr(dispatcher, "estimate", lambda *a, **k: tie)
+    d = dispatcher.choose(*batch([(4096, 8)]))
+    assert d.path is Path.PAGED and d.times == tie
+
+
+def test_invalid_configuration():
+    with pytest.raises(ValueError, match="forced_path='fast'"):
+        make("fast")
+    with pytest.raises(ValueError, match="num_q_heads=30 is not a multiple of num_kv_heads=8"):
+        Dispatcher(CostModel.load(None, None), num_q_heads=30, num_kv_heads=8, head_dim=128,
+                   kv_dtype_bytes=2)  # fmt: skip
+    with pytest.raises(ValueError, match="num_layers=0"):
+        make(num_layers=0)

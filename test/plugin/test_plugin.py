@@ -1,0 +1,133 @@
+"""The plugin as SGLang sees it: entry point discovery, flag parsing, disabled == stock SGLang."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+
+from granikv import plugin
+from granikv.config import GraniKVConfig
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+# Runs in a fresh interpreter, as `python -m sglang.launch_server` would: load_plugins() first,
+# then prepare_server_args(argv). Prints one JSON line per argv.
+PROBE = textwrap.dedent(
+    """
+    import json, pickle, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    for argv in json.loads(sys.argv[1]):
+        try:
+            sa = pickle.loads(pickle.dumps(prepare_server_args(argv)))  # as sent to schedulers
+            cfg = sa._granikv
+            out = {"ok": True, "cfg": cfg.to_mapping(), "radix": sa.radix_cache_backend,
+                   "page_size": sa.page_size}
+        except SystemExit as e:
+            out = {"ok": False, "exit": e.code}
+        except Exception as e:
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print("PROBE " + json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d)
+
+
+def _probe(argvs):
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True,
+                          text=True, timeout=300)
+    rows = [json.loads(l[6:]) for l in proc.stdout.splitlines() if l.startswith("PROBE ")]
+    assert len(rows) == len(argvs), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return rows, proc.stderr
+
+
+def test_entry_point_is_registered():
+    eps = entry_points(group="sglang.srt.plugins")
+    assert any(ep.name == "granikv" and ep.value == "granikv.plugin:register" for ep in eps)
+
+
+def test_flags_parse_in_a_fresh_process(model_dir):
+    base = ["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
+    rows, stderr = _probe([
+        base + ["--enable-granikv", "--granikv-hot-min-tokens", "4096",
+                "--granikv-attention-path", "cascade", "--page-size", "16"],
+        base,
+        base + ["--enable-granikv", "--granikv-hot-fraction", "1.5"],
+        base + ["--granikv-attention-path", "magic"],
+    ])
+    on, off, bad_range, bad_choice = rows
+    assert on["ok"] and on["cfg"]["enable_granikv"] is True
+    assert on["cfg"]["granikv_hot_min_tokens"] == 4096
+    assert on["cfg"]["granikv_attention_path"] == "cascade"
+    assert on["radix"] == "granikv" and on["page_size"] == 1
+    assert "--page-size=16 overridden to 1" in stderr
+    # Installed but not enabled: SGLang's own settings are untouched.
+    assert off["ok"] and off["cfg"]["enable_granikv"] is False
+    assert off["radix"] is None
+    assert not bad_range["ok"]
+    assert "--granikv-hot-fraction=1.5" in bad_range["error"] and "[0.0, 0.9]" in bad_range["error"]
+    assert not bad_choice["ok"] and bad_choice["exit"] == 2  # argparse rejects the choice
+
+
+class _FakeConfigurator:
+    def __init__(self, enable):
+        self.server_args = type("SA", (), {"_granikv": GraniKVConfig(enable=enable)})()
+        self.is_draft_worker = False
+
+
+def test_disabled_hooks_keep_stock_objects():
+    """With the plugin installed but not enabled, every hook hands back SGLang's own object."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    stock = object.__new__(TokenToKVPoolAllocator)
+    assert plugin._after_build_allocator(stock, _FakeConfigurator(False), sizes=None,
+                                         token_to_kv_pool=None, is_dsv4_model=False,
+                                         req_to_token_pool=None,
+                                         token_to_kv_pool_allocator=None) is None
+    inner = object()
+    runner = type("MR", (), {"server_args": _FakeConfigurator(False).server_args})()
+    got = plugin._around_build_attn_backend(lambda **kw: inner, model_runner=runner,
+                                            backend_str="triton", init_new_workspace=False)
+    assert got is inner
+    sched = type("S", (), {"server_args": runner.server_args})()
+    assert plugin._before_run_batch(sched, batch=None) is None
+
+
+def test_engine_kwargs_become_config():
+    """Engine(enable_granikv=True, granikv_*=...) builds ServerArgs with the config attached."""
+    seen = {}
+
+    class FakeEngine:
+        @staticmethod
+        def server_args_class(**kw):
+            seen.update(kw)
+            return type("SA", (), {})()
+
+    def orig(self, **kw):
+        seen["server_args"] = kw["server_args"]
+
+    plugin._around_engine_init(orig, FakeEngine(), model_path="m", enable_granikv=True,
+                               granikv_hot_min_tokens=2048, page_size=4)
+    assert seen["radix_cache_backend"] == "granikv" and seen["page_size"] == 1
+    assert "enable_granikv" not in seen and "granikv_hot_min_tokens" not in seen
+    assert seen["server_args"]._granikv.hot_min_tokens == 2048
+    with pytest.raises(ValueError, match="--granikv-hot-min-tokens=0"):
+        plugin._around_engine_init(orig, FakeEngine(), model_path="m", enable_granikv=True,
+                                   granikv_hot_min_tokens=0)

@@ -1,0 +1,49 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from granikv.config import GraniKVConfig, add_cli_args, cli_flag
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return GraniKVConfig.from_mapping(vars(parser.parse_args(argv)))
+
+
+def test_every_field_has_a_flag():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    flags = {opt for a in parser._actions for opt in a.option_strings}
+    for f in dataclasses.fields(GraniKVConfig):
+        assert cli_flag(f.name) in flags
+    assert "--enable-granikv" in flags
+
+
+def test_defaults_and_overrides():
+    assert _parse([]) == GraniKVConfig()
+    cfg = _parse(["--enable-granikv", "--granikv-hot-min-tokens", "37",
+                  "--granikv-hot-fraction", "0.25", "--granikv-attention-path", "fused"])
+    assert (cfg.enable, cfg.hot_min_tokens, cfg.hot_fraction, cfg.attention_path) == (
+        True, 37, 0.25, "fused")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"hot_min_tokens": 3}, "--granikv-hot-min-tokens=3 is outside the allowed range [16, "),
+        ({"hot_min_sharers": 0}, "--granikv-hot-min-sharers=0"),
+        ({"hot_fraction": 0.95}, "--granikv-hot-fraction=0.95 is outside the allowed range [0.0, 0.9]"),
+        ({"attention_path": "magic"}, "--granikv-attention-path='magic' is not one of auto"),
+    ],
+)
+def test_invalid_values_name_flag_value_and_range(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        GraniKVConfig(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GraniKVConfig().enable = True
