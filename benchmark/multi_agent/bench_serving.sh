@@ -8,7 +8,7 @@
 #   bash benchmark/multi_agent/bench_serving.sh                       # normal GPU machine
 #   bash .offline-gpu/setup.sh bash benchmark/multi_agent/bench_serving.sh   # offline GPU host
 # Settings (environment): BACKEND=flashinfer|triton  PREFIX=16384  AGENTS=64  SUFFIX=256
-#   OUT_LEN=256  GROUPS=1  MODEL=llama-3.1-8b  TP=1  PORT=30000  CONFIGS="baseline granikv"
+#   OUT_LEN=256  GSP_GROUPS=1  MODEL=llama-3.1-8b  TP=1  PORT=30000  CONFIGS="baseline granikv"
 #   OUT=docs/results/bench_serving (or $OUT if set)  EXTRA_SERVER_ARGS=""  PY=python3
 # Writes, per config: $OUT/bench_serving_<backend>_<config>.jsonl (bench_serving's result line),
 # .log (its console output), server_<backend>_<config>.log; then bench_serving_<backend>.json /
@@ -25,7 +25,7 @@ PREFIX=${PREFIX:-16384}
 AGENTS=${AGENTS:-64}
 SUFFIX=${SUFFIX:-256}
 OUT_LEN=${OUT_LEN:-256}
-GROUPS=${GROUPS:-1}
+GSP_GROUPS=${GSP_GROUPS:-1}
 MODEL=${MODEL:-llama-3.1-8b}
 TP=${TP:-1}
 PORT=${PORT:-30000}
@@ -100,15 +100,15 @@ for cfg in $CONFIGS; do
   rm -f "$OUT/bench_serving_$name.jsonl"
   PYTHONPATH="$client_path" "$PY" -m sglang.bench_serving --backend sglang \
     --host 127.0.0.1 --port "$PORT" --model "$model_dir" --tokenizer "$model_dir" \
-    --dataset-name generated-shared-prefix --gsp-num-groups "$GROUPS" \
+    --dataset-name generated-shared-prefix --gsp-num-groups "$GSP_GROUPS" \
     --gsp-prompts-per-group "$AGENTS" --gsp-system-prompt-len "$PREFIX" \
     --gsp-question-len "$SUFFIX" --gsp-output-len "$OUT_LEN" --gsp-range-ratio 1 \
-    --num-prompts $((GROUPS * AGENTS)) --request-rate inf --seed 1 \
+    --num-prompts $((GSP_GROUPS * AGENTS)) --request-rate inf --seed 1 \
     --output-file "$OUT/bench_serving_$name.jsonl" 2>&1 | tee "$OUT/bench_serving_$name.log"
   stop_server
 done
 
-"$PY" - "$OUT" "$BACKEND" "$PREFIX" "$AGENTS" "$GROUPS" "$*" <<'EOF'
+"$PY" - "$OUT" "$BACKEND" "$PREFIX" "$AGENTS" "$GSP_GROUPS" <<'EOF'
 import json, os, sys
 out, backend, prefix, agents, groups = sys.argv[1:6]
 keys = ["output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",

@@ -263,7 +263,8 @@ def plan(workloads: Sequence[str], agents: Sequence[int], prefix_len: int, *,
     """The full cross product of requested workloads and agent counts, in run order.
 
     Ceiling rows come first so the ratio to the ceiling is available as soon as the first long-
-    prefix row lands. ``heterogeneous`` reports its longest prompt as ``prefix_len``.
+    prefix row lands. ``heterogeneous`` reports its longest prompt as ``prefix_len`` and is
+    skipped for agent counts below 3 per prompt (24 for 8 prompts).
     """
     unknown = [w for w in workloads if w not in WORKLOAD_NAMES]
     if unknown:
@@ -278,8 +279,8 @@ def plan(workloads: Sequence[str], agents: Sequence[int], prefix_len: int, *,
             elif w == "ceiling":
                 specs.append(WorkloadSpec(w, n, CEILING_PREFIX))
             elif w == "heterogeneous":
-                if n < 2 * len(het):
-                    continue  # every prompt needs >= 2 agents to be shared
+                if n < 3 * len(het):
+                    continue  # below 3 per prompt the split cannot be both shared and unequal
                 specs.append(WorkloadSpec(w, n, max(het), {"prefixes": list(het)}))
             elif w == "agent_loop":
                 specs.append(WorkloadSpec(w, n, prefix_len, {"turns": turns}))

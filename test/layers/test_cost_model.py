@@ -145,3 +145,71 @@ def test_default_model_matches_the_design_anchors():
     assert model.paged_time(big) > 1.5 * model.cascade_time(big)
     small = one_group(8, 4096)
     assert model.paged_time(small, num_layers=32) < model.cascade_time(small, num_layers=32)
+
+
+# ---- calibration fit ---------------------------------------------------------------------------
+
+PATHS = ("paged", "cascade", "fused", "bgemm")
+
+
+def sample_workloads():
+    out = []
+    for prefix in (1024, 4096, 16384):
+        for n in (2, 8, 32, 128):
+            for suffix in (64, 1024):
+                out.append(one_group(n, prefix, suffix))
+    for sizes in ((1, 2, 5), (3,) * 16, (8, 16, 24, 16)):
+        lens = [16384 >> k % 4 for k in range(len(sizes))]
+        stacked = sum(n * p for n, p in zip(sizes, lens))
+        bs = sum(sizes) + 5
+        out.append(Workload.from_sums(
+            LLAMA, batch_size=bs, seq_tokens=stacked + bs * 256 + 5 * 2048,
+            prefix_tokens=sum(lens), stacked_prefix_tokens=stacked,
+            num_grouped=sum(sizes), num_groups=len(sizes),
+        ))  # fmt: skip
+    return out
+
+
+def test_features_mirror_the_time_methods():
+    model = default_model()
+    u = model.unknowns()
+    for w in sample_workloads():
+        for path in PATHS:
+            row = CostModel.features(path, w)
+            direct = getattr(model, f"{path}_time")(w)
+            plan = 0.0 if path == "paged" else model.plan_us
+            assert sum(f * x for f, x in zip(row, u)) + plan == pytest.approx(direct, rel=1e-12)
+
+
+def test_fit_recovers_a_known_model():
+    truth = dataclasses.replace(
+        default_model(), paged_gbps=4300.0, paged_reuse_gbps=8100.0, launch_us=3.5,
+        prefix_tflops=180.0, fused_tflops=95.0, bgemm_tflops=410.0, suffix_gbps=3100.0,
+    )  # fmt: skip
+    samples = [
+        (p, w, getattr(truth, f"{p}_time")(w) - (0.0 if p == "paged" else truth.plan_us))
+        for w in sample_workloads()
+        for p in PATHS
+    ]
+    fitted, rel_err = CostModel.fit(samples, plan_us=truth.plan_us, fallback=default_model())
+    assert abs(rel_err).max() < 1e-6
+    for name in CostModel.coefficient_names():
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+
+
+def test_fit_keeps_fallback_for_unmeasured_paths():
+    samples = [("paged", w, default_model().paged_time(w) * 1.1) for w in sample_workloads()]
+    fallback = default_model()
+    fitted, _ = CostModel.fit(samples, plan_us=5.0, fallback=fallback)
+    assert fitted.plan_us == 5.0
+    assert fitted.bgemm_tflops == fallback.bgemm_tflops and fitted.launch_us == fallback.launch_us
+    assert fitted.paged_gbps == pytest.approx(fallback.paged_gbps / 1.1, rel=1e-6)
+
+
+def test_nnls_clamps_negative_solutions():
+    import numpy as np
+
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    x = cm_mod.nnls(a, np.array([2.0, -1.0, 1.0]))
+    assert (x >= 0).all() and x[1] == 0.0
+    assert x[0] == pytest.approx(1.5)

@@ -74,7 +74,7 @@ def default_config(head_dim: int) -> KernelConfig:
 
 
 class WorkList(NamedTuple):
-    """One step's work items (numpy int32, see the module docstring for the layout)."""
+    """One step's work items (numpy int64, see the module docstring for the layout)."""
 
     bs: int
     prefix_chunk: int  # kv tokens per prefix item (last chunk of a group may be shorter)
@@ -198,23 +198,22 @@ def build_work_list(
     s_hi = np.minimum(s_lo + s_chunk, seq_lens[s_req])
     s_row = part_indptr[s_req] + n_pre[s_req] + s_local
 
-    i32 = lambda a: a.astype(np.int32)  # noqa: E731
     return WorkList(
         bs=bs,
         prefix_chunk=int(chunk),
         suffix_chunk=int(s_chunk),
-        pfx_m_lo=i32(m_lo),
-        pfx_m_hi=i32(m_hi),
-        pfx_slot_lo=i32(slot_lo),
-        pfx_n_kv=i32(n_kv),
-        pfx_split=i32(c),
-        group_req_idx=i32(g_idx),
-        sfx_req=i32(s_req),
-        sfx_lo=i32(s_lo),
-        sfx_hi=i32(s_hi),
-        sfx_row=i32(s_row),
-        part_indptr=i32(part_indptr),
-        n_prefix_parts=i32(n_pre),
+        pfx_m_lo=m_lo,
+        pfx_m_hi=m_hi,
+        pfx_slot_lo=slot_lo,
+        pfx_n_kv=n_kv,
+        pfx_split=c,
+        group_req_idx=g_idx,
+        sfx_req=s_req,
+        sfx_lo=s_lo,
+        sfx_hi=s_hi,
+        sfx_row=s_row,
+        part_indptr=part_indptr,
+        n_prefix_parts=n_pre,
     )
 
 

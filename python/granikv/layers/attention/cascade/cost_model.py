@@ -180,6 +180,78 @@ class CostModel:
             + w.prefix_flops / (tflops * 1e6)
         )
 
+    # ---- calibration: the same formulas as a linear model ------------------------------------
+
+    @classmethod
+    def fit_names(cls):
+        """Coefficients a per-layer kernel time depends on (all but ``plan_us``)."""
+        return [n for n in cls.coefficient_names() if n != "plan_us"]
+
+    @classmethod
+    def features(cls, path: str, w: Workload):
+        """Row ``f`` with ``layer time = sum(f * u)``, where ``u`` holds each ``*_us``
+        coefficient as is and each rate as its inverse (``1/gbps``, ``1/tflops``).
+
+        Mirrors ``paged_time`` ... ``bgemm_time`` at ``num_layers=1`` without ``plan_us``
+        (test_cost_model checks they agree); calibrate.py fits ``u`` to measured times.
+        """
+        kb, mf = 1e-3, 1e-6  # bytes / (GB/s) -> us, FLOPs / (TFLOP/s) -> us
+        f = dict.fromkeys(cls.fit_names(), 0.0)
+        if path == "paged":
+            f.update(
+                paged_launch_us=1.0,
+                paged_gbps=(w.seq_bytes - w.reread_bytes) * kb,
+                paged_reuse_gbps=w.reread_bytes * kb,
+            )
+            return [f[n] for n in cls.fit_names()]
+        launches, tflops, state = {
+            "cascade": (3, "prefix_tflops", w.state_bytes),
+            "fused": (1, "fused_tflops", 0.0),
+            "bgemm": (2, "bgemm_tflops", w.state_bytes),
+        }[path]
+        f.update(launch_us=launches, work_item_us=w.num_groups, prefix_gbps=w.prefix_bytes * kb)
+        f.update(suffix_gbps=(w.suffix_bytes + state) * kb)
+        f[tflops] = w.prefix_flops * mf
+        if path == "bgemm":
+            f["bgemm_group_us"] = w.num_groups
+        return [f[n] for n in cls.fit_names()]
+
+    def unknowns(self):
+        """This model's ``u`` (see ``features``)."""
+        return [v if n.endswith("_us") else 1.0 / v for n, v in self._fit_items()]
+
+    def _fit_items(self):
+        return [(n, getattr(self, n)) for n in self.fit_names()]
+
+    @classmethod
+    def fit(cls, samples, *, plan_us: float, fallback: "CostModel"):
+        """Least-squares coefficients from measured ``(path, Workload, layer_us)`` samples.
+
+        Non-negative least squares on relative error (rows weighted by 1/measured). A
+        coefficient the samples do not determine (its column is zero, or the fit puts it at 0 =
+        an infinite rate) keeps ``fallback``'s value; a fitted 0 overhead becomes 1e-3 us.
+        Returns ``(model, relative_errors)`` with one error per sample.
+        """
+        import numpy as np
+
+        names = cls.fit_names()
+        a = np.array([cls.features(p, w) for p, w, _ in samples], dtype=np.float64)
+        t = np.array([m for _, _, m in samples], dtype=np.float64)
+        weighted = a / t[:, None]
+        scale = np.linalg.norm(weighted, axis=0)
+        used = scale > 0
+        u = np.zeros(len(names))
+        u[used] = nnls(weighted[:, used] / scale[used], np.ones(len(t))) / scale[used]
+        values = {}
+        for j, name in enumerate(names):
+            if name.endswith("_us"):
+                values[name] = max(u[j], 1e-3) if used[j] else getattr(fallback, name)
+            else:
+                values[name] = 1.0 / u[j] if used[j] and u[j] > 0 else getattr(fallback, name)
+        model = cls(plan_us=plan_us, **values)
+        pred = a @ np.array(model.unknowns())
+        return model, (pred - t) / t
+
     # ---- persistence -------------------------------------------------------------------------
 
     @classmethod
@@ -261,3 +333,33 @@ def default_path(gpu_name: Optional[str]) -> str:
         if os.path.exists(path):
             return path
     return os.path.normpath(os.path.join(DATA_DIR, DEFAULT_FILE))
+
+
+def nnls(a, b, *, tol: float = 1e-10, max_iter: int = 200):
+    """Non-negative least squares ``argmin |a x - b|, x >= 0`` (Lawson-Hanson active set).
+
+    Small dense problems only (a dozen columns); numpy only, no scipy dependency.
+    """
+    import numpy as np
+
+    n = a.shape[1]
+    x = np.zeros(n)
+    free = np.zeros(n, dtype=bool)  # the "passive" set P: coefficients allowed to move
+    for _ in range(max_iter):
+        grad = a.T @ (b - a @ x)
+        if free.all() or grad[~free].max(initial=-np.inf) <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, grad))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > tol).all():
+                x = z
+                break
+            neg = free & (z <= tol)
+            denom = x[neg] - z[neg]
+            step = np.min(np.where(denom > 0, x[neg] / np.where(denom > 0, denom, 1.0), 0.0))
+            x = x + step * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x

@@ -1,0 +1,213 @@
+"""GraniKVAttnBackend's planning and metadata logic on CPU, against a paged reference.
+
+Real SGLang pools (ReqToTokenPool, MHATokenToKVPool on CPU), the real HotPrefixTable and the
+Triton kernels under the interpreter; the wrapped stock backend is a small paged-attention
+stand-in (SGLang's own backends need CUDA) that honours the seq_lens it was planned with, so a
+test fails if the wrapper leaves any row to it while planning ``seq_len = 1``.
+"""
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from granikv.config import GraniKVConfig
+from granikv.kernels.reference import decode_attention_ref
+from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.mem_cache.hot_prefix_table import HotPrefixTable
+
+HQ, HKV, D = 8, 2, 64
+SLOTS = 400
+HOT_BASE = 300
+DTYPE = torch.float16
+ATOL = RTOL = 2e-3  # fp16 output rounding of a softmax-weighted mean of N(0,1) values
+
+
+class PagedStandIn:
+    """A stock-backend stand-in: writes K/V at out_cache_loc, paged attention over seq_lens."""
+
+    needs_cpu_seq_lens = True
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.seq_lens = None
+
+    def init_forward_metadata(self, fb):
+        self.seq_lens = fb.seq_lens.clone()
+        self.req_pool_indices = fb.req_pool_indices
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        self.init_forward_metadata(fb)
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        pass
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        pool = self.runner.token_to_kv_pool
+        if save_kv_cache:
+            pool.k_buffer[layer.layer_id][fb.out_cache_loc] = k.view(-1, HKV, D)
+            pool.v_buffer[layer.layer_id][fb.out_cache_loc] = v.view(-1, HKV, D)
+        st = decode_attention_ref(q.view(-1, HQ, D), pool.k_buffer[0], pool.v_buffer[0],
+                                  self.runner.req_to_token_pool.req_to_token,
+                                  self.req_pool_indices, self.seq_lens, layer.scaling)
+        return st.o.to(q.dtype).reshape(q.shape[0], HQ * D)
+
+
+def _runner():
+    mc = SimpleNamespace(num_attention_heads=HQ, head_dim=D, num_hidden_layers=1,
+                         get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
+    r = SimpleNamespace(model_config=mc, tp_size=1, device="cpu", kv_cache_dtype=DTYPE,
+                        server_args=SimpleNamespace(speculative_algorithm=None))
+    r.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu",
+                                         enable_memory_saver=False)
+    r.token_to_kv_pool = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV,
+                                          head_dim=D, layer_num=1, device="cpu",
+                                          enable_memory_saver=False)
+    r.token_to_kv_pool_allocator = SimpleNamespace(hot_prefix_table=HotPrefixTable(9, "cpu"))
+    g = torch.Generator().manual_seed(0)
+    for buf in (r.token_to_kv_pool.k_buffer[0], r.token_to_kv_pool.v_buffer[0]):
+        buf.copy_(torch.randn(buf.shape, generator=g).to(DTYPE))
+    return r
+
+
+def _batch(runner, hot):
+    """Rows 1..n; requests in ``hot`` start with the 37-token HOT run at HOT_BASE."""
+    suffix = [5, 9, 7, 17, 6]
+    rows, seq_lens = [], []
+    rt = runner.req_to_token_pool.req_to_token
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    next_cold = 1
+    for i, n in enumerate(suffix):
+        row = i + 1
+        prefix = list(range(HOT_BASE, HOT_BASE + 37)) if i in hot else []
+        if i not in hot:  # a private cold prompt of the same shape
+            prefix = list(range(next_cold, next_cold + 37))
+            next_cold += 37
+        cold = list(range(next_cold, next_cold + n))
+        next_cold += n
+        rt[row, : 37 + n] = torch.tensor(prefix + cold, dtype=torch.int32)
+        table.set(row, HOT_BASE if i in hot else 0, 37 if i in hot else 0)
+        rows.append(row)
+        seq_lens.append(37 + n)
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    out_loc = rt[torch.tensor(rows), seq - 1].long()  # the decoded token's slot: last position
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+                         req_pool_indices=torch.tensor(rows), seq_lens=seq, seq_lens_cpu=seq.clone(),
+                         seq_lens_sum=int(seq.sum()), out_cache_loc=out_loc)
+    return fb, np.array(rows, dtype=np.int64)
+
+
+def _backend(runner, path):
+    cfg = GraniKVConfig(enable=True, attention_path=path)
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=cfg, backend_name="stand-in")
+    be.inner = PagedStandIn(runner)
+    return be
+
+
+def _qkv(bs, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(bs, HQ * D, generator=g).to(DTYPE)
+    k = torch.randn(bs, HKV * D, generator=g).to(DTYPE)
+    v = torch.randn(bs, HKV * D, generator=g).to(DTYPE)
+    return q, k, v
+
+
+LAYER = SimpleNamespace(layer_id=0, scaling=D ** -0.5, tp_q_head_num=HQ, head_dim=D)
+
+
+def _expected(runner, fb, q):
+    st = decode_attention_ref(q.view(-1, HQ, D), runner.token_to_kv_pool.k_buffer[0],
+                              runner.token_to_kv_pool.v_buffer[0],
+                              runner.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                              fb.seq_lens, LAYER.scaling)
+    return st.o.to(DTYPE).reshape(q.shape[0], HQ * D)
+
+
+@pytest.mark.parametrize("path", ["cascade", "fused"])
+def test_eager_shared_prefix_matches_paged(path):
+    runner = _runner()
+    be = _backend(runner, path)
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    q, k, v = _qkv(fb.batch_size, 1)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    assert be.inner.seq_lens.tolist() == [1] * fb.batch_size  # stock backend reads 1 token
+    o = be.forward_decode(q, k, v, LAYER, fb)
+    torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+    assert be.stats.paths[path] == 1 and be.stats.grouped_requests == 3
+
+
+def test_no_group_goes_to_the_stock_backend_untouched():
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    fb, rows = _batch(runner, hot={1})  # one HOT request: below min_group_size=2
+    q, k, v = _qkv(fb.batch_size, 2)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    assert torch.equal(be.inner.seq_lens, fb.seq_lens)
+    o = be.forward_decode(q, k, v, LAYER, fb)
+    torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+    assert be.stats.paths["paged"] == 1
+
+
+def test_unstaged_step_falls_back_to_paged():
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    fb, _ = _batch(runner, hot={0, 1, 2})
+    be.init_forward_metadata(fb)  # nothing staged: the plan cannot know the rows
+    assert torch.equal(be.inner.seq_lens, fb.seq_lens) and be.stats.unplanned == 1
+
+
+def _replay_view(fb, padded):
+    """What SGLang's graph runner hands the backend at replay: padded, a namespace."""
+    extra = padded - fb.batch_size
+    view = copy.copy(fb)
+    view.batch_size = padded
+    view.num_padding = extra
+    view.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(extra, dtype=torch.int64)])
+    view.seq_lens = torch.cat([fb.seq_lens, torch.ones(extra, dtype=torch.int64)])
+    view.seq_lens_cpu = view.seq_lens.clone()
+    view.seq_lens_sum = int(view.seq_lens.sum())
+    view.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(extra, dtype=torch.int64)])
+    return view
+
+
+def test_graph_mode_replays_any_grouping_with_fixed_buffers():
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    ws = be.workspace
+    buffers = (ws.meta.data_ptr(), ws.part_o.data_ptr())
+    # "capture": no plan, the kernels run with bs = 0 and leave the stock output alone
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    view = _replay_view(fb, 8)
+    be.init_forward_metadata_out_graph(view, in_capture=True)
+    q, k, v = _qkv(8, 3)
+    o = be.forward_decode(q, k, v, LAYER, view)
+    torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    # "replays": a grouped batch, then an ungrouped one, through the same buffers
+    for hot, path in (({0, 2, 3}, "cascade"), ({4}, "paged")):
+        fb, rows = _batch(runner, hot=hot)
+        view = _replay_view(fb, 8)
+        be.stage_batch(rows)
+        be.init_forward_metadata_out_graph(view)
+        q, k, v = _qkv(8, 4)
+        o = be.forward_decode(q, k, v, LAYER, view)
+        torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
+        assert be.stats.paths[path] >= 1
+    assert (ws.meta.data_ptr(), ws.part_o.data_ptr()) == buffers and be.workspace is ws
+
+
+def test_extend_is_delegated():
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    calls = []
+    be.inner.forward_extend = lambda *a, **kw: calls.append(kw) or "stock"
+    assert be.forward_extend(None, None, None, LAYER, None) == "stock" and calls
