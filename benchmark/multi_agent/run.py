@@ -310,12 +310,15 @@ def emit(tag: str, obj: Dict[str, Any]) -> None:
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    """Linear-interpolated percentile, q in [0, 100] (numpy's default, as sglang.bench_serving
+    reports); None for no values."""
     if not values:
         return None
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
-    return s[k]
+    pos = q / 100.0 * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def latency_stats(prefix: str, values_s: Sequence[float]) -> Dict[str, Optional[float]]:

@@ -211,3 +211,19 @@ def test_extend_is_delegated():
     calls = []
     be.inner.forward_extend = lambda *a, **kw: calls.append(kw) or "stock"
     assert be.forward_extend(None, None, None, LAYER, None) == "stock" and calls
+
+
+def test_base_class_methods_reach_the_wrapped_backend():
+    """Breakable prefill graphs etc. are defined on AttentionBackend; they must be forwarded."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    seen = []
+    be.inner.prepare_forward_metadata_for_breakable_cuda_graph_replay = (
+        lambda *a, **kw: seen.append(a) or "inner")
+    assert be.prepare_forward_metadata_for_breakable_cuda_graph_replay(1, 2) == "inner"
+    assert seen == [(1, 2)]
+    # ... but forward() stays ours, so decode goes through forward_decode above
+    assert "forward" not in GraniKVAttnBackend.__dict__
+    be.inner.forward_metadata = "fm"
+    be.forward_metadata = None  # what SGLang does on an empty idle batch
+    assert be.inner.forward_metadata is None

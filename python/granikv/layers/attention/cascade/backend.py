@@ -91,6 +91,14 @@ class GraniKVAttnBackend(AttentionBackend):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def forward_metadata(self):
+        return self.inner.forward_metadata
+
+    @forward_metadata.setter
+    def forward_metadata(self, value):  # SGLang resets it on idle batches
+        self.inner.forward_metadata = value
+
     # ---- shared state ------------------------------------------------------------------
 
     @property
@@ -223,6 +231,27 @@ class GraniKVAttnBackend(AttentionBackend):
                                                                 kernels.cascade_attention)
         run(q3, k_buf, v_buf, req_to_token, self.workspace, sm_scale=layer.scaling, out=out)
 
+
+# ``forward`` dispatches to this class's forward_decode / forward_extend: never forwarded.
+_NOT_FORWARDED = ("forward",) + _FORWARDED_FLAGS
+
+
+def _forward_base_methods(cls) -> None:
+    """Methods and properties defined on SGLang's ``AttentionBackend`` (breakable prefill CUDA
+    graphs, chunked-prefix MHA, verify buffers, ...) would shadow ``__getattr__``: forward
+    each one this class does not define to the wrapped backend explicitly."""
+    if AttentionBackend is object:  # pragma: no cover
+        return
+    for name, attr in vars(AttentionBackend).items():
+        if name.startswith("__") or name in cls.__dict__ or name in _NOT_FORWARDED:
+            continue
+        if isinstance(attr, property):
+            setattr(cls, name, property(lambda self, n=name: getattr(self.inner, n)))
+        elif callable(attr):
+            setattr(cls, name, lambda self, *a, n=name, **kw: getattr(self.inner, n)(*a, **kw))
+
+
+_forward_base_methods(GraniKVAttnBackend)
 
 _EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),

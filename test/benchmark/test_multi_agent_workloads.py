@@ -1,0 +1,385 @@
+"""CPU tests of the multi-agent benchmark: workloads (sizes, sharing, determinism), the report
+(ratio columns), the child's measuring loop against a fake engine, and the parent end to end
+with a fake ``sglang`` package (no GPU, no SGLang import)."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmark" / "multi_agent"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+import run  # noqa: E402
+import workloads as wl  # noqa: E402
+
+
+# ---- workloads -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_len,agents,suffix,out", [(16384, 64, 256, 256), (37, 17, 5, 3)])
+def test_homogeneous_shares_one_prefix(prefix_len, agents, suffix, out):
+    w = wl.homogeneous(prefix_len, agents, suffix, out)
+    assert w.agents == agents and w.prefix_len == prefix_len and w.turns == 1
+    assert len(w.prefixes) == 1 and len(w.prefixes[0]) == prefix_len
+    assert all(len(p) == prefix_len + suffix for p in w.prompts)
+    assert all(p[:prefix_len] == w.prefixes[0] for p in w.prompts)
+    assert len({p[prefix_len:] for p in w.prompts}) == agents  # private suffixes differ
+    assert w.sampling.to_dict() == {"max_new_tokens": out, "temperature": 0.0, "ignore_eos": True}
+    assert w.out_tokens == agents * out
+    assert w.kv_tokens_logical() == prefix_len + agents * (suffix + out)
+    assert all(wl.TOKEN_LO <= t < wl.TOKEN_HI for p in w.prompts for t in p)
+
+
+def test_workloads_are_deterministic_and_seeded():
+    for build in (lambda s: wl.homogeneous(64, 5, 7, 3, seed=s),
+                  lambda s: wl.heterogeneous(40, seed=s),
+                  lambda s: wl.agent_loop(64, 5, turns=3, seed=s),
+                  lambda s: wl.no_sharing(5, 33, seed=s)):
+        a, b, c = build(0), build(0), build(1)
+        assert a == b
+        assert a.prompts != c.prompts
+
+
+def test_ceiling_is_a_256_token_prefix():
+    w = wl.short_prefix_ceiling(64)
+    assert w.name == "ceiling" and w.prefix_len == 256 and w.agents == 64
+    assert all(len(p) == 512 for p in w.prompts)
+    # a different stream than the homogeneous workload of the same size
+    assert w.prompts != wl.homogeneous(256, 64).prompts
+
+
+@pytest.mark.parametrize("agents", [24, 37, 64, 128])
+def test_heterogeneous_forest(agents):
+    w = wl.heterogeneous(agents)
+    counts = w.params["agents_per_prefix"]
+    assert sum(counts) == agents and min(counts) >= 2
+    assert len(set(counts)) > 1  # unequal
+    assert counts == sorted(counts, reverse=True)  # short prompts get more agents
+    assert [len(p) for p in w.prefixes] == list(wl.HETEROGENEOUS_PREFIXES)
+    assert len({p for p in w.prefixes}) == 8
+    for prompt, g in zip(w.prompts, w.group):
+        assert prompt[: len(w.prefixes[g])] == w.prefixes[g]
+        assert len(prompt) == len(w.prefixes[g]) + 256
+    assert w.group != tuple(sorted(w.group))  # interleaved in one batch
+    assert w.prefix_len == 16384
+
+
+def test_split_agents():
+    assert wl.split_agents(16, [1] * 8) == [2] * 8
+    assert sum(wl.split_agents(101, wl.HETEROGENEOUS_WEIGHTS)) == 101
+    with pytest.raises(ValueError, match="below 8 groups"):
+        wl.split_agents(15, [1] * 8)
+
+
+def test_agent_loop_contexts_grow_by_output_and_tool():
+    w = wl.agent_loop(100, 3, turns=4, suffix=10, out=6, tool=5)
+    assert w.turns == 4 and w.out_tokens == 3 * 4 * 6
+    assert all(len(t) == 3 and all(len(x) == 5 for x in t) for t in w.tool_results)
+    ctx = list(w.prompts[1])
+    out = [7] * 6
+    nxt = w.next_prompt(1, ctx, out, 0)
+    assert nxt == ctx + out + list(w.tool_results[1][0])
+    assert nxt[:100] == list(w.prefixes[0])
+    assert w.kv_tokens_logical() == 100 + 3 * (10 + 4 * 6 + 3 * 5)
+
+
+def test_no_sharing_has_no_common_prefix():
+    w = wl.no_sharing(16, 64)
+    assert w.prefixes == () and w.prefix_len == 0 and set(w.group) == {-1}
+    assert len({p[:4] for p in w.prompts}) == 16
+    assert w.kv_tokens_logical() == 16 * (64 + 256)
+
+
+def test_invalid_sizes_raise():
+    with pytest.raises(ValueError, match="agents=0"):
+        wl.homogeneous(16, 0)
+    with pytest.raises(ValueError, match="unknown workload"):
+        wl.plan(["nope"], [4], 16)
+
+
+def test_plan_orders_ceiling_first_and_roundtrips():
+    specs = wl.plan(["homogeneous", "heterogeneous", "ceiling"], [16, 64], 4096)
+    assert [s.name for s in specs] == ["ceiling", "ceiling", "homogeneous", "homogeneous",
+                                       "heterogeneous"]  # heterogeneous needs >= 24 agents
+    for s in specs:
+        assert wl.WorkloadSpec.from_json(json.loads(json.dumps(s.to_json()))) == s
+    assert specs[2].build().prefix_len == 4096
+
+
+# ---- run.py argument handling ------------------------------------------------------------------
+
+
+def test_quick_and_engine_args():
+    a = run.parse_args(["--quick", "--engine-arg", "granikv_hot_min_tokens=2048",
+                        "--engine-arg", "disable_cuda_graph=true", "--engine-arg",
+                        "mem_fraction_static=0.8", "--engine-arg", "schedule_policy=lpm"])
+    assert a.backends == ["flashinfer"] and a.agents == [64]
+    assert set(a.workloads) == {"homogeneous", "ceiling", "no_sharing"}
+    cfgs = run.engine_configs(a)
+    assert [c.name for c in cfgs] == ["flashinfer/baseline", "flashinfer/granikv"]
+    base, gkv = cfgs[0].engine_kwargs, cfgs[1].engine_kwargs
+    assert base["disable_cuda_graph"] is True and base["mem_fraction_static"] == 0.8
+    assert base["schedule_policy"] == "lpm" and base["attention_backend"] == "flashinfer"
+    assert "enable_granikv" not in base and "granikv_hot_min_tokens" not in base
+    assert gkv["enable_granikv"] is True and gkv["granikv_hot_min_tokens"] == 2048
+    with pytest.raises(ValueError, match="key=value"):
+        run.parse_engine_args(["oops"])
+
+
+def test_model_configs_shipped():
+    for name, arch, layers in [("llama-3.1-8b", "LlamaForCausalLM", 32),
+                               ("qwen2.5-14b", "Qwen2ForCausalLM", 48),
+                               ("qwen2.5-32b", "Qwen2ForCausalLM", 64)]:
+        cfg = json.loads(run.model_config_path(name).read_text())
+        assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == layers
+        assert cfg["num_key_value_heads"] == 8
+        assert cfg["hidden_size"] // cfg["num_attention_heads"] == cfg["head_dim"] == 128
+        assert cfg["max_position_embeddings"] >= 32768 + 512
+
+
+def test_percentile_matches_numpy():
+    np = pytest.importorskip("numpy")
+    assert run.percentile([], 50) is None
+    assert run.percentile([3.0], 99) == 3.0
+    for xs in (list(range(1, 101)), [5.0, 1.0, 3.0], [0.1 * i * i for i in range(37)]):
+        for q in (0, 50, 99, 100):
+            assert run.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+
+
+def test_dry_run_prints_plan(capsys):
+    assert run.main(["--dry-run", "--backends", "triton", "--agents", "32",
+                     "--workloads", "homogeneous,agent_loop"]) == 0
+    text = capsys.readouterr().out
+    assert "triton/baseline" in text and "triton/granikv" in text
+    assert "agent_loop(prefix=16384, agents=32)" in text and "turns=4" in text
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _row(config, workload, prefix, agents, tps, backend="flashinfer", **kw):
+    return dict(kind="row", backend=backend, config=config, workload=workload, prefix_len=prefix,
+                agents=agents, turns=1, out_tok_per_s=tps, ttft_p50_ms=10.0, ttft_p99_ms=20.0,
+                tpot_p50_ms=5.0, tpot_p99_ms=6.0, kv_used_tokens_peak=1000, kv_tokens_logical=900,
+                **kw)
+
+
+def _records():
+    return [
+        dict(kind="info", backend="flashinfer", config="baseline", gpu="H200",
+             max_total_num_tokens=700000, version="0.5.17"),
+        _row("baseline", "ceiling", 256, 64, 8000.0),
+        _row("baseline", "homogeneous", 16384, 64, 2500.0),
+        _row("granikv", "ceiling", 256, 64, 7900.0),
+        _row("granikv", "homogeneous", 16384, 64, 6500.0, granikv={"steps_cascade": 10}),
+        _row("baseline", "no_sharing", 0, 64, 3000.0),
+        _row("granikv", "no_sharing", 0, 64, 2940.0),
+        _row("baseline", "homogeneous", 16384, 128, 2870.0),  # granikv side missing
+        dict(kind="error", backend="flashinfer", config="granikv", error="boom"),
+    ]
+
+
+def test_combine_ratios():
+    rows = {(r["workload"], r["agents"]): r for r in report.combine(_records())}
+    h = rows[("homogeneous", 64)]
+    assert h["speedup"] == pytest.approx(2.6) and h["target_speedup"] == 2.5
+    assert h["ceiling_out_tok_s"] == 8000.0
+    assert h["ceiling_ratio"] == pytest.approx(6500 / 8000, abs=1e-3)
+    assert h["baseline_ceiling_ratio"] == pytest.approx(2500 / 8000, abs=1e-3)
+    assert h["granikv_counters"] == {"steps_cascade": 10}
+    assert h["baseline_kv_capacity_tokens"] == 700000 and h["gpu"] == "H200"
+    assert h["granikv_ttft_p50_ms"] == 10.0 and h["baseline_tpot_p99_ms"] == 6.0
+    n = rows[("no_sharing", 64)]
+    assert n["speedup"] == pytest.approx(0.98) and n["target_speedup"] == 0.97
+    assert n["ceiling_ratio"] is None
+    miss = rows[("homogeneous", 128)]
+    assert miss["granikv_out_tok_s"] is None and miss["speedup"] is None
+    assert miss["ceiling_out_tok_s"] is None and miss["target_speedup"] == 3.1
+    assert [r["workload"] for r in report.combine(_records())] == [
+        "homogeneous", "homogeneous", "no_sharing", "ceiling"]
+
+
+def test_write_json_and_markdown(tmp_path):
+    meta = dict(command="python3 benchmark/multi_agent/run.py --quick", date="2026-11-29",
+                model="llama-3.1-8b", tp=1, dp=1)
+    paths = report.write(str(tmp_path), _records(), meta)
+    doc = json.loads((tmp_path / "multi_agent.json").read_text())
+    assert doc["meta"]["command"] == meta["command"] and len(doc["measurements"]) == 9
+    h = next(r for r in doc["rows"] if r["workload"] == "homogeneous" and r["agents"] == 64)
+    assert h["speedup"] == pytest.approx(2.6) and h["command"] == meta["command"]
+    md = (tmp_path / "multi_agent.md").read_text()
+    assert "| homogeneous | 16,384 | 64 | flashinfer | 2,500 | 6,500 | 2.60x ✓ | ≥2.50x | 81% / 31% |" in md
+    assert "| no_sharing | 0 | 64 | flashinfer | 3,000 | 2,940 | 0.98x ✓ | ≥0.97x |" in md
+    assert "python3 benchmark/multi_agent/run.py --quick" in md and "H200" in md
+    assert "flashinfer/granikv: boom" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert len(paths) == 2
+    else:
+        assert (tmp_path / "multi_agent.png").stat().st_size > 0
+
+
+def test_report_cli_merges_runs(tmp_path):
+    meta = dict(command="cmd-a", date="d", model="m", tp=1, dp=1)
+    report.write(str(tmp_path / "a"), _records(), meta)
+    later = [_row("granikv", "homogeneous", 16384, 128, 9000.0),
+             _row("baseline", "homogeneous", 16384, 64, 2000.0, backend="triton"),
+             _row("granikv", "homogeneous", 16384, 64, 6400.0, backend="triton")]
+    report.write(str(tmp_path / "b"), later, dict(meta, command="cmd-b"))
+    assert report.main([str(tmp_path / "a" / "multi_agent.json"),
+                        str(tmp_path / "b" / "multi_agent.json"), "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "multi_agent.json").read_text())
+    rows = {(r["backend"], r["workload"], r["agents"]): r for r in doc["rows"]}
+    assert rows[("flashinfer", "homogeneous", 128)]["speedup"] == pytest.approx(9000 / 2870, abs=1e-3)
+    assert rows[("triton", "homogeneous", 64)]["speedup"] == pytest.approx(3.2)
+    assert rows[("triton", "homogeneous", 64)]["target_speedup"] == 3.0
+    assert doc["meta"]["commands"] == ["cmd-a", "cmd-b"]
+
+
+# ---- the child's measuring loop, against a fake engine ------------------------------------------
+
+
+class FakeTokenizerManager:
+    def __init__(self):
+        self.flushes = 0
+
+    async def flush_cache(self):
+        self.flushes += 1
+
+    async def get_loads(self):
+        return [type("Load", (), {"num_used_tokens": 1234})()]
+
+
+class FakeEngine:
+    """Echoes ``max_new_tokens`` ids per request, in chunks, like a streamed SGLang request."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = FakeTokenizerManager()
+        self.server_args = type("SA", (), {"incremental_streaming_output": False})()
+        self.prompts = []
+
+    def generate(self, input_ids, sampling_params):
+        n = sampling_params["max_new_tokens"]
+        return [{"output_ids": [1] * n, "meta_info": {"cached_tokens": 0}} for _ in input_ids]
+
+    async def async_generate(self, input_ids, sampling_params, stream):
+        assert stream and sampling_params["stream_interval"] == run.STREAM_INTERVAL
+        self.prompts.append(list(input_ids))
+        n = sampling_params["max_new_tokens"]
+
+        async def chunks():
+            for k in range(1, n + 1, 2):
+                await asyncio.sleep(0)
+                yield {"output_ids": [2] * min(n, k + 1), "meta_info": {"cached_tokens": 7}}
+        return chunks()
+
+    def get_server_info(self):
+        return {"internal_states": [{"granikv": {"hot_hits": 3}}], "max_total_num_tokens": 99}
+
+
+def _fake_child(latency="stream"):
+    child = run.Child.__new__(run.Child)
+    child.job = {"latency": latency}
+    child.engine = FakeEngine()
+    child.loop = child.engine.loop
+    child.incremental = False
+    child.engine_up_s = 0.0
+    return child
+
+
+def test_child_measures_agent_loop():
+    child = _fake_child()
+    spec = wl.WorkloadSpec("agent_loop", 3, 32, {"turns": 3, "out": 4, "suffix": 8, "tool": 5})
+    row = child.run(spec)
+    assert row["out_tokens"] == 3 * 3 * 4 and row["agents"] == 3 and row["turns"] == 3
+    assert row["ttft_p50_ms"] is not None and row["tpot_p99_ms"] is not None
+    assert row["kv_used_tokens_peak"] == 1234 and row["granikv"] == {"hot_hits": 3}
+    assert row["cached_tokens"] == 7 * 9 and row["out_tok_per_s"] > 0
+    w = spec.build()
+    last = [p for p in child.engine.prompts if p[32:40] == list(w.prompts[0][32:40])][-1]
+    assert len(last) == 40 + 2 * (4 + 5)  # two appended (output, tool) pairs before turn 3
+    assert child.engine.tokenizer_manager.flushes == 1
+
+
+def test_child_batch_mode_matches_baseline_bench():
+    child = _fake_child(latency="none")
+    row = child.run(wl.WorkloadSpec("homogeneous", 4, 16, {"out": 3, "suffix": 2}))
+    assert row["out_tokens"] == 12 and row["ttft_p50_ms"] is None
+
+
+# ---- parent end to end, children importing a fake sglang -----------------------------------------
+
+
+FAKE_SGLANG = textwrap.dedent('''
+    import asyncio
+    class Engine:
+        def __init__(self, **kw):
+            if kw.get("enable_granikv") and kw.get("granikv_fail"):
+                raise TypeError("unexpected keyword enable_granikv")
+            self.kw = kw
+            self.loop = asyncio.new_event_loop()
+            self.server_args = type("SA", (), {"incremental_streaming_output": False})()
+            tm = type("TM", (), {})()
+            async def flush_cache(): return None
+            async def get_loads(): return []
+            tm.flush_cache, tm.get_loads = flush_cache, get_loads
+            self.tokenizer_manager = tm
+            self.fast = 3.0 if kw.get("enable_granikv") else 1.0
+        def generate(self, input_ids, sampling_params):
+            n = sampling_params["max_new_tokens"]
+            return [{"output_ids": [1] * n, "meta_info": {}} for _ in input_ids]
+        async def async_generate(self, input_ids, sampling_params, stream):
+            n = sampling_params["max_new_tokens"]
+            delay = 0.00002 * len(input_ids) / self.fast
+            async def chunks():
+                await asyncio.sleep(delay)
+                yield {"output_ids": [1], "meta_info": {}}
+                await asyncio.sleep(delay)
+                yield {"output_ids": [1] * n, "meta_info": {"cached_tokens": 0}}
+            return chunks()
+        def get_server_info(self):
+            return {"version": "fake", "max_total_num_tokens": 1000,
+                    "internal_states": [{"memory_usage": {"kv_cache_gb": 1.0}}]}
+        def shutdown(self): pass
+''')
+
+
+def test_parent_end_to_end_with_fake_engine(tmp_path):
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_SGLANG)
+    out = tmp_path / "out"
+    env = dict(__import__("os").environ, PYTHONPATH=str(tmp_path / "fake"))
+    cmd = [sys.executable, str(BENCH / "run.py"), "--backends", "triton", "--agents", "4",
+           "--prefix", "512", "--workloads", "homogeneous,ceiling,no_sharing,agent_loop",
+           "--no-sharing-len", "64", "--turns", "2", "--out", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((out / "multi_agent.json").read_text())
+    rows = {r["workload"]: r for r in doc["rows"]}
+    assert set(rows) == {"homogeneous", "ceiling", "no_sharing", "agent_loop"}
+    h = rows["homogeneous"]
+    assert h["baseline_out_tok_s"] > 0 and h["granikv_out_tok_s"] > 0
+    assert h["speedup"] > 1.5  # the fake granikv engine is 3x faster per token of context
+    assert h["ceiling_ratio"] is not None and h["baseline_kv_capacity_tokens"] == 1000
+    assert rows["agent_loop"]["turns"] == 2
+    assert "run.py --backends triton" in doc["meta"]["command"]
+    assert (out / "multi_agent.md").exists()
+
+    # a granikv engine that cannot start: the baseline rows survive, the error is reported
+    res = subprocess.run(cmd[:-2] + ["--out", str(tmp_path / "out2"), "--workloads", "ceiling",
+                                     "--engine-arg", "granikv_fail=1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    doc = json.loads((tmp_path / "out2" / "multi_agent.json").read_text())
+    assert doc["rows"][0]["baseline_out_tok_s"] > 0 and doc["rows"][0]["granikv_out_tok_s"] is None
+    assert "engine start: TypeError" in (tmp_path / "out2" / "multi_agent.md").read_text()
