@@ -227,3 +227,17 @@ def test_base_class_methods_reach_the_wrapped_backend():
     be.inner.forward_metadata = "fm"
     be.forward_metadata = None  # what SGLang does on an empty idle batch
     assert be.inner.forward_metadata is None
+
+
+def test_debug_compare_reports_the_difference(caplog):
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.cfg = GraniKVConfig(enable=True, attention_path="cascade", debug_compare_every=1)
+    fb, rows = _batch(runner, hot={0, 1, 2, 3})
+    q, k, v = _qkv(fb.batch_size, 5)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    with caplog.at_level("INFO", logger="granikv"):
+        be.forward_decode(q, k, v, LAYER, fb)
+    assert "max |diff| vs paged" in caplog.text
+    assert 0 < be.stats.max_compare_diff < ATOL  # fp16 output vs float64 reference

@@ -215,7 +215,30 @@ class GraniKVAttnBackend(AttentionBackend):
         # in the workspace they exit at once), so warm-up compiles them before capture.
         if self._path is not Path.PAGED or self._graph_mode:
             self._run_shared_prefix(q, layer, o)
+            if self._path is not Path.PAGED and self._compare_due(layer):
+                self._compare_with_reference(q, layer, forward_batch, o)
         return o
+
+    def _compare_due(self, layer) -> bool:
+        n = self.cfg.debug_compare_every
+        capturing = torch.cuda.is_current_stream_capturing() if torch.cuda.is_available() else False
+        return bool(n) and layer.layer_id == 0 and not capturing and self.stats.steps % n == 0
+
+    def _compare_with_reference(self, q, layer, fb, o) -> None:
+        """Debug: the chosen path against plain paged attention (float64 torch) on layer 0."""
+        from granikv.kernels.reference import decode_attention_ref
+
+        pool = self.model_runner.token_to_kv_pool
+        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        ref = decode_attention_ref(q.view(-1, self.num_q_heads, self.head_dim)[:bs],
+                                   pool.get_key_buffer(layer.layer_id),
+                                   pool.get_value_buffer(layer.layer_id),
+                                   self.model_runner.req_to_token_pool.req_to_token,
+                                   fb.req_pool_indices[:bs], fb.seq_lens[:bs], layer.scaling)
+        diff = (o.view(-1, self.num_q_heads, self.head_dim)[:bs].double() - ref.o).abs().max()
+        self.stats.max_compare_diff = max(self.stats.max_compare_diff, float(diff))
+        logger.info("GraniKV debug compare (step %d, %s, bs %d): max |diff| vs paged = %.3e",
+                    self.stats.steps, self._path.value, bs, float(diff))
 
     def _run_shared_prefix(self, q, layer, o):
         from granikv.kernels import cascade as kernels

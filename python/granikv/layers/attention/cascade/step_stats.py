@@ -15,6 +15,7 @@ class StepStats:
     groups: int = 0
     unplanned: int = 0  # decode steps with no staged batch (fell back to paged)
     last_reason: str = ""
+    max_compare_diff: float = 0.0  # debug compare mode: worst |chosen - paged| seen
 
     def record(self, decision, grouping) -> None:
         self.steps += 1
@@ -33,4 +34,5 @@ class StepStats:
             "groups_per_step": self.groups / self.steps if self.steps else 0.0,
             "unplanned_steps": self.unplanned,
             "last_reason": self.last_reason,
+            "max_compare_diff": self.max_compare_diff,
         }

@@ -1,0 +1,95 @@
+import pytest
+
+from granikv.mem_cache.hot_pool import HotPool, IntegrityError, Move
+
+
+def test_alloc_is_best_fit_and_lowest_start_on_ties():
+    pool = HotPool(100, 60)
+    a, b, c, d = pool.alloc(10), pool.alloc(7), pool.alloc(17), pool.alloc(5)
+    assert (a, b, c, d) == (100, 110, 117, 134)
+    pool.free(b, 7)  # hole of 7 at 110
+    pool.free(d, 5)  # hole of 5 at 134 coalesces with the tail hole [134, 160)
+    assert pool.holes() == [(110, 7), (134, 26)]
+    assert pool.alloc(6) == 110  # the 7-hole fits best
+    assert pool.alloc(1) == 116  # the 1-slot remainder is an exact fit
+    pool.check_integrity()
+
+
+def test_alloc_returns_none_when_no_hole_fits():
+    pool = HotPool(1, 37)
+    assert pool.alloc(37) == 1
+    assert pool.alloc(1) is None
+    assert HotPool(5, 0).alloc(1) is None
+    with pytest.raises(ValueError):
+        pool.alloc(0)
+
+
+def test_free_coalesces_both_sides():
+    pool = HotPool(0, 30)
+    starts = [pool.alloc(10) for _ in range(3)]
+    pool.free(starts[0], 10)
+    pool.free(starts[2], 10)
+    assert len(pool.holes()) == 2
+    pool.free(starts[1], 10)
+    assert pool.holes() == [(0, 30)] and pool.free_size == 30
+    pool.check_integrity()
+
+
+def test_free_of_wrong_extent_asserts():
+    pool = HotPool(0, 30)
+    s = pool.alloc(10)
+    with pytest.raises(AssertionError):
+        pool.free(s, 9)
+    with pytest.raises(AssertionError):
+        pool.free(s + 1, 9)
+
+
+def test_split_then_free_halves_separately():
+    pool = HotPool(10, 50)
+    s = pool.alloc(17)
+    second = pool.split(s, 5)
+    assert second == s + 5 and pool.extents() == {s: 5, s + 5: 12}
+    pool.check_integrity()
+    pool.free(second, 12)
+    pool.free(s, 5)
+    assert pool.holes() == [(10, 50)]
+    with pytest.raises(AssertionError):
+        pool.split(pool.alloc(4), 4)
+
+
+def test_compaction_plan_slides_unlocked_extents_down():
+    pool = HotPool(0, 100)
+    a, b, c, d = (pool.alloc(n) for n in (10, 20, 15, 5))  # 0, 10, 30, 45
+    pool.free(a, 10)
+    pool.free(c, 15)  # extents: b@10, d@45
+    plan = pool.compaction_plan(locked_starts=[])
+    assert plan.moves == [Move(10, 0, 20), Move(45, 20, 5)] and plan.largest_hole == 75
+    for mv in plan.moves:
+        pool.apply_move(mv)
+    assert pool.extents() == {0: 20, 20: 5} and pool.holes() == [(25, 75)]
+    pool.check_integrity()
+
+
+def test_compaction_keeps_locked_extents_in_place():
+    pool = HotPool(0, 60)
+    a, b, c = pool.alloc(10), pool.alloc(10), pool.alloc(10)  # 0, 10, 20
+    pool.free(a, 10)
+    plan = pool.compaction_plan(locked_starts=[b])
+    assert plan.moves == [] and plan.largest_hole == 30  # c@20 is already against b
+    plan = pool.compaction_plan(locked_starts=[])
+    assert plan.moves == [Move(10, 0, 10), Move(20, 10, 10)] and plan.largest_hole == 40
+
+
+def test_integrity_catches_corruption():
+    pool = HotPool(0, 20)
+    pool.alloc(5)
+    pool._extents[3] = 4  # overlaps the first extent
+    with pytest.raises(IntegrityError, match="overlap"):
+        pool.check_integrity()
+
+
+def test_stats():
+    pool = HotPool(0, 20)
+    pool.alloc(5)
+    st = pool.stats()
+    assert (st.used, st.free, st.num_extents, st.largest_hole) == (5, 15, 1, 15)
