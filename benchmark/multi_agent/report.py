@@ -113,6 +113,7 @@ def combine(records: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
             cap = infos.get((backend, side), {}).get("max_total_num_tokens")
             row[f"{side}_kv_capacity_tokens"] = cap
         row["granikv_counters"] = g.get("granikv") if g else None
+        row["granikv_counters_delta"] = g.get("granikv_delta") if g else None
         out.append(row)
     return out
 
@@ -202,7 +203,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
 # ---- plot ----------------------------------------------------------------------------------
 
 
-def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> bool:
+def plot(rows: Sequence[Mapping[str, Any]], path: Path, *, quiet: bool = False) -> bool:
     """Grouped bars per backend: baseline vs granikv tok/s per row, ceiling as a marker.
     Returns False (and says so) when matplotlib is not importable."""
     try:
@@ -211,7 +212,8 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib not importable: skipping {path} (re-run report.py where it is)")
+        if not quiet:
+            print(f"matplotlib not importable: skipping {path} (re-run report.py where it is)")
         return False
     backends = sorted({r["backend"] for r in rows}, key=lambda b: (b != "flashinfer", b))
     if not backends:
@@ -249,8 +251,9 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> bool:
 
 
 def write(out_dir: str, records: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
-          tag: str = "") -> List[Path]:
-    """Writes multi_agent[_tag].json / .md / .png into out_dir; returns the paths written."""
+          tag: str = "", quiet: bool = False) -> List[Path]:
+    """Writes multi_agent[_tag].json / .md / .png into out_dir; returns the paths written.
+    quiet: no note when matplotlib is missing (run.py rewrites the files after every row)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "multi_agent" + (f"_{tag}" if tag else "")
@@ -258,7 +261,7 @@ def write(out_dir: str, records: Sequence[Mapping[str, Any]], meta: Mapping[str,
     for r in rows:
         r.update(date=meta.get("date"), command=meta.get("command") or meta.get("commands"))
     png = out / f"{stem}.png"
-    have_png = plot(rows, png) if rows else False
+    have_png = plot(rows, png, quiet=quiet) if rows else False
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps(dict(meta=dict(meta), rows=rows, measurements=list(records)),
                                    indent=1, default=str) + "\n")

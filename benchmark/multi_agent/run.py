@@ -32,15 +32,17 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -158,7 +160,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "the granikv engines.")
     p.add_argument("--child-timeout", type=float, default=1800.0, help="Seconds per engine.")
     p.add_argument("--budget-s", type=float, default=0.0,
-                   help="Start no new engine after this many seconds (0 = no limit).")
+                   help="Time budget of the whole run (0 = none): each engine gets an equal "
+                        "share of what is left and starts no row past it (a running row "
+                        "finishes).")
     p.add_argument("--dry-run", action="store_true", help="Print the plan and exit.")
     p.add_argument("--write-model-dir", metavar="DIR",
                    help="Write --model's config.json and a word-level tokenizer into DIR (for "
@@ -236,21 +240,29 @@ def print_plan(args, configs: Sequence[EngineConfig], specs: Sequence[wl.Workloa
 # ------------------------------------------------------------------------------------------
 
 
-def run_child(cfg: EngineConfig, args, specs, timeout: float) -> List[Dict[str, Any]]:
-    """Runs one engine in a subprocess; returns its ROW / INFO / ERROR records, in order."""
+def run_child(cfg: EngineConfig, args, specs, timeout: float,
+              on_record: Callable[[Dict[str, Any]], None], *,
+              deadline: Optional[float] = None) -> None:
+    """Runs one engine in a subprocess; passes each ROW / INFO / ERROR record to on_record.
+
+    The child starts no row after ``deadline`` (epoch seconds); it is killed after ``timeout``.
+    """
     job = dict(engine_kwargs=cfg.engine_kwargs, backend=cfg.backend, config=cfg.config,
                model_config=str(model_config_path(args.model)), latency=args.latency,
-               specs=[s.to_json() for s in specs])
+               specs=[s.to_json() for s in specs], deadline=deadline)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cfg.backend == "flashinfer":
         env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    records: List[Dict[str, Any]] = []
+    errors = 0
+    # Own process group: the engine's scheduler / detokenizer processes are killed with it.
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f.name],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            bufsize=1)
-    deadline = time.time() + timeout
+                            bufsize=1, start_new_session=True)
+    fired = threading.Event()
+    watchdog = threading.Timer(timeout, lambda: (fired.set(), _kill_group(proc)))
+    watchdog.start()
     try:
         for line in proc.stdout:  # child output is echoed, tagged lines parsed
             sys.stdout.write(f"[{cfg.name}] {line}")
@@ -258,19 +270,26 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float) -> List[Dict[str, 
                 if line.startswith(tag):
                     rec = json.loads(line[len(tag):])
                     rec.update(kind=kind, backend=cfg.backend, config=cfg.config)
-                    records.append(rec)
-            if time.time() > deadline:
-                raise TimeoutError(f"{cfg.name} ran past {timeout:.0f} s")
-        proc.wait(timeout=max(1.0, deadline - time.time()))
-    except (TimeoutError, subprocess.TimeoutExpired) as e:
-        proc.kill()
-        records.append(dict(kind="error", backend=cfg.backend, config=cfg.config, error=str(e)))
+                    errors += kind == "error"
+                    on_record(rec)
+        proc.wait()
     finally:
+        watchdog.cancel()
+        _kill_group(proc)  # leftovers of a crashed engine would hold GPU memory
         os.unlink(f.name)
-    if proc.returncode not in (0, None) and not any(r["kind"] == "error" for r in records):
-        records.append(dict(kind="error", backend=cfg.backend, config=cfg.config,
-                            error=f"child exited with status {proc.returncode}"))
-    return records
+    if fired.is_set():
+        on_record(dict(kind="error", backend=cfg.backend, config=cfg.config,
+                       error=f"killed after --child-timeout {timeout:.0f} s"))
+    elif proc.returncode != 0 and not errors:
+        on_record(dict(kind="error", backend=cfg.backend, config=cfg.config,
+                       error=f"child exited with status {proc.returncode}"))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main_parent(args, argv: Sequence[str]) -> int:
@@ -283,16 +302,28 @@ def main_parent(args, argv: Sequence[str]) -> int:
         timespec="seconds"), model=args.model, tp=args.tp, dp=args.dp, latency=args.latency,
         engine_kwargs={c.name: c.engine_kwargs for c in configs})
     records: List[Dict[str, Any]] = []
-    t0 = time.time()
-    for cfg in configs:
-        if args.budget_s and time.time() - t0 > args.budget_s:
-            print(f"budget of {args.budget_s:.0f} s spent: skipping {cfg.name}", flush=True)
-            records.append(dict(kind="error", backend=cfg.backend, config=cfg.config,
-                                error="skipped: --budget-s spent"))
-            continue
-        records += run_child(cfg, args, specs, args.child_timeout)
-        paths = report.write(args.out, records, meta, tag=args.tag)
-        print(f"wrote {', '.join(str(p) for p in paths)}", flush=True)
+
+    def on_record(rec: Dict[str, Any]) -> None:  # outputs rewritten per record: a cut run keeps rows
+        records.append(rec)
+        if rec["kind"] != "info":
+            report.write(args.out, records, meta, tag=args.tag, quiet=True)
+
+    # SIGTERM (a timeout around the run) unwinds run_child, which kills the engine's group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    for i, cfg in enumerate(configs):
+        child_deadline = None
+        if deadline:  # an equal share of what is left for each engine still to run
+            now = time.time()
+            if now > deadline:
+                print(f"budget of {args.budget_s:.0f} s spent: skipping {cfg.name}", flush=True)
+                on_record(dict(kind="error", backend=cfg.backend, config=cfg.config,
+                               error="skipped: --budget-s spent"))
+                continue
+            child_deadline = now + (deadline - now) / (len(configs) - i)
+        run_child(cfg, args, specs, args.child_timeout, on_record, deadline=child_deadline)
+    paths = report.write(args.out, records, meta, tag=args.tag)
+    print(f"wrote {', '.join(str(p) for p in paths)}", flush=True)
     errors = [r for r in records if r["kind"] == "error"]
     for e in errors:
         print(f"ERROR {e['backend']}/{e['config']}: {e['error']}", flush=True)
@@ -461,6 +492,7 @@ class Child:
     def run(self, spec: wl.WorkloadSpec) -> Dict[str, Any]:
         w = spec.build()
         warm_s = self.warm(w)
+        before = self.granikv_counters()
         if self.job["latency"] == "stream":
             m = self.loop.run_until_complete(self._timed_stream(w))
         else:
@@ -473,7 +505,26 @@ class Child:
                     params=dict(w.params), seconds=round(seconds, 3),
                     out_tok_per_s=round(m["out_tokens"] / seconds, 1),
                     prompt_tokens=w.prompt_tokens_first_turn, kv_tokens_logical=w.kv_tokens_logical(),
-                    warm_prefix_s=round(warm_s, 2), granikv=self.granikv_counters(), **m)
+                    warm_prefix_s=round(warm_s, 2), **self._counters(before), **m)
+
+    def _counters(self, before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """GraniKV counters after the row, and their increase over the timed batch."""
+        after = self.granikv_counters()
+        if after is None:
+            return dict(granikv=None, granikv_delta=None)
+        return dict(granikv=after, granikv_delta=counter_delta(after, before or {}))
+
+
+def counter_delta(after: Dict[str, Any], before: Dict[str, Any]) -> Dict[str, Any]:
+    """after - before for every numeric leaf (nested dicts recursed); other leaves dropped."""
+    out: Dict[str, Any] = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if isinstance(v, dict):
+            out[k] = counter_delta(v, b if isinstance(b, dict) else {})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v - (b if isinstance(b, (int, float)) and not isinstance(b, bool) else 0)
+    return out
 
 
 def gpu_name() -> Optional[str]:
@@ -500,6 +551,11 @@ def main_child(job_path: str) -> int:
     status = 0
     for s in job["specs"]:
         spec = wl.WorkloadSpec.from_json(s)
+        if job.get("deadline") and time.time() > job["deadline"]:
+            emit(ERROR_TAG, dict(error=f"{spec.label}: skipped, --budget-s spent",
+                                 workload=spec.name, agents=spec.agents))
+            status = 1
+            continue
         try:
             emit(ROW_TAG, child.run(spec))
         except Exception as e:

@@ -283,7 +283,10 @@ class FakeEngine:
         return chunks()
 
     def get_server_info(self):
-        return {"internal_states": [{"granikv": {"hot_hits": 3}}], "max_total_num_tokens": 99}
+        self.info_calls = getattr(self, "info_calls", 0) + 1
+        return {"internal_states": [{"granikv": {"hot_hits": 3 * self.info_calls, "mode": "x",
+                                                 "attention": {"cascade": 2 * self.info_calls}}}],
+                "max_total_num_tokens": 99}
 
 
 def _fake_child(latency="stream"):
@@ -302,7 +305,9 @@ def test_child_measures_agent_loop():
     row = child.run(spec)
     assert row["out_tokens"] == 3 * 3 * 4 and row["agents"] == 3 and row["turns"] == 3
     assert row["ttft_p50_ms"] is not None and row["tpot_p99_ms"] is not None
-    assert row["kv_used_tokens_peak"] == 1234 and row["granikv"] == {"hot_hits": 3}
+    assert row["kv_used_tokens_peak"] == 1234
+    assert row["granikv"] == {"hot_hits": 6, "mode": "x", "attention": {"cascade": 4}}
+    assert row["granikv_delta"] == {"hot_hits": 3, "attention": {"cascade": 2}}
     assert row["cached_tokens"] == 7 * 9 and row["out_tok_per_s"] > 0
     w = spec.build()
     last = [p for p in child.engine.prompts if p[32:40] == list(w.prompts[0][32:40])][-1]
@@ -383,3 +388,27 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     doc = json.loads((tmp_path / "out2" / "multi_agent.json").read_text())
     assert doc["rows"][0]["baseline_out_tok_s"] > 0 and doc["rows"][0]["granikv_out_tok_s"] is None
     assert "engine start: TypeError" in (tmp_path / "out2" / "multi_agent.md").read_text()
+
+
+def test_parent_budget_and_timeout_with_fake_engine(tmp_path):
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    hang = "        self.kw = kw\n        if kw.get('granikv_hang'):\n            __import__('time').sleep(600)\n"
+    assert "        self.kw = kw\n" in FAKE_SGLANG
+    (fake / "__init__.py").write_text(FAKE_SGLANG.replace("        self.kw = kw\n", hang))
+    env = dict(__import__("os").environ, PYTHONPATH=str(tmp_path / "fake"))
+    base = [sys.executable, str(BENCH / "run.py"), "--backends", "triton", "--agents", "4",
+            "--workloads", "ceiling,no_sharing", "--no-sharing-len", "64"]
+    # a hung engine is killed after --child-timeout; the baseline's rows are kept
+    res = subprocess.run(base + ["--out", str(tmp_path / "a"), "--child-timeout", "6",
+                                 "--engine-arg", "granikv_hang=1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    doc = json.loads((tmp_path / "a" / "multi_agent.json").read_text())
+    assert all(r["baseline_out_tok_s"] for r in doc["rows"])
+    assert "killed after --child-timeout 6 s" in (tmp_path / "a" / "multi_agent.md").read_text()
+    # a spent budget skips rows, and says so
+    res = subprocess.run(base + ["--out", str(tmp_path / "b"), "--budget-s", "0.001"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "--budget-s spent" in (tmp_path / "b" / "multi_agent.md").read_text()
