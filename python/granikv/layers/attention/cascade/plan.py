@@ -161,10 +161,15 @@ def group_requests(
     if cand.shape[0] < min_group_size:
         return Grouping.empty(bs)
 
+    cand_start = desc.hot_start[cand]
+    if (cand_start == cand_start[0]).all():  # one shared prefix: the common multi-agent case
+        return _single_group(cand, cand_start[:1], hot_len[cand].min(), bs)
+
     # Sort candidates by start (stable: batch order inside a group), then cut into runs of equal
     # start:   starts (sorted) 100 100 100 900 900  ->  seg_begin [0, 3], seg_size [3, 2]
-    order = cand[np.argsort(desc.hot_start[cand], kind="stable")]
-    starts = desc.hot_start[order]
+    sort = np.argsort(cand_start, kind="stable")
+    order = cand[sort]
+    starts = cand_start[sort]
     cuts = np.flatnonzero(starts[1:] != starts[:-1])
     bounds = np.empty(cuts.shape[0] + 2, dtype=np.int64)
     bounds[0], bounds[-1] = 0, order.shape[0]
@@ -188,6 +193,19 @@ def group_requests(
         group_len=group_len,
         group_req_indptr=indptr,
         group_req_idx=group_req_idx,
+        prefix_len=prefix_len,
+    )
+
+
+def _single_group(members: np.ndarray, start: np.ndarray, length, bs: int) -> Grouping:
+    """Every candidate (ascending batch positions ``members``) shares one start."""
+    prefix_len = np.zeros(bs, dtype=np.int64)
+    prefix_len[members] = length
+    return Grouping(
+        group_start=start,
+        group_len=np.array([length], dtype=np.int64),
+        group_req_indptr=np.array([0, members.shape[0]], dtype=np.int64),
+        group_req_idx=members,
         prefix_len=prefix_len,
     )
 

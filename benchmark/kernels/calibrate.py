@@ -1,0 +1,357 @@
+"""Measure the cost-model coefficients of this GPU and write data/cost_model_<gpu>.json.
+
+Times, on one GPU, one decode layer of synthetic shared-prefix batches (HOT prefixes
+contiguous, suffix slots scattered as in a page-size-1 pool after churn) on every path:
+
+- paged:   the stock kernel SGLang runs: FlashInfer's tensor-core paged decode
+           (``BatchDecodeWithPagedKVCacheWrapper``, as SGLang's flashinfer backend) when it
+           imports, else SGLang's Triton ``decode_attention_fwd`` (best of 8/16/32 kv splits);
+- cascade / fused / bgemm: ``granikv.kernels.cascade`` over a filled ``CascadeWorkspace``,
+
+then fits ``CostModel``'s coefficients by non-negative least squares on relative error
+(``CostModel.fit``) and measures ``plan_us`` (group + choose + workspace fill, host wall time).
+
+Method: per case, K/V buffers of ``L`` layers are allocated so that one pass over the layers
+touches >= 3x the L2 cache (no layer finds the previous call's KV in L2, as in a real model);
+graph-safe paths are captured in a CUDA graph of one call per layer and replayed (no Python
+launch overhead, as under SGLang's decode CUDA graphs); bgemm runs eagerly, as in production.
+Time per call = median replay time / L.
+
+    bash .offline-gpu/setup.sh python3 benchmark/kernels/calibrate.py [--out PATH] [--paged auto]
+
+Prints every case (measured vs fitted, relative error) and the coefficients; takes < 60 s on
+one H200. Default shapes: Llama-3.1-8B per-GPU heads (32q/8kv/128), bf16.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from granikv.layers.attention.cascade.cost_model import CostModel, calibrated_path
+from granikv.layers.attention.cascade.dispatcher import Dispatcher
+from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+
+# (groups as [(prefix_len, requests)], suffix tokens per request, ungrouped requests)
+CASES = [([(p, n)], 256, 0) for p in (1024, 4096, 16384) for n in (2, 8, 32, 128)] + [
+    ([(4096, 32)], 1024, 0),
+    ([(1024, 64)], 64, 0),
+    ([(16384, 64)], 64, 0),
+    ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256, 0),
+    ([(2048, 4)] * 16, 256, 0),
+    ([(8192, 3)] * 4, 512, 8),
+    ([(4096, 16)], 256, 32),
+]
+UNGROUPED_LEN = 2048
+PATHS = ("paged", "cascade", "fused", "bgemm")
+
+
+def describe(groups, suffix: int, ungrouped: int):
+    """The batch of a case: ``(BatchDescription, req_to_token rows as numpy, label)``.
+
+    Slot layout: 0 = padding | COLD slots (randomly permuted) | HOT prefixes, one after another.
+    Ungrouped requests have ``UNGROUPED_LEN`` COLD tokens.
+    """
+    rng = np.random.default_rng(0)
+    bs = sum(n for _, n in groups) + ungrouped
+    hot_len = np.array([p for p, n in groups for _ in range(n)] + [0] * ungrouped, np.int64)
+    seq_lens = np.where(hot_len > 0, hot_len + suffix, UNGROUPED_LEN).astype(np.int64)
+    n_cold = int((seq_lens - hot_len).sum())
+    starts = 1 + n_cold + np.cumsum([0] + [p for p, _ in groups])[:-1]
+    hot_start = np.array([s for s, (_, n) in zip(starts, groups) for _ in range(n)] + [0] * ungrouped,
+                         np.int64)  # fmt: skip
+    cold = rng.permutation(n_cold) + 1
+    rows = np.zeros((bs + 1, int(seq_lens.max())), np.int32)
+    c = 0
+    for i in range(bs):
+        h, s = int(hot_len[i]), int(seq_lens[i])
+        rows[i + 1, :h] = np.arange(hot_start[i], hot_start[i] + h)
+        rows[i + 1, h:s] = cold[c : c + s - h]
+        c += s - h
+    desc = BatchDescription(np.arange(1, bs + 1, dtype=np.int64), seq_lens, hot_start, hot_len)
+    label = ("+".join(f"{p}x{n}" for p, n in groups) if len(set(groups)) > 1 or len(groups) == 1
+             else f"{len(groups)}*({groups[0][0]}x{groups[0][1]})")  # fmt: skip
+    label += f" sfx{suffix}" + (f" +{ungrouped}cold" if ungrouped else "")
+    return desc, rows, label
+
+
+class Case:
+    """One synthetic decode batch on the GPU and ``layers`` copies of its KV (one per layer)."""
+
+    def __init__(self, groups, suffix, ungrouped, heads, dtype, l2_bytes):
+        hq, hkv, d = heads
+        self.desc, rows, self.label = describe(groups, suffix, ungrouped)
+        self.grouping = group_requests(self.desc, min_group_size=1)
+        self.bs, self.heads, self.dtype = self.desc.batch_size, heads, dtype
+        slots = 1 + int(self.desc.seq_lens.sum() - self.desc.hot_len.sum()) + sum(p for p, _ in groups)
+        per_layer = slots * hkv * d * 2 * torch.finfo(dtype).bits // 8
+        self.layers = int(min(32, max(2, math.ceil(3 * l2_bytes / per_layer))))
+        dev = "cuda"
+        self.req_to_token = torch.from_numpy(rows).to(dev)
+        self.rpi = torch.arange(1, self.bs + 1, dtype=torch.int32, device=dev)
+        self.kv = [(torch.randn(slots, hkv, d, dtype=dtype, device=dev),
+                    torch.randn(slots, hkv, d, dtype=dtype, device=dev)) for _ in range(self.layers)]  # fmt: skip
+        self.q = torch.randn(self.bs, hq, d, dtype=dtype, device=dev)
+        self.out = torch.empty_like(self.q)
+        self.scale = d**-0.5
+        flat = [rows[i + 1, :s] for i, s in enumerate(self.desc.seq_lens)]
+        self.kv_indices = torch.from_numpy(np.concatenate(flat)).to(dev)
+        indptr = np.concatenate(([0], np.cumsum(self.desc.seq_lens)))
+        self.kv_indptr = torch.from_numpy(indptr).to(torch.int32).to(dev)
+
+
+# ---- timers -------------------------------------------------------------------------------------
+
+
+def time_graph(calls, reps: int = 7) -> float:
+    """Median microseconds of one call, from a CUDA graph holding every call once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:  # warm up (compiles, autotunes) outside the graph
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    return _median_replay(graph.replay, reps) / len(calls)
+
+
+def time_eager(calls, reps: int = 7) -> float:
+    for f in calls:
+        f()
+
+    def run():
+        for f in calls:
+            f()
+
+    return _median_replay(run, reps) / len(calls)
+
+
+def _median_replay(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+# ---- paths --------------------------------------------------------------------------------------
+
+
+def paged_flashinfer(case: Case):
+    import flashinfer
+
+    hq, hkv, d = case.heads
+    bs = case.bs
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    last = torch.ones(bs, dtype=torch.int32, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=case.kv_indptr.clone(), paged_kv_indices_buffer=case.kv_indices.clone(),
+        paged_kv_last_page_len_buffer=last.clone(),
+    )  # fmt: skip
+    w.plan(case.kv_indptr, case.kv_indices, last, hq, hkv, d, 1, data_type=case.dtype, q_data_type=case.dtype)
+    calls = [
+        (lambda k=k, v=v: w.run(case.q, (k.view(-1, 1, hkv, d), v.view(-1, 1, hkv, d)), out=case.out))
+        for k, v in case.kv
+    ]
+    return time_graph(calls)
+
+
+def paged_triton(case: Case):
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    hq, _, d = case.heads
+    idx64 = case.kv_indices.long()
+    best = math.inf
+    for splits in (8, 16, 32):
+        logits = torch.empty(case.bs, hq, splits, d, dtype=torch.float32, device="cuda")
+        lse = torch.empty(case.bs, hq, splits, dtype=torch.float32, device="cuda")
+        nsp = torch.full((case.bs,), splits, dtype=torch.int32, device="cuda")
+        calls = [
+            (lambda k=k, v=v, lg=logits, ls=lse, ns=nsp, s=splits: decode_attention_fwd(
+                case.q, k, v, case.out, case.kv_indptr, idx64, lg, ls, ns, s, case.scale, 1.0, 1.0))
+            for k, v in case.kv
+        ]  # fmt: skip
+        best = min(best, time_graph(calls))
+    return best
+
+
+def granikv_paths(case: Case):
+    """{path: us per call} for cascade, fused (graph) and bgemm (eager)."""
+    from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
+    from granikv.kernels.work_list import CascadeWorkspace
+
+    hq, hkv, d = case.heads
+    g = case.grouping
+    out = {}
+    ws = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=max(g.num_groups, 1))
+    ws.fill_grouping(g, case.desc.seq_lens, case.rpi)
+    for name, fn in (("cascade", cascade_attention), ("fused", fused_cascade_attention)):
+        calls = [
+            (lambda k=k, v=v, fn=fn: fn(case.q, k, v, case.req_to_token, ws, sm_scale=case.scale, out=case.out))
+            for k, v in case.kv
+        ]  # fmt: skip
+        out[name] = time_graph(calls)
+    wsb = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=max(g.num_groups, 1))
+    wsb.fill_grouping(g, case.desc.seq_lens, case.rpi, single_prefix_chunk=True)
+    calls = [
+        (lambda k=k, v=v: bgemm_cascade_attention(case.q, k, v, case.req_to_token, wsb, sm_scale=case.scale,
+                                                  out=case.out))
+        for k, v in case.kv
+    ]  # fmt: skip
+    out["bgemm"] = time_eager(calls)
+    return out
+
+
+def plan_us(case: Case, dispatcher: Dispatcher, iters: int = 200) -> float:
+    """Host wall time of one step's planning: group + choose + workspace fill."""
+    from granikv.kernels.work_list import CascadeWorkspace
+
+    hq, hkv, d = case.heads
+    ws = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=case.bs)
+    desc = case.desc
+
+    def step():
+        g = group_requests(desc, min_group_size=2)
+        dispatcher.choose(g, desc)
+        ws.fill_grouping(g, desc.seq_lens, case.rpi)
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="output JSON (default: python/granikv/data/cost_model_<gpu>.json)")
+    ap.add_argument("--paged", choices=("auto", "flashinfer", "triton"), default="auto")
+    ap.add_argument("--heads", default="32,8,128", help="q heads, kv heads, head_dim (per GPU)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    args = ap.parse_args()
+    t_start = time.time()
+    torch.manual_seed(0)
+    heads = tuple(int(x) for x in args.heads.split(","))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    props = torch.cuda.get_device_properties(0)
+    gpu = props.name
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    paged_name, paged_fn = pick_paged(args.paged)
+    print(f"# {gpu}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, torch {torch.__version__}, "
+          f"paged = {paged_name}, heads {heads}, {args.dtype}", flush=True)  # fmt: skip
+
+    fallback = CostModel.load(None, None)
+    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            kv_dtype_bytes=torch.finfo(dtype).bits // 8)  # fmt: skip
+    samples, rows = [], []
+    for groups, suffix, ungrouped in CASES:
+        case = Case(groups, suffix, ungrouped, heads, dtype, l2)
+        w = dispatcher.workload(case.grouping, case.desc)
+        measured = {"paged": paged_fn(case)}
+        try:
+            measured.update(granikv_paths(case))
+        except Exception as e:  # noqa: BLE001 - report and fit what was measured
+            print(f"# {case.label}: GraniKV kernels failed: {type(e).__name__}: {e}", file=sys.stderr)
+        samples += [(p, w, t) for p, t in measured.items()]
+        rows.append((case.label, case.layers, measured, w))
+        print(f"{case.label:<42} L={case.layers:<2} " + " ".join(f"{p} {t:8.1f}us" for p, t in measured.items()),
+              flush=True)  # fmt: skip
+        del case
+        torch.cuda.empty_cache()
+    big = Case([(16384, 128)], 256, 0, heads, dtype, l2)
+    t_plan = plan_us(big, dispatcher)
+    del big
+    model, rel_err = CostModel.fit(samples, plan_us=t_plan, fallback=fallback)
+    report(samples, rel_err, model)
+    decisions = check_decisions(rows, model)
+
+    out = args.out or calibrated_path(gpu)
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "gpu": gpu, "torch": torch.__version__, "paged_kernel": paged_name,
+        "heads": list(heads), "dtype": args.dtype,
+        "cases": [{"case": label, "layers": L, "us": {p: round(t, 2) for p, t in m.items()}}
+                  for label, L, m, _ in rows],
+        "decisions_num_layers_32": decisions,
+        "max_abs_rel_err": {p: round(float(max((abs(e) for (q, _, _), e in zip(samples, rel_err) if q == p),
+                                                default=0.0)), 3) for p in PATHS},
+        "elapsed_s": round(time.time() - t_start, 1),
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(model.to_mapping(gpu, calibration=meta), f, indent=2)
+        f.write("\n")
+    print(f"# wrote {out} in {meta['elapsed_s']} s")
+
+
+def pick_paged(choice: str):
+    if choice in ("auto", "flashinfer"):
+        try:
+            import flashinfer  # noqa: F401
+
+            return "flashinfer BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)", paged_flashinfer
+        except Exception as e:  # noqa: BLE001
+            if choice == "flashinfer":
+                raise
+            print(f"# flashinfer unavailable ({type(e).__name__}: {e}); using SGLang's Triton decode")
+    return "sglang decode_attention_fwd (best of 8/16/32 splits)", paged_triton
+
+
+def report(samples, rel_err, model: CostModel):
+    print(f"\n{'path':<8} {'n':>3} {'max |err|':>9} {'mean |err|':>10}")
+    for p in PATHS:
+        e = [abs(x) for (q, _, _), x in zip(samples, rel_err) if q == p]
+        if e:
+            print(f"{p:<8} {len(e):>3} {max(e):>9.2f} {sum(e) / len(e):>10.2f}")
+    print()
+    for name in CostModel.coefficient_names():
+        print(f"  {name:<18} {getattr(model, name):10.2f}")
+
+
+def check_decisions(rows, model: CostModel, num_layers: int = 32):
+    """The path the fitted model picks for each case on a CUDA-graph step (as the Dispatcher,
+    ``num_layers`` layers per plan), against the measured times. Returns one dict per case."""
+    print(f"\n{'case':<44} {'pick':>8} {'best':>8} {'vs paged':>9} {'vs best':>8}")
+    out, worst = [], math.inf
+    for label, _, measured, w in rows:
+        est = {p: getattr(model, f"{p}_time")(w, num_layers=num_layers)
+               for p in ("paged", "cascade", "fused") if p in measured}  # fmt: skip
+        pick = min(est, key=est.get)  # dict order: paged first, so it wins ties
+        best = min(est, key=measured.get)
+        vs_paged, vs_best = measured["paged"] / measured[pick], measured[best] / measured[pick]
+        worst = min(worst, vs_paged)
+        print(f"{label[:44]:<44} {pick:>8} {best:>8} {vs_paged:>8.2f}x {vs_best:>7.2f}x")
+        out.append({"case": label, "pick": pick, "best": best, "speedup_vs_paged": round(vs_paged, 3),
+                    "vs_best": round(vs_best, 3)})  # fmt: skip
+    print(f"# worst pick vs paged: {worst:.2f}x (target >= 0.97x)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
