@@ -177,12 +177,7 @@ def _make_radix_cache(ctx):
             f"--radix-cache-backend={CACHE_BACKEND_NAME} is set without --enable-granikv"
         )
     allocator = ctx.params.token_to_kv_pool_allocator
-    return GraniKVRadixCache(
-        ctx.params,
-        cfg=cfg,
-        kv_pool=allocator.get_kvcache(),
-        hot_prefix_table=allocator.hot_prefix_table,
-    )
+    return GraniKVRadixCache(ctx.params, cfg, allocator.get_kvcache(), allocator.hot_prefix_table)
 
 
 # ---- attention -----------------------------------------------------------------------------

@@ -108,6 +108,13 @@ class Sim:
 
     def admit(self, prompt: List[int], *, register: bool = True) -> Optional[SimReq]:
         """Prefill one request; ``None`` when rows or COLD slots run out (nothing leaks)."""
+        req = self.prefill_begin(prompt, register=register)
+        if req is not None:
+            self.prefill_end(req)
+        return req
+
+    def prefill_begin(self, prompt: List[int], *, register: bool = True) -> Optional[SimReq]:
+        """Schedule + allocate (``get_new_batch_prefill``), up to the forward."""
         req = SimReq(prompt)
         m = self.match(prompt)
         req.prefix_indices, req.last_node = m.indices, m.node
@@ -116,23 +123,28 @@ class Sim:
         if self.req_pool.alloc([req]) is None:
             self.cache.dec_lock_ref(req.last_node)
             return None
-        prefix, n_new = len(m.indices), len(prompt) - len(m.indices)
-        out = self._alloc_cold(n_new)
+        prefix = len(m.indices)
+        out = self._alloc_cold(len(prompt) - prefix)
         if out is None:
             self.cache.dec_lock_ref(req.last_node)
             self.req_pool.free(req)
             return None
         row = self.req_pool.req_to_token[req.req_pool_idx]
-        row[:prefix] = m.indices.to(torch.int32)
+        row[:prefix] = req.prefix_indices.to(torch.int32)
         row[prefix : len(prompt)] = out.to(torch.int32)
         req.kv = SimpleNamespace(kv_allocated_len=len(prompt))
+        req.pending_out = out
         self.live[req.rid] = req
         if register:
             self.cache.update_request_hot_prefix(req)
-        self._forward(out, prompt[prefix:], prefix)
-        req.kv_committed_len = len(prompt)
-        self.cache.cache_unfinished_req(req)
         return req
+
+    def prefill_end(self, req: SimReq) -> None:
+        """The forward (KV of the new tokens), then ``cache_unfinished_req``."""
+        prefix = req.cache_protected_len
+        self._forward(req.pending_out, req.origin_input_ids[prefix:], prefix)
+        req.kv_committed_len = len(req.origin_input_ids)
+        self.cache.cache_unfinished_req(req)
 
     def decode(self, req: SimReq, token: int) -> bool:
         """One decode step; on COLD exhaustion the request is retracted (aborted)."""
@@ -205,6 +217,8 @@ class Sim:
 
     def check_views(self) -> None:
         for req in self.live.values():
+            if req.kv_committed_len == 0:
+                continue  # between prefill_begin and prefill_end: nothing written yet
             want = self.expected_kv(req.tokens[: req.kv_committed_len], 0)
             assert torch.equal(self.request_view(req), want), f"request {req.rid}: KV view differs"
         stack = [(c, 0) for c in self.cache.root_node.children.values()]

@@ -93,3 +93,51 @@ def test_stats():
     pool.alloc(5)
     st = pool.stats()
     assert (st.used, st.free, st.num_extents, st.largest_hole) == (5, 15, 1, 15)
+
+
+# ---- property: random alloc / free / split / compaction against a slot-set model ------------
+
+import os  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPS = st.lists(st.tuples(st.sampled_from(["alloc", "free", "split", "compact"]),
+                          st.integers(1, 40), st.integers(0, 1000)), max_size=60)
+
+
+@settings(max_examples=1000 if os.environ.get("GRANIKV_SLOW_TESTS") == "1" else 150,
+          derandomize=os.environ.get("GRANIKV_SLOW_TESTS") != "1", deadline=None, database=None)
+@given(ops=_OPS)
+def test_hot_pool_random_ops_match_model(ops):
+    pool = HotPool(7, 97)
+    model = {}  # start -> length, the allocated extents as the caller sees them
+    for op, n, pick in ops:
+        starts = sorted(model)
+        if op == "alloc":
+            s = pool.alloc(n)
+            if s is None:
+                assert pool.largest_hole() < n
+            else:
+                assert all(s + n <= t or t + model[t] <= s for t in starts)
+                model[s] = n
+        elif op == "free" and starts:
+            s = starts[pick % len(starts)]
+            pool.free(s, model.pop(s))
+        elif op == "split" and starts:
+            s = starts[pick % len(starts)]
+            if model[s] > 1:
+                k = 1 + pick % (model[s] - 1)
+                model[s + k] = model[s] - k
+                model[s] = k
+                pool.split(s, k)
+        elif op == "compact":
+            locked = {t for i, t in enumerate(starts) if (pick >> (i % 10)) & 1}
+            plan = pool.compaction_plan(locked)
+            for mv in plan.moves:
+                assert mv.src not in locked and mv.dst < mv.src
+                pool.apply_move(mv)
+                model[mv.dst] = model.pop(mv.src)
+            assert pool.largest_hole() == plan.largest_hole
+        pool.check_integrity()
+        assert pool.extents() == model

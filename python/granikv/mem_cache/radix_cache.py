@@ -41,6 +41,9 @@ from granikv.mem_cache.metrics import GraniKVMetrics
 from granikv.mem_cache.policy import PromotionPolicy, SharedLongPrefixPolicy
 
 
+_RETRY = "retry"
+
+
 class GraniKVRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, config, kv_pool,
                  hot_prefix_table: HotPrefixTable, *, policy: Optional[PromotionPolicy] = None,
@@ -75,8 +78,10 @@ class GraniKVRadixCache(RadixCache):
     # ---- SGLang API overrides --------------------------------------------------------------
 
     def reset(self):
+        extents = self.hot_pool.extents()  # the allocator may have been cleared first
         for node, start in self._hot_start.items():
-            self.hot_pool.free(start, len(node.value))
+            if extents.get(start) == len(node.value):
+                self.hot_pool.free(start, len(node.value))
         self._hot_start.clear()
         self._pending.clear()
         self._live.clear()
@@ -146,17 +151,27 @@ class GraniKVRadixCache(RadixCache):
             total += len(node.key)
         return start, total
 
-    def apply_pending_promotions(self) -> int:
+    def apply_pending_promotions(self, register=()) -> int:
         """Execute queued promotions; returns how many nodes became HOT.
 
-        Call at a safe point: the batch about to run is formed and allocated (its requests
-        registered) and no forward is being prepared from stale ``req_to_token`` rows. All
-        device work is stream-ordered on the current stream (copy before row rewrite).
+        ``register``: requests to register (``update_requests_hot_prefix``) first, e.g. the
+        requests of the extend batch about to run.
+
+        Call at a safe point: the batch about to run is formed and allocated, and its requests
+        are already registered (``update_request_hot_prefix`` FIRST: a lock held by an
+        unregistered request defers the promotion to a later call, counted as
+        ``unknown_holders``). All device work is stream-ordered on the current stream (copy
+        before row rewrite).
         """
+        if register:
+            self.update_requests_hot_prefix(register)
         pending, self._pending = list(self._pending), {}
         promoted = 0
         for node in pending:
             holders = self._promotable_holders(node)
+            if holders is _RETRY:
+                self._pending[node] = None  # e.g. a holder registers later this step
+                continue
             if holders is None:
                 continue
             start = self._reserve_extent(len(node.value))
@@ -168,6 +183,9 @@ class GraniKVRadixCache(RadixCache):
         if promoted:
             self.refresh_gauges()
         return promoted
+
+    def has_pending_promotions(self) -> bool:
+        return bool(self._pending)
 
     def evict_hot(self, num_tokens: int) -> int:
         """LRU-evict unlocked HOT subtrees until ``num_tokens`` HOT slots are freed.
@@ -221,8 +239,9 @@ class GraniKVRadixCache(RadixCache):
         if self.policy.should_promote(len(rc.key), rc.lock_ref, hit_count=rc.hit_count):
             self._pending[rc] = None
 
-    def _promotable_holders(self, node: TreeNode) -> Optional[list]:
-        """The live requests holding ``node`` if it may be promoted now, else ``None``."""
+    def _promotable_holders(self, node: TreeNode):
+        """The live requests holding ``node`` if it may be promoted now; ``None`` to drop the
+        queue entry; ``_RETRY`` to keep it queued for the next call."""
         if not self._attached(node) or node.parent is not self.root_node or node in self._hot_start:
             return None  # stale queue entry: evicted, split below the root, already HOT
         if not self.policy.should_promote(len(node.key), node.lock_ref, hit_count=node.hit_count):
@@ -235,17 +254,23 @@ class GraniKVRadixCache(RadixCache):
             # a lock we cannot map to a req_to_token row (a temporary admission lock, or a
             # holder the plugin did not register): its row could keep the old COLD slots
             self.metrics.skip("unknown_holders")
-            return None
+            return _RETRY
         return holders
 
     def _reserve_extent(self, n: int) -> Optional[int]:
+        """A HOT extent of ``n`` slots: best fit, else compaction (keeps every cached extent),
+        else LRU eviction of unlocked HOT subtrees one node at a time (then compaction again).
+        ``None`` when even that cannot make room: the promotion is skipped."""
         pool = self.hot_pool
         start = pool.alloc(n)
-        if start is None and pool.free_size < n <= pool.free_size + self.hot_evictable_size():
-            self.evict_hot(n - pool.free_size)
-            start = pool.alloc(n)
         if start is None and pool.free_size >= n and self._compact(n):
             start = pool.alloc(n)
+        while start is None and pool.free_size + self.hot_evictable_size() >= n > 0:
+            if self.evict_hot(1) == 0:
+                break
+            start = pool.alloc(n)
+            if start is None and pool.free_size >= n and self._compact(n):
+                start = pool.alloc(n)
         return start
 
     def _compact(self, need: int) -> bool:
@@ -253,7 +278,6 @@ class GraniKVRadixCache(RadixCache):
         locked = [s for node, s in self._hot_start.items() if node.lock_ref > 0]
         plan = self.hot_pool.compaction_plan(locked)
         if plan.largest_hole < need:
-            self.metrics.skip("fragmented")
             return False
         node_at = {s: node for node, s in self._hot_start.items()}
         for move in plan.moves:
