@@ -4,14 +4,14 @@ Called by the ``Scheduler.run_batch`` hook (plugin.py). At that point the batch 
 its KV slots are allocated (``alloc_for_extend`` / ``alloc_for_decode`` ran), and its forward has
 not been launched, which makes it the safe point to:
 
-1. run queued promotions (copy a shared prefix into a HOT extent, rewrite the rows of the
+1. register the requests of an extend batch (their HOT run goes to the HotPrefixTable, and
+   their locks count as sharers), then run queued promotions (copy a shared prefix into a HOT extent, rewrite the rows of the
    requests that hold it). Under the overlap scheduler the previous batch's forward may still
    be running on the forward stream and reading ``req_to_token``; the schedule stream waits for
    it first (a device-side wait, no host sync), and the next forward waits for the schedule
    stream as SGLang already arranges;
-2. record the HOT run of every request of an extend batch in the HotPrefixTable;
-3. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan;
-4. optionally check integrity, and log metrics at the configured cadence.
+2. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan;
+3. optionally check integrity, and log metrics at the configured cadence.
 """
 
 import logging
@@ -26,13 +26,12 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     cache = scheduler.tree_cache
     if not hasattr(cache, "apply_pending_promotions"):
         return
+    mode = batch.forward_mode
+    if mode.is_extend():  # register first: their locks may be what makes a prefix shared
+        cache.update_requests_hot_prefix(batch.reqs)
     if cache.has_pending_promotions():
         _wait_for_forward_stream(scheduler)
         cache.apply_pending_promotions()
-    mode = batch.forward_mode
-    if mode.is_extend():
-        for req in batch.reqs:
-            cache.update_request_hot_prefix(req)
     backend = _granikv_backend(scheduler)
     if backend is not None:
         rows = np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64,
@@ -67,13 +66,17 @@ def _maybe_log(scheduler, cache, backend, interval: int) -> None:
     if n % interval:
         return
     attn = backend.stats.snapshot() if backend is not None else {}
+    cache.refresh_gauges()
     logger.info("GraniKV: %s | attention %s", cache.metrics.format(), attn)
 
 
 def metrics_snapshot(scheduler) -> dict:
     """Storage and attention counters, for server info / the metrics endpoint."""
     cache = scheduler.tree_cache
-    out = dict(cache.metrics.snapshot()) if hasattr(cache, "metrics") else {}
+    if not hasattr(cache, "refresh_gauges"):
+        return {}
+    cache.refresh_gauges()
+    out = dict(cache.metrics.snapshot())
     backend = _granikv_backend(scheduler)
     if backend is not None:
         out["attention"] = backend.stats.snapshot()

@@ -2,12 +2,12 @@
 
 Grid (prefix capacity + suffix capacity, Hkv). Program (w, h) with w < n_prefix runs prefix
 item w, else suffix item w - n_prefix (same code as the two-launch path). After writing its
-partial rows, it "arrives" once per request it covered, on that request's counter for kv head h:
+partial rows, every row (request b, q-head j) it computed "arrives" on its own counter:
 
-    partials of (b, h) = part_indptr[b+1] - part_indptr[b]      (prefix chunks + suffix chunks)
-    old = atomic_add(counter[b, h], 1)       acq_rel, after a CTA barrier (all its stores done)
-    old == partials - 1  ->  this program is the last writer: merge (b, h) into out,
-                             then reset counter[b, h] = 0 for the next launch
+    partials of b = part_indptr[b+1] - part_indptr[b]            (prefix chunks + suffix chunks)
+    old = atomic_add(counter[b, j], 1)       acq_rel, after a CTA barrier (all its stores done)
+    old == partials - 1  ->  this program wrote the last partial of (b, j): it merges all such
+                             rows of its tile together (masked), then resets counter[b, j] = 0
 
 No program ever waits on another, so there is no deadlock whatever the scheduling order, and the
 counters are all zero again when the launch ends (CUDA-graph safe). Used for small fan-out,
@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge_state import _merge_rows
 from .prefix_attention import LOG2E, _prefix_item, input_precision
 from .suffix_attention import _suffix_item, block_h
 
@@ -26,47 +25,71 @@ __all__ = ["fused_cascade"]
 
 
 @triton.jit
-def _arrive(b, h, Counter, PartIndptr, PartO, PartLse, Out, num_kv_heads, stride_pr, stride_ph, stride_lr,
-            stride_ob, stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
-    p_lo = tl.load(PartIndptr + b)
-    p_hi = tl.load(PartIndptr + b + 1)
-    cnt = Counter + b * num_kv_heads + h
-    old = tl.atomic_add(cnt, 1, sem="acq_rel")
-    if old == p_hi - p_lo - 1:
-        _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                    RATIO, BLOCK_R, HEAD_DIM)
-        tl.atomic_xchg(cnt, 0, sem="relaxed")
+def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads, stride_pr, stride_ph,
+                      stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr):
+    """Count this item's arrival on every row's (b, q-head) counter; merge the rows it completes.
+
+    Rows are merged together as one tile (per-row partial ranges, masked), so a prefix item that
+    completes many requests merges them in parallel, not one after another.
+    """
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    cnt = Counter + b * num_q_heads + qh
+    old = tl.atomic_add(cnt, 1, mask=row_ok, sem="acq_rel")
+    p_lo = tl.load(PartIndptr + b, mask=row_ok, other=0)
+    n = tl.load(PartIndptr + b + 1, mask=row_ok, other=0) - p_lo
+    last = row_ok & (old == n - 1)
+    tl.debug_barrier()  # the acquiring threads' view reaches every thread that loads below
+    n_max = tl.max(tl.where(last, n, 0), 0)
+    if n_max > 0:
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.where(last, float("-inf"), 0.0)
+        for j in range(0, n_max):
+            ok = last & (j < n)
+            lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, lse)
+        m = tl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
+        acc = tl.zeros([b.shape[0], HEAD_DIM], tl.float32)
+        s = tl.zeros([b.shape[0]], tl.float32)
+        for j in range(0, n_max):
+            ok = last & (j < n)
+            lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            wgt = tl.exp2(lse * 1.4426950408889634 - m)
+            o = tl.load(PartO + (p_lo + j)[:, None] * stride_pr + qh[:, None] * stride_ph + d[None, :],
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            acc += wgt[:, None] * o
+            s += wgt
+        out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
+        tl.store(Out + b[:, None] * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=last[:, None])
+        tl.store(cnt, 0, mask=last)
 
 
 @triton.jit
 def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, GroupReqIdx, PartIndptr, ReqPoolIdx,
                   ReqToToken, Counter,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                  stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_kv_heads, qk_scale,
+                  stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_q_heads, qk_scale,
                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_H: tl.constexpr, SFX_BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr):
+                  BLOCK_H: tl.constexpr, SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  EVEN_SPLIT: tl.constexpr):
     h = tl.program_id(1)
     n_pfx = tl.load(Counts + 1)
     n_all = n_pfx + tl.load(Counts + 2)
-    for w in range(tl.program_id(0), n_all, tl.num_programs(0)):
-        if w < n_pfx:
-            m_lo, m_hi = _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
-                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                                      RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION)
-            tl.debug_barrier()
-            for m in range(m_lo, m_hi):
-                _arrive(tl.load(GroupReqIdx + m), h, Counter, PartIndptr, PartO, PartLse, Out, num_kv_heads,
-                        stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, RATIO, BLOCK_R, HEAD_DIM)
-        else:
-            b = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
-                             stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                             stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                             RATIO, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION)
-            tl.debug_barrier()
-            _arrive(b, h, Counter, PartIndptr, PartO, PartLse, Out, num_kv_heads,
-                    stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, RATIO, BLOCK_R, HEAD_DIM)
+    w = tl.program_id(0)
+    if w < n_pfx:
+        b, qh, row_ok = _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+                                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                                     stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
+        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
+                          stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
+    elif w < n_all:
+        b, qh, row_ok = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
+                                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
+                                     stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                                     RATIO, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION)
+        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
+                          stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
 
 
 def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -87,9 +110,9 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counters,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_kv_heads, sm_scale * LOG2E,
+        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=block_h(ws.ratio),
-        SFX_BLOCK_N=cfg.suffix_block_n, BLOCK_R=triton.next_power_of_2(ws.ratio),
-        INPUT_PRECISION=input_precision(q.dtype), num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        SFX_BLOCK_N=cfg.suffix_block_n,
+        INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

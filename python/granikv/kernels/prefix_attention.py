@@ -51,8 +51,8 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                  stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr):
-    """Attention of prefix item ``w`` for kv head ``h``; returns its member range (m_lo, m_hi)."""
+                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
+    """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
     m_lo = tl.load(PfxItems + w)
     m_hi = tl.load(PfxItems + pfx_cap + w)
     slot_lo = tl.load(PfxItems + 2 * pfx_cap + w).to(tl.int64)
@@ -73,23 +73,33 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    n_full = n_kv // BLOCK_N
-    for _ in range(0, n_full):
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, BLOCK_N, INPUT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kb
-        v_ptrs += BLOCK_N * stride_vb
-    n_left = n_kv - n_full * BLOCK_N
-    if n_left > 0:
-        kv_ok = offs_n[:, None] < n_left
-        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, True, BLOCK_N, INPUT_PRECISION)
+    if EVEN_SPLIT:  # unmasked full tiles, then one masked tail
+        n_full = n_kv // BLOCK_N
+        for _ in range(0, n_full):
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, BLOCK_N, INPUT_PRECISION)
+            k_ptrs += BLOCK_N * stride_kb
+            v_ptrs += BLOCK_N * stride_vb
+        n_left = n_kv - n_full * BLOCK_N
+        if n_left > 0:
+            kv_ok = offs_n[:, None] < n_left
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, True, BLOCK_N, INPUT_PRECISION)
+    else:  # every tile masked (one code path, fewer registers)
+        for start in range(0, n_kv, BLOCK_N):
+            kv_ok = offs_n[:, None] < n_kv - start
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_kv - start, True, BLOCK_N,
+                                          INPUT_PRECISION)
+            k_ptrs += BLOCK_N * stride_kb
+            v_ptrs += BLOCK_N * stride_vb
 
     rows_part = tl.load(PartIndptr + b, mask=row_ok, other=0).to(tl.int64) + split
     _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr, HEAD_DIM)
-    return m_lo, m_hi
+    return b, qh, row_ok
 
 
 @triton.jit
@@ -97,14 +107,15 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 1)
-    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+    w = tl.program_id(0)
+    if w < n_items:  # grid fixed at capacity; the live count is read from device memory
         _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION)
+                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -132,5 +143,5 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        INPUT_PRECISION=input_precision(q.dtype), num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip

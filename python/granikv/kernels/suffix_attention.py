@@ -23,7 +23,7 @@ def _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken
                  stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr):
-    """Attention of suffix item ``w`` for kv head ``h``; returns the item's batch position."""
+    """Attention of suffix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
     b = tl.load(SfxItems + w)
     t_lo = tl.load(SfxItems + sfx_cap + w)
     t_hi = tl.load(SfxItems + 2 * sfx_cap + w)
@@ -42,24 +42,17 @@ def _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     n_kv = t_hi - t_lo
-    n_full = n_kv // BLOCK_N
-    for _ in range(0, n_full):
-        slots = tl.load(tok_ptr + offs_n).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_kb + h * stride_kh + d[None, :])
-        v = tl.load(V + slots[:, None] * stride_vb + h * stride_vh + d[None, :])
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, BLOCK_N, INPUT_PRECISION)
-        tok_ptr += BLOCK_N
-    n_left = n_kv - n_full * BLOCK_N
-    if n_left > 0:
-        ok = offs_n < n_left
+    for start in range(0, n_kv, BLOCK_N):
+        ok = offs_n < n_kv - start
         slots = tl.load(tok_ptr + offs_n, mask=ok, other=0).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_kb + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(V + slots[:, None] * stride_vb + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, True, BLOCK_N, INPUT_PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_kv - start, True, BLOCK_N, INPUT_PRECISION)
+        tok_ptr += BLOCK_N
 
     rows_part = tl.zeros([BLOCK_H], tl.int64) + row
     _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr, HEAD_DIM)
-    return b
+    return tl.zeros([BLOCK_H], tl.int64) + b64, qh, row_ok
 
 
 @triton.jit
@@ -70,7 +63,8 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
                    INPUT_PRECISION: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 2)
-    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+    w = tl.program_id(0)
+    if w < n_items:  # grid fixed at capacity; the live count is read from device memory
         _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                      stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,

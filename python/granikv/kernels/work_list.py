@@ -41,13 +41,13 @@ __all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "d
 class KernelConfig:
     """Tile sizes and launch shape of the cascade kernels (all compile-time except the waves)."""
 
-    block_m: int = 128
+    block_m: int = 64
     """Prefix rows per tile (q-heads x requests stacked); a tile holds block_m // ratio requests."""
-    block_n: int = 64
+    block_n: int = 32
     """Prefix keys per inner step."""
-    prefix_warps: int = 8
+    prefix_warps: int = 4
     prefix_stages: int = 2
-    suffix_block_n: int = 64
+    suffix_block_n: int = 32
     """Suffix keys (gathered slots) per inner step."""
     suffix_warps: int = 4
     suffix_stages: int = 2
@@ -58,6 +58,8 @@ class KernelConfig:
     min_prefix_chunk: int = 256
     """Smallest kv chunk of a prefix item (bounds the partial-state traffic)."""
     min_suffix_chunk: int = 64
+    even_split: bool = False
+    """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False)."""
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "suffix_block_n"):
@@ -69,7 +71,7 @@ class KernelConfig:
 def default_config(head_dim: int) -> KernelConfig:
     """Tile sizes that fit the register file for this head_dim (tuned on H200, see docs/kernels.md)."""
     if head_dim > 128:
-        return KernelConfig(block_m=64, block_n=32, prefix_warps=4, suffix_block_n=32)
+        return KernelConfig(block_m=32, block_n=32, prefix_warps=4, suffix_block_n=16)
     return KernelConfig()
 
 
@@ -234,7 +236,7 @@ class CascadeWorkspace:
       ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1)] = counts (bs, n_prefix_items,
       n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr;
       ``req_pool_indices`` [max_bs]; ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
-      [rows, Hq]; ``counters`` [max_bs, Hkv] (fused kernel arrivals, zero between launches).
+      [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches).
     """
 
     def __init__(
@@ -294,7 +296,7 @@ class CascadeWorkspace:
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
-        self.counters = torch.zeros(max_bs, num_kv_heads, dtype=torch.int32, device=self.device)
+        self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self.work_list: Optional[WorkList] = None
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
 
