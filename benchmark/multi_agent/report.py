@@ -195,6 +195,12 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
     out += ["", markdown_table(rows), "", f"KV pool capacity (tokens): {caps or '–'}."]
     if png:
         out += ["", f"![throughput]({png})"]
+    for backend, a in (meta.get("agreement") or {}).items():
+        out += ["", f"Output agreement ({backend}; probe {a['probe']}): baseline vs itself "
+                f"{a['baseline_self_agreement']:.1%} of tokens, GraniKV vs baseline "
+                f"{a['granikv_vs_baseline_agreement']:.1%} (target: >= baseline's own); max "
+                f"|logprob| difference on equal tokens {a['max_logprob_diff_same_token']} "
+                f"(tolerance {a['logprob_atol']})."]
     if errors:
         out += ["", "Errors:", ""] + [f"- {e['backend']}/{e['config']}: {e['error']}" for e in errors]
     return "\n".join(out) + "\n"

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import agreement  # noqa: E402
 import report  # noqa: E402
 import workloads as wl  # noqa: E402
 
@@ -164,6 +165,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "share of what is left and starts no row past it (a running row "
                         "finishes).")
     p.add_argument("--dry-run", action="store_true", help="Print the plan and exit.")
+    p.add_argument("--no-agreement", action="store_true",
+                   help="Skip the output-agreement probe (greedy ids and logprobs vs baseline).")
     p.add_argument("--write-model-dir", metavar="DIR",
                    help="Write --model's config.json and a word-level tokenizer into DIR (for "
                         "bench_serving.sh) and exit.")
@@ -249,7 +252,8 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float,
     """
     job = dict(engine_kwargs=cfg.engine_kwargs, backend=cfg.backend, config=cfg.config,
                model_config=str(model_config_path(args.model)), latency=args.latency,
-               specs=[s.to_json() for s in specs], deadline=deadline)
+               specs=[s.to_json() for s in specs], deadline=deadline,
+               agreement=not args.no_agreement)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cfg.backend == "flashinfer":
         env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
@@ -283,6 +287,19 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float,
     elif proc.returncode != 0 and not errors:
         on_record(dict(kind="error", backend=cfg.backend, config=cfg.config,
                        error=f"child exited with status {proc.returncode}"))
+
+
+def agreement_summaries(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per backend: GraniKV's output agreement with the baseline vs the baseline's own."""
+    probes = {(r["backend"], r["config"]): r for r in records
+              if r["kind"] == "info" and "agreement_runs" in r}
+    out = {}
+    for (backend, config), rec in probes.items():
+        base = probes.get((backend, "baseline"))
+        if config == "granikv" and base is not None:
+            out[backend] = agreement.summarize(base, rec)
+            print(f"agreement {backend}: {json.dumps(out[backend])}", flush=True)
+    return out
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -322,6 +339,7 @@ def main_parent(args, argv: Sequence[str]) -> int:
                 continue
             child_deadline = now + (deadline - now) / (len(configs) - i)
         run_child(cfg, args, specs, args.child_timeout, on_record, deadline=child_deadline)
+    meta["agreement"] = agreement_summaries(records)
     paths = report.write(args.out, records, meta, tag=args.tag)
     print(f"wrote {', '.join(str(p) for p in paths)}", flush=True)
     errors = [r for r in records if r["kind"] == "error"]
@@ -544,11 +562,18 @@ def main_child(job_path: str) -> int:
         traceback.print_exc()
         emit(ERROR_TAG, dict(error=f"engine start: {type(e).__name__}: {e}"))
         return 1
-    emit(INFO_TAG, child.info())
     # First requests pay lazy initialisation (JIT modules, allocator growth): not timed.
     child.engine.generate(input_ids=[[1000 + i] * 64 for i in range(4)],
                           sampling_params={"max_new_tokens": 16, "ignore_eos": True, "temperature": 0})
-    status = 0
+    status, info = 0, child.info()
+    if job.get("agreement"):
+        try:
+            info.update(agreement.probe(child.engine))
+        except Exception as e:
+            traceback.print_exc()
+            emit(ERROR_TAG, dict(error=f"agreement probe: {type(e).__name__}: {e}"))
+            status = 1
+    emit(INFO_TAG, info)
     for s in job["specs"]:
         spec = wl.WorkloadSpec.from_json(s)
         if job.get("deadline") and time.time() > job["deadline"]:

@@ -339,9 +339,10 @@ FAKE_SGLANG = textwrap.dedent('''
             tm.flush_cache, tm.get_loads = flush_cache, get_loads
             self.tokenizer_manager = tm
             self.fast = 3.0 if kw.get("enable_granikv") else 1.0
-        def generate(self, input_ids, sampling_params):
+        def generate(self, input_ids, sampling_params, return_logprob=False):
             n = sampling_params["max_new_tokens"]
-            return [{"output_ids": [1] * n, "meta_info": {}} for _ in input_ids]
+            lp = {"output_token_logprobs": [(-1.0, 1, None)] * n} if return_logprob else {}
+            return [{"output_ids": [1] * n, "meta_info": lp} for _ in input_ids]
         async def async_generate(self, input_ids, sampling_params, stream):
             n = sampling_params["max_new_tokens"]
             delay = 0.00002 * len(input_ids) / self.fast
@@ -412,3 +413,19 @@ def test_parent_budget_and_timeout_with_fake_engine(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     assert "--budget-s spent" in (tmp_path / "b" / "multi_agent.md").read_text()
+
+
+def test_agreement_summary_counts_tokens_until_divergence():
+    import agreement
+
+    base = {"agreement_runs": [
+        {"ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "logprobs": [[-1.0] * 4, [-2.0] * 4]},
+        {"ids": [[1, 2, 3, 4], [5, 6, 9, 9]], "logprobs": [[-1.0] * 4, [-2.0] * 4]},
+    ]}
+    gran = {"agreement_runs": [
+        {"ids": [[1, 2, 3, 4], [5, 6, 7, 0]], "logprobs": [[-1.1] * 4, [-2.0] * 4]},
+    ] * 2}
+    s = agreement.summarize(base, gran)
+    assert s["baseline_self_agreement"] == 0.75  # (4 + 2) of 8
+    assert s["granikv_vs_baseline_agreement"] == 0.875  # (4 + 3) of 8
+    assert s["tokens_ok"] and abs(s["max_logprob_diff_same_token"] - 0.1) < 1e-9

@@ -1,0 +1,373 @@
+"""One decode attention layer over shared prefixes: GraniKV kernels vs SGLang / FlashInfer, one run.
+
+Paths timed side by side on the same KV pool (bf16, page size 1, prefixes contiguous = HOT
+extents, suffix slots shuffled = COLD):
+  sgl_triton      SGLang's paged Triton decode (decode_attention_fwd), best num_kv_splits
+  fi_decode_tc    FlashInfer tensor-core paged decode (SGLang's flashinfer backend for GQA 4)
+  fi_cascade_fa2  FlashInfer MultiLevelCascadeAttentionWrapper, fa2 prefill kernels
+  fi_cascade_fa3  the same with FlashInfer's default backend (fa3 on sm90)
+  gkv_cascade     GraniKV prefix + suffix + merge (3 launches)
+  gkv_fused       GraniKV single launch
+  gkv_bgemm       torch flash attention per group for the prefix + GraniKV suffix + merge (eager)
+GraniKV's capturable paths are timed as CUDA-graph replays (as SGLang runs decode; eager times
+too), baselines eagerly as in fi_attn_bench.py (GPU-bound at these sizes); triton.testing
+.do_bench median, L2 flushed between runs. Floor = max(unique bytes / copy bandwidth,
+FLOPs / bf16 matmul rate), both measured at the start of the run; "TB/s" and "TFLOP/s" count
+the unique bytes (each K/V token read once, q read, out written) and the useful FLOPs.
+
+    python benchmark/kernels/bench_attention.py --quick --out DIR     # key points + tuning sweep
+    python benchmark/kernels/bench_attention.py --out DIR             # full grid
+
+Writes DIR/kernels.json and DIR/kernels.png (if matplotlib is importable).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+import traceback
+
+import numpy as np
+import torch
+import triton
+
+from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
+from granikv.kernels.work_list import CascadeWorkspace, KernelConfig, default_config
+
+DEV = "cuda"
+DT = torch.bfloat16
+HQ, HKV, D = 32, 8, 128
+SCALE = D**-0.5
+
+
+def bench(fn, graph=True):
+    """Median ms of fn, as CUDA-graph replays when capturable (else eager); returns (ms, mode)."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median"), "graph"
+        except Exception as e:  # noqa: BLE001 - fall back to eager timing, reported
+            print("  graph capture failed, eager:", repr(e)[:120], flush=True)
+            torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), "eager"
+
+
+def host_ms(fn, n=50):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def ceilings():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    bw = 2 * x.numel() / ms / 1e9  # TB/s, read + write
+    a = torch.randn(8192, 8192, dtype=DT, device=DEV)
+    b = torch.randn(8192, 8192, dtype=DT, device=DEV)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    tf = 2 * 8192**3 / ms / 1e9
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    return bw, tf
+
+
+class Case:
+    """KV pool + per-path inputs for one point: groups = [(prefix_len, n_requests)], plus ungrouped."""
+
+    def __init__(self, groups, suffix, n_ungrouped=0, ungrouped_len=0, seed=0):
+        torch.manual_seed(seed)
+        self.groups, self.suffix = groups, suffix
+        n_req = sum(n for _, n in groups) + n_ungrouped
+        n_pre = sum(lp for lp, _ in groups)
+        n_cold = sum(n for _, n in groups) * suffix + n_ungrouped * ungrouped_len
+        n_tok = 1 + n_pre + n_cold
+        self.k = torch.randn(n_tok, HKV, D, device=DEV, dtype=DT)
+        self.v = torch.randn(n_tok, HKV, D, device=DEV, dtype=DT)
+        self.q = torch.randn(n_req, HQ, D, device=DEV, dtype=DT)
+        cold = 1 + n_pre + torch.randperm(n_cold, device=DEV).to(torch.int32)
+        starts = 1 + np.cumsum([0] + [lp for lp, _ in groups[:-1]])
+        rows, prefix_len, members, c = [], [], [], 0
+        for g, (lp, n) in enumerate(groups):
+            pre = torch.arange(starts[g], starts[g] + lp, device=DEV, dtype=torch.int32)
+            members.append(list(range(len(rows), len(rows) + n)))
+            for _ in range(n):
+                rows.append(torch.cat([pre, cold[c : c + suffix]]))
+                prefix_len.append(lp)
+                c += suffix
+        for _ in range(n_ungrouped):
+            rows.append(cold[c : c + ungrouped_len])
+            prefix_len.append(0)
+            c += ungrouped_len
+        self.seq_lens = np.array([len(r) for r in rows], np.int64)
+        max_ctx = int(self.seq_lens.max())
+        self.r2t = torch.zeros(n_req + 1, max_ctx, dtype=torch.int32, device=DEV)
+        for i, r in enumerate(rows):
+            self.r2t[i + 1, : len(r)] = r
+        self.rpi = torch.arange(1, n_req + 1, device=DEV)
+        self.g = dict(
+            group_start=np.asarray(starts, np.int64),
+            group_len=np.array([lp for lp, _ in groups], np.int64),
+            group_req_indptr=np.cumsum([0] + [n for _, n in groups]).astype(np.int64),
+            group_req_idx=np.array([i for m in members for i in m], np.int64),
+            prefix_len=np.array(prefix_len, np.int64),
+        )
+        self.full_idx = torch.cat(rows)
+        self.full_indptr = torch.zeros(n_req + 1, dtype=torch.int32, device=DEV)
+        self.full_indptr[1:] = torch.as_tensor(self.seq_lens, device=DEV).cumsum(0)
+        self.n_req = n_req
+        kv_tok = n_pre + n_cold
+        self.bytes = kv_tok * HKV * D * 2 * 2 + 2 * n_req * HQ * D * 2
+        self.flops = 4 * int(self.seq_lens.sum()) * HQ * D
+        self.paged_bytes = int(self.seq_lens.sum()) * HKV * D * 2 * 2
+
+    def fill(self, ws, **kw):
+        return ws.fill(**self.g, seq_lens=self.seq_lens, req_pool_indices=self.rpi, **kw)
+
+
+def run_graniKV(case, row, outs, configs):
+    for name, cfg in configs.items():
+        ws = CascadeWorkspace(max(case.n_req, 8), HQ, HKV, D, DEV, config=cfg)
+        sfx = "" if name == "default" else f"@{name}"
+        case.fill(ws)
+        for path, fn in (("gkv_cascade", cascade_attention), ("gkv_fused", fused_cascade_attention)):
+            out = torch.empty_like(case.q)
+            f = lambda: fn(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE, out=out)  # noqa: E731
+            try:
+                row[path + sfx + "_ms"], _ = bench(f)
+                outs[path + sfx] = out.clone()
+                if name == "default":
+                    row[path + "_eager_ms"], _ = bench(f, graph=False)
+            except Exception as e:  # noqa: BLE001
+                row[path + sfx + "_error"] = repr(e)[:300]
+                traceback.print_exc()
+        if name == "default":
+            from granikv.kernels.merge_state import merge_state
+            from granikv.kernels.prefix_attention import prefix_attention
+            from granikv.kernels.suffix_attention import suffix_attention
+
+            out = torch.empty_like(case.q)
+            for part, f in (
+                ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)),
+                ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE)),
+                ("merge", lambda: merge_state(ws, out)),
+            ):
+                row[f"gkv_part_{part}_us"] = round(bench(f)[0] * 1e3, 1)
+            row["gkv_plan_us"] = host_ms(lambda: case.fill(ws)) * 1e3
+            row["gkv_prefix_chunk"] = ws.work_list.prefix_chunk
+            row["gkv_prefix_items"] = ws.work_list.num_prefix_items
+            row["gkv_suffix_items"] = ws.work_list.num_suffix_items
+            case.fill(ws, single_prefix_chunk=True)
+            out = torch.empty_like(case.q)
+            f = lambda: bgemm_cascade_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE, out=out)  # noqa
+            try:
+                row["gkv_bgemm_ms"], _ = bench(f, graph=False)
+                outs["gkv_bgemm"] = out.clone()
+            except Exception as e:  # noqa: BLE001
+                row["gkv_bgemm_error"] = repr(e)[:300]
+                traceback.print_exc()
+
+
+def run_baselines(case, row, outs, ws_bytes):
+    B = case.n_req
+    try:
+        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+        o = torch.empty_like(case.q)
+        idx64 = case.full_idx.long()
+        best = None
+        for s in (8, 16, 32, 64):
+            logits = torch.empty(B, HQ, s, D, device=DEV, dtype=torch.float32)
+            lse = torch.empty(B, HQ, s, device=DEV, dtype=torch.float32)
+            nsp = torch.full((B,), s, device=DEV, dtype=torch.int32)
+            f = lambda: decode_attention_fwd(case.q, case.k, case.v, o, case.full_indptr, idx64, logits, lse, nsp,  # noqa
+                                             s, SCALE, 1.0, 1.0)
+            ms, _ = bench(f, graph=False)
+            if best is None or ms < best[0]:
+                best = (ms, s)
+                outs["sgl_triton"] = (f(), o.clone())[1]
+        row["sgl_triton_ms"], row["sgl_triton_splits"] = best
+    except Exception as e:  # noqa: BLE001
+        row["sgl_triton_error"] = repr(e)[:300]
+        traceback.print_exc()
+    try:
+        import flashinfer
+        from flashinfer import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
+                                MultiLevelCascadeAttentionWrapper)
+
+        kv = (case.k.view(-1, 1, HKV, D), case.v.view(-1, 1, HKV, D))
+        ones_b = torch.ones(B, dtype=torch.int32, device=DEV)
+        w = BatchDecodeWithPagedKVCacheWrapper(ws_bytes, "NHD", use_tensor_cores=True)
+        w.plan(case.full_indptr, case.full_idx, ones_b, HQ, HKV, D, 1, data_type=DT, q_data_type=DT)
+        outs["fi_decode_tc"] = w.run(case.q, kv)
+        row["fi_decode_tc_ms"], _ = bench(lambda: w.run(case.q, kv), graph=False)
+        if case.g["group_req_idx"].size == B and all(lp > 0 for lp, _ in case.groups):
+            i32 = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device=DEV)  # noqa: E731
+            G = len(case.groups)
+            qo0 = i32(case.g["group_req_indptr"])
+            kv0_ptr = i32(np.cumsum([0] + [lp for lp, _ in case.groups]))
+            kv0_idx = torch.cat([torch.arange(s, s + lp, dtype=torch.int32, device=DEV)
+                                 for s, (lp, _) in zip(case.g["group_start"], case.groups)])
+            qo1 = torch.arange(B + 1, dtype=torch.int32, device=DEV)
+            sfx = torch.as_tensor(case.seq_lens - case.g["prefix_len"])
+            kv1_ptr = i32(np.concatenate([[0], np.cumsum(sfx.numpy())]))
+            kv1_idx = torch.cat([case.r2t[i + 1, case.g["prefix_len"][i] : case.seq_lens[i]] for i in range(B)])
+            for be, name in (("fa2", "fi_cascade_fa2"), ("auto", "fi_cascade_fa3")):
+                try:
+                    c = MultiLevelCascadeAttentionWrapper(2, ws_bytes, "NHD")
+                    if be != "auto":
+                        c._batch_prefill_wrappers = [BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+                                                     for _ in range(2)]
+                    pl = lambda: c.plan([qo0, qo1], [kv0_ptr, kv1_ptr], [kv0_idx, kv1_idx],  # noqa: E731
+                                        [torch.ones(G, dtype=torch.int32, device=DEV), ones_b], HQ, HKV, D, 1,
+                                        causal=False, q_data_type=DT, kv_data_type=DT)
+                    row[name + "_plan_ms"] = host_ms(pl, n=5)
+                    pl()
+                    outs[name] = c.run(case.q, kv)
+                    row[name + "_ms"], _ = bench(lambda: c.run(case.q, kv), graph=False)
+                except Exception as e:  # noqa: BLE001
+                    row[name + "_error"] = repr(e)[:300]
+                    traceback.print_exc()
+        del flashinfer
+    except Exception as e:  # noqa: BLE001
+        row["flashinfer_error"] = repr(e)[:300]
+        traceback.print_exc()
+
+
+def run_case(groups, suffix, configs, bw, tf, ws_bytes, n_ungrouped=0, ungrouped_len=0):
+    case = Case(groups, suffix, n_ungrouped, ungrouped_len)
+    row = dict(groups=groups, suffix=suffix, n_ungrouped=n_ungrouped, requests=case.n_req,
+               unique_MB=round(case.bytes / 1e6, 1), paged_MB=round(case.paged_bytes / 1e6, 1),
+               GFLOP=round(case.flops / 1e9, 2))
+    row["floor_ms"] = max(case.bytes / bw / 1e9, case.flops / tf / 1e9)
+    outs = {}
+    run_baselines(case, row, outs, ws_bytes)
+    run_graniKV(case, row, outs, configs)
+    ref = outs.get("fi_decode_tc", outs.get("sgl_triton"))
+    if ref is not None:
+        for k, v in outs.items():
+            row["maxdiff_" + k] = round((v.float() - ref.float()).abs().max().item(), 4)
+    for k in list(row):
+        if k.endswith("_ms") and not k.endswith("plan_ms") and k != "floor_ms":
+            ms = row[k]
+            row[k[:-3] + "_TBps"] = round(case.bytes / ms / 1e9, 2)
+            row[k[:-3] + "_TFLOPs"] = round(case.flops / ms / 1e9, 1)
+    del case
+    torch.cuda.empty_cache()
+    return row
+
+
+MAIN = ["sgl_triton", "fi_decode_tc", "fi_cascade_fa2", "fi_cascade_fa3", "gkv_cascade", "gkv_fused", "gkv_bgemm"]
+
+
+def print_table(rows, bw, tf):
+    print(f"\n{torch.cuda.get_device_name()}  bf16 {HQ}q/{HKV}kv/{D}  copy {bw:.2f} TB/s  matmul {tf:.0f} TFLOP/s")
+    hdr = f"{'groups':<34}{'sfx':>5}{'req':>5}{'floor':>8}" + "".join(f"{m:>15}" for m in MAIN) + f"{'best gkv':>16}"
+    print(hdr + "\n" + "-" * len(hdr))
+    for r in rows:
+        cells = []
+        for m in MAIN:
+            v = r.get(m + "_ms")
+            cells.append(f"{v:8.4f} {r.get(m + '_TBps', 0):4.1f}T" if v else f"{'-':>15}")
+        gk = {k: v for k, v in r.items() if k.startswith("gkv_") and k.endswith("_ms")}
+        best = min(gk, key=gk.get) if gk else None
+        tail = f"{gk[best]:8.4f} {best[4:-3][:7]}" if best else "-"
+        print(f"{str(r['groups']):<34}{r['suffix']:>5}{r['requests']:>5}{r['floor_ms']:8.4f}" + "".join(
+            f"{c:>15}" for c in cells) + f"{tail:>16}")
+    print("(cells: ms and effective TB/s of unique bytes; floor = max(bytes/copy BW, FLOPs/matmul rate))")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="key points + a tile/launch tuning sweep")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bw, tf = ceilings()
+    print(f"ceilings: copy {bw:.2f} TB/s, bf16 matmul {tf:.0f} TFLOP/s", flush=True)
+    ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
+    base = default_config(D)
+    if args.quick:
+        configs = {"default": base}
+        for name, kw in {
+            "n64": dict(block_n=64),
+            "m128w8": dict(block_m=128, block_n=64, prefix_warps=8),
+            "st3": dict(prefix_stages=3),
+            "pw1": dict(prefix_waves=1.0),
+            "pw4": dict(prefix_waves=4.0),
+            "s64w8": dict(suffix_block_n=64, suffix_warps=8),
+        }.items():
+            configs[name] = dataclasses.replace(base, **kw)
+        cases = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
+                 ([(4096, 8)], 256)]
+    else:
+        configs = {"default": base}
+        cases = []
+        for lp in (1024, 4096, 16384, 32768):
+            for sfx in (64, 256, 1024):
+                for n in (1, 8, 32, 64, 128, 256):
+                    cases.append(([(lp, n)], sfx))
+        for G in (4, 16):
+            cases.append(([(32768 >> (i % 4), 4 + 4 * (i % 3)) for i in range(G)], 256))
+    rows = []
+    for groups, sfx in cases:
+        t = time.time()
+        try:
+            r = run_case(groups, sfx, configs, bw, tf, ws_bytes)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r = dict(groups=groups, suffix=sfx, requests=sum(n for _, n in groups), floor_ms=0, error=repr(e)[:300])
+        r["case_s"] = round(time.time() - t, 1)
+        rows.append(r)
+        print("ROW", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_TBps=bw, matmul_TFLOPs=tf, shapes=dict(hq=HQ, hkv=HKV, d=D, dtype="bf16"),
+                configs={k: dataclasses.asdict(v) for k, v in configs.items()})
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print_table(rows, bw, tf)
+    try:
+        import sys
+
+        sys.modules.pop("IPython", None)  # the offline host's IPython stub confuses matplotlib
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(12, 5))
+        labels = [f"{r['groups']}/{r['suffix']}" for r in rows]
+        x = np.arange(len(rows))
+        for j, m in enumerate(MAIN + ["floor"]):
+            ax.bar(x + j * 0.1, [r.get(m + "_ms", 0) or 0 for r in rows], 0.1, label=m)
+        ax.set_xticks(x + 0.35, labels, rotation=20, ha="right", fontsize=7)
+        ax.set_ylabel("ms (one layer)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.set_title(f"{meta['gpu']} decode attention, bf16 32q/8kv/128")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "kernels.png"), dpi=110)
+    except Exception as e:  # noqa: BLE001 - no matplotlib (or a broken one): no plot
+        print("no plot:", repr(e)[:200])
+
+
+if __name__ == "__main__":
+    main()
