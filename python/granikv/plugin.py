@@ -9,7 +9,7 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
 
     ServerArgs.add_cli_args                        AFTER   add --enable-granikv, --granikv-*
     ServerArgs.from_cli_args                       AROUND  flags -> GraniKVConfig on server_args._granikv
-    Engine.__init__                                AROUND  same for Engine(enable_granikv=True, granikv_*=...)
+    ServerArgs.__init__                            AROUND  same for Engine(enable_granikv=True, granikv_*=...)
     KVCacheConfigurator._build_token_to_kv_pool_allocator
                                                    AFTER   stock allocator -> GraniKVAllocator (HOT + COLD)
     KVCacheConfigurator.configure                  AFTER   scheduler token budget = COLD capacity
@@ -31,7 +31,7 @@ _SA = "sglang.srt.server_args.ServerArgs"
 _TARGETS = {
     "add_cli_args": f"{_SA}.add_cli_args",
     "from_cli_args": f"{_SA}.from_cli_args",
-    "engine_init": "sglang.srt.entrypoints.engine.Engine.__init__",
+    "server_args_init": f"{_SA}.__init__",
     "allocator": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     "._build_token_to_kv_pool_allocator",
     "configure": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
@@ -50,7 +50,7 @@ def register() -> None:
     hooks = [
         ("add_cli_args", _after_add_cli_args, HookType.AFTER),
         ("from_cli_args", _around_from_cli_args, HookType.AROUND),
-        ("engine_init", _around_engine_init, HookType.AROUND),
+        ("server_args_init", _around_server_args_init, HookType.AROUND),
         ("allocator", _after_build_allocator, HookType.AFTER),
         ("configure", _after_configure, HookType.AFTER),
         ("attn_backend", _around_build_attn_backend, HookType.AROUND),
@@ -110,19 +110,16 @@ def _around_from_cli_args(orig, cls, args):
     return server_args
 
 
-def _around_engine_init(orig, self, **kwargs):
-    if "server_args" in kwargs:
-        sa = kwargs["server_args"]
-        if getattr(sa, "_granikv", None) is None:
-            sa._granikv = GraniKVConfig()
-        return orig(self, **kwargs)
+def _around_server_args_init(orig, self, *args, **kwargs):
+    """``ServerArgs(**kwargs)`` as ``sglang.Engine(**kwargs)`` builds it: GraniKV keywords
+    (``enable_granikv``, ``granikv_*``) are taken out, validated and attached as ``_granikv``.
+    (``Engine.__init__`` itself cannot be hooked: it loads the plugins.)"""
     values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
     cfg = GraniKVConfig.from_mapping(values)
     _apply_to_server_kwargs(cfg, kwargs, kwargs.get, kwargs.__setitem__)
-    kwargs.setdefault("log_level", "error")  # Engine's own default
-    server_args = self.server_args_class(**kwargs)
-    server_args._granikv = cfg
-    return orig(self, server_args=server_args)
+    orig(self, *args, **kwargs)
+    if getattr(self, "_granikv", None) is None or values:
+        self._granikv = cfg
 
 
 # ---- storage -------------------------------------------------------------------------------

@@ -111,23 +111,26 @@ def test_disabled_hooks_keep_stock_objects():
 
 
 def test_engine_kwargs_become_config():
-    """Engine(enable_granikv=True, granikv_*=...) builds ServerArgs with the config attached."""
+    """sglang.Engine(enable_granikv=True, granikv_*=...) -> ServerArgs(**kwargs): the hook takes
+    the GraniKV keywords out, validates them and attaches the config."""
     seen = {}
 
-    class FakeEngine:
-        @staticmethod
-        def server_args_class(**kw):
-            seen.update(kw)
-            return type("SA", (), {})()
+    class FakeServerArgs:
+        pass
 
     def orig(self, **kw):
-        seen["server_args"] = kw["server_args"]
+        seen.update(kw)
 
-    plugin._around_engine_init(orig, FakeEngine(), model_path="m", enable_granikv=True,
-                               granikv_hot_min_tokens=2048, page_size=4)
+    sa = FakeServerArgs()
+    plugin._around_server_args_init(orig, sa, model_path="m", enable_granikv=True,
+                                    granikv_hot_min_tokens=2048, page_size=4)
     assert seen["radix_cache_backend"] == "granikv" and seen["page_size"] == 1
     assert "enable_granikv" not in seen and "granikv_hot_min_tokens" not in seen
-    assert seen["server_args"]._granikv.hot_min_tokens == 2048
+    assert sa._granikv.enable and sa._granikv.hot_min_tokens == 2048
+    off = FakeServerArgs()
+    seen.clear()
+    plugin._around_server_args_init(orig, off, model_path="m", page_size=4)
+    assert seen == {"model_path": "m", "page_size": 4} and not off._granikv.enable
     with pytest.raises(ValueError, match="--granikv-hot-min-tokens=0"):
-        plugin._around_engine_init(orig, FakeEngine(), model_path="m", enable_granikv=True,
-                                   granikv_hot_min_tokens=0)
+        plugin._around_server_args_init(orig, FakeServerArgs(), model_path="m",
+                                        enable_granikv=True, granikv_hot_min_tokens=0)

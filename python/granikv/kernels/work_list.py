@@ -43,8 +43,9 @@ class KernelConfig:
 
     block_m: int = 64
     """Prefix rows per tile (q-heads x requests stacked); a tile holds block_m // ratio requests."""
-    block_n: int = 32
-    """Prefix keys per inner step."""
+    block_n: int = 64
+    """Prefix keys per inner step (64 measured fastest on H200 with block_m 64, although ptxas
+    reports a ~1 KB stack there; 32 has no spill but was 1.3x slower, docs/results/kernels.md)."""
     prefix_warps: int = 4
     prefix_stages: int = 2
     suffix_block_n: int = 32
@@ -69,7 +70,8 @@ class KernelConfig:
 
 
 def default_config(head_dim: int) -> KernelConfig:
-    """Tile sizes that fit the register file for this head_dim (tuned on H200, see docs/kernels.md)."""
+    """Tile sizes for this head_dim (head_dim <= 128 tuned on H200, docs/results/kernels.md;
+    head_dim 256 untuned: smaller tiles to fit the register file)."""
     if head_dim > 128:
         return KernelConfig(block_m=32, block_n=32, prefix_warps=4, suffix_block_n=16)
     return KernelConfig()
