@@ -63,7 +63,7 @@ class PagedStandIn:
 def _runner():
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=D, num_hidden_layers=1,
                          get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
-    r = SimpleNamespace(model_config=mc, tp_size=1, device="cpu", kv_cache_dtype=DTYPE,
+    r = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device="cpu", kv_cache_dtype=DTYPE,
                         server_args=SimpleNamespace(speculative_algorithm=None))
     r.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu",
                                          enable_memory_saver=False)

@@ -10,6 +10,10 @@ Scheduler call sequence mimicked (sglang 0.5.17):
     admit:  match_prefix -> inc_lock_ref -> ReqToTokenPool.alloc -> evict + alloc COLD slots
             -> write req_to_token (prefix + new) -> [plugin] update_request_hot_prefix
             -> forward (KV of the new tokens) -> cache_unfinished_req
+    chunked prefill: admit with the extend cut at the first chunk -> forward
+            -> cache_unfinished_req(chunked=True) (inserts the prefix so far) -> next chunk:
+            alloc -> write req_to_token (prefix_indices + new) -> [plugin] register -> forward
+            -> ... -> the last chunk ends with cache_unfinished_req(chunked=False)
     decode: evict + alloc 1 slot -> write req_to_token -> forward
     finish: cache_finished_req(kv_len_to_handle=committed) -> ReqToTokenPool.free
     abort:  cache_finished_req(is_insert=False, ...) -> ReqToTokenPool.free
@@ -67,9 +71,12 @@ class SimReq:
         self.kv_committed_len = 0
         self.inflight_middle_chunks = 0
         self.kv = None
+        self.fill_len: Optional[int] = None  # chunked prefill: the prompt extended so far
+        self.pending = None  # (first position, slots) allocated but not yet forwarded
 
     def get_fill_ids(self) -> array:
-        return self.origin_input_ids + self.output_ids
+        ids = self.origin_input_ids + self.output_ids
+        return ids if self.fill_len is None else ids[: self.fill_len]
 
     @property
     def tokens(self) -> array:
@@ -113,8 +120,12 @@ class Sim:
             self.prefill_end(req)
         return req
 
-    def prefill_begin(self, prompt: List[int], *, register: bool = True) -> Optional[SimReq]:
-        """Schedule + allocate (``get_new_batch_prefill``), up to the forward."""
+    def prefill_begin(self, prompt: List[int], *, register: bool = True,
+                      chunk: Optional[int] = None) -> Optional[SimReq]:
+        """Schedule + allocate (``get_new_batch_prefill``), up to the forward.
+
+        ``chunk``: extend only that many tokens now (chunked prefill; see ``admit_chunked``).
+        """
         req = SimReq(prompt)
         m = self.match(prompt)
         req.prefix_indices, req.last_node = m.indices, m.node
@@ -123,28 +134,41 @@ class Sim:
         if self.req_pool.alloc([req]) is None:
             self.cache.dec_lock_ref(req.last_node)
             return None
-        prefix = len(m.indices)
-        out = self._alloc_cold(len(prompt) - prefix)
-        if out is None:
+        end = len(prompt) if chunk is None else min(len(prompt), len(m.indices) + chunk)
+        if not self._alloc_extend(req, end, register=register):
             self.cache.dec_lock_ref(req.last_node)
             self.req_pool.free(req)
             return None
-        row = self.req_pool.req_to_token[req.req_pool_idx]
-        row[:prefix] = req.prefix_indices.to(torch.int32)
-        row[prefix : len(prompt)] = out.to(torch.int32)
-        req.kv = SimpleNamespace(kv_allocated_len=len(prompt))
-        req.pending_out = out
         self.live[req.rid] = req
-        if register:
-            self.cache.update_request_hot_prefix(req)
         return req
 
-    def prefill_end(self, req: SimReq) -> None:
+    def prefill_end(self, req: SimReq, *, chunked: bool = False) -> None:
         """The forward (KV of the new tokens), then ``cache_unfinished_req``."""
-        prefix = req.cache_protected_len
-        self._forward(req.pending_out, req.origin_input_ids[prefix:], prefix)
-        req.kv_committed_len = len(req.origin_input_ids)
-        self.cache.cache_unfinished_req(req)
+        start, out = req.pending
+        end = start + len(out)
+        self._forward(out, req.origin_input_ids[start:end], start)
+        req.pending = None
+        req.kv_committed_len = end
+        self.cache.cache_unfinished_req(req, chunked=chunked)
+
+    def admit_chunked(self, prompt: List[int], chunk: int, *, promote: bool = False,
+                      register: bool = True) -> Optional[SimReq]:
+        """Chunked prefill, ``chunk`` tokens per extend: the tree grows root -> chunk 1 ->
+        chunk 2 -> ... (``promote``: the plugin's promotions run before every chunk's
+        forward). ``None`` when rows or COLD slots run out (the request is aborted)."""
+        req = self.prefill_begin(prompt, chunk=chunk, register=register)
+        while req is not None:
+            if promote:
+                self.promote()
+            last = req.fill_len is None
+            self.prefill_end(req, chunked=not last)
+            if last:
+                return req
+            end = min(len(prompt), req.kv_committed_len + chunk)
+            if not self._alloc_extend(req, end, register=register):
+                self.abort(req)
+                return None
+        return None
 
     def decode(self, req: SimReq, token: int) -> bool:
         """One decode step; on COLD exhaustion the request is retracted (aborted)."""
@@ -216,17 +240,28 @@ class Sim:
         return self.gather_kv(row)
 
     def check_views(self) -> None:
+        """Every live row, every live ``prefix_indices``, every node and every shadow head
+        holds the oracle's KV."""
         for req in self.live.values():
             if req.kv_committed_len == 0:
                 continue  # between prefill_begin and prefill_end: nothing written yet
             want = self.expected_kv(req.tokens[: req.kv_committed_len], 0)
             assert torch.equal(self.request_view(req), want), f"request {req.rid}: KV view differs"
-        stack = [(c, 0) for c in self.cache.root_node.children.values()]
+            n = min(len(req.prefix_indices), req.kv_committed_len)
+            assert torch.equal(self.gather_kv(req.prefix_indices[:n]), want[:, :, :n]), (
+                f"request {req.rid}: prefix_indices KV differs")
+        stack = [(c, []) for c in self.cache.root_node.children.values()]
         while stack:
-            node, depth = stack.pop()
-            want = self.expected_kv(node.key.token_ids, depth)
+            node, above = stack.pop()
+            want = self.expected_kv(node.key.token_ids, len(above))
             assert torch.equal(self.gather_kv(node.value), want), f"node {node.id}: KV differs"
-            stack += [(c, depth + len(node.key)) for c in node.children.values()]
+            ext = self.cache.hot_extent_of(node)
+            if ext is not None and ext.head:
+                head = self.gather_kv(torch.arange(ext.start, ext.node_start))
+                assert torch.equal(head, self.expected_kv(above[: ext.head], 0)), (
+                    f"node {node.id}: shadow head KV differs")
+            below = above + list(node.key.token_ids)
+            stack += [(c, below) for c in node.children.values()]
 
     def check(self) -> None:
         self.cache.check_integrity(strict=not self.temp_locks)
@@ -242,6 +277,23 @@ class Sim:
         assert not self.cache.hot_prefix_table.length_np.any()
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _alloc_extend(self, req: SimReq, end: int, *, register: bool) -> bool:
+        """``alloc_for_extend``: COLD slots for prompt tokens ``[protected, end)``; the row gets
+        ``prefix_indices`` then the new slots; then the plugin registers the request."""
+        start = req.cache_protected_len
+        out = self._alloc_cold(end - start)
+        if out is None:
+            return False
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        row[:start] = req.prefix_indices[:start].to(torch.int32)
+        row[start:end] = out.to(torch.int32)
+        req.kv = SimpleNamespace(kv_allocated_len=end)
+        req.fill_len = end if end < len(req.origin_input_ids) else None
+        req.pending = (start, out)
+        if register:
+            self.cache.update_request_hot_prefix(req)
+        return True
 
     def _alloc_cold(self, n: int) -> Optional[torch.Tensor]:
         if n == 0:

@@ -32,8 +32,9 @@ def test_promotion_rewrites_rows_and_frees_cold_slots():
     assert sim.promote() == 1
     sim.check()
     node = reqs[0].last_node.parent
-    start, n = sim.cache.hot_extent_of(node)
-    assert n == len(P) and start >= sim.allocator.hot_base
+    ext = sim.cache.hot_extent_of(node)
+    start, n = ext.start, ext.length
+    assert ext.head == 0 and n == len(P) and start >= sim.allocator.hot_base  # a root child
     assert sim.allocator.available_size() == cold_before + len(P)
     for r, v in zip(reqs, views):
         assert torch.equal(sim.request_view(r), v)

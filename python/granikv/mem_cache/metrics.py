@@ -18,7 +18,8 @@ class GraniKVMetrics:
     promotions: int = 0
     promotions_skipped: int = 0
     skip_reasons: Counter = field(default_factory=Counter)
-    promoted_tokens: int = 0
+    promoted_tokens: int = 0  # node tokens made HOT (shadow heads not included)
+    shadow_head_tokens: int = 0  # ancestor tokens copied in front of promoted nodes
     hot_evictions: int = 0
     hot_evicted_tokens: int = 0
     hot_splits: int = 0

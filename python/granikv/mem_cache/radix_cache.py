@@ -1,32 +1,43 @@
 """GraniKVRadixCache: SGLang's RadixCache with HOT (contiguous-extent) nodes.
 
-Which nodes are HOT: a child of the root promoted by the policy, and the chain of halves a
-split of a HOT node leaves below it (each half keeps a contiguous extent). A HOT node's
-``value`` is always ``arange(start, start + len)`` on the KV device; ``self._hot_start``
-holds ``start`` on the host, so nothing here reads the device to find an extent.
+Which nodes are HOT: the deepest node of a locked path that the policy accepts (prefix length
+from the root, live sharers), and the halves a split of a HOT node leaves. A node promoted at
+depth ``d`` (tokens above it) gets ONE extent of ``d + len`` slots: a "shadow head", a copy of
+its ancestors' KV, then its own tokens, so a request through it has a HOT run from token 0
+even when the ancestors are COLD (a short common head) or HOT elsewhere (an earlier chunk):
 
-    root ── S (HOT, [h, h+L1)) ── S' (HOT, [h+L1, h+L1+L2)) ── a (COLD) ...
-         └─ T (COLD)                                      └─ b (COLD) ...
+    tree:  root ── h (COLD, 4) ── B (HOT, head 4) ── B' (HOT half) ── a (COLD) ...
+                              └─ C (COLD) ...                      └─ b (COLD) ...
+    HOT:   | copy of h | B's tokens | B''s tokens |      <- one extent [s, s + 4 + |B| + |B'|)
+             s           s+4 = B.value[0]
 
-The HOT run of a request walks its path from the root while nodes are HOT and each extent
-starts where the previous one ended; it is published in the ``HotPrefixTable`` row of the
-request's ``req_pool_idx``.
+A HOT node's ``value`` is always ``arange(start, start + len)`` (its own tokens, after the
+head); ``self._hot_start`` holds ``start`` and ``self._head`` the head length (absent = 0) on
+the host, so nothing here reads the device to find an extent. Root children are the ``d = 0``
+case of the same code. The tree keeps the ancestors' own slots: other requests use them.
+
+The HOT run of a request walks its path from the root: a node whose head covers its whole
+depth (re)starts the run, a HOT node whose slots follow the run's end extends it. It is
+published in the ``HotPrefixTable`` row of the request's ``req_pool_idx``, and the request's
+``req_to_token`` row (and ``prefix_indices``) point at the run.
 
 Lifecycle (the plugin drives the two public extras; everything else is SGLang's own calls):
-- ``inc_lock_ref`` (admission, ``cache_unfinished_req``) QUEUES the root child on the path
-  when the policy holds (length, live sharers = lock count);
+- ``inc_lock_ref`` (admission, ``cache_unfinished_req``) QUEUES the deepest node of the locked
+  path that the policy accepts, if it is COLD;
 - ``apply_pending_promotions()`` EXECUTES the queue at a safe point (before a batch's
-  forward): extent alloc (HOT eviction / compaction if needed), KV copy, rewrite of the
-  holders' ``req_to_token`` rows and ``prefix_indices``, free of the COLD slots;
-- ``update_request_hot_prefix(req)`` after ``alloc_for_extend`` registers a live request;
-  ``cache_finished_req`` (finish, abort, retract) drops it.
+  forward): extent alloc (HOT eviction / compaction if needed), KV copy (ancestors + node),
+  rewrite of the holders' ``req_to_token`` rows and ``prefix_indices``, free of the COLD slots;
+- ``update_request_hot_prefix(req)`` after ``alloc_for_extend`` registers a live request and
+  points its row at its HOT run; ``cache_finished_req`` (finish, abort, retract) drops it.
 Anything that cannot be done safely is skipped and counted in ``metrics``; nothing raises
-mid-serving. ``evict`` (COLD pressure) never evicts HOT nodes; ``evict_hot`` does.
+mid-serving. ``evict`` (COLD pressure) evicts HOT nodes only where they pin COLD ancestors;
+``evict_hot`` (HOT pressure) evicts HOT subtrees.
 """
 
 import heapq
 import time
-from typing import Dict, List, Optional
+from collections import deque
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -42,6 +53,39 @@ from granikv.mem_cache.policy import PromotionPolicy, SharedLongPrefixPolicy
 
 
 _RETRY = "retry"
+
+
+class HotExtent(NamedTuple):
+    """The HotPool extent a HOT node owns: ``[start, start + head + length)``.
+
+        slot:  start                start + head                  start + head + length
+               | shadow head (copy)  | the node's own tokens       |
+                 path tokens [0, head) path tokens [head, head + length)
+
+    ``head`` is the node's depth when it was promoted (0 for root children and for the lower
+    half of a split); ``node_start`` is ``node.value[0]``.
+    """
+
+    start: int
+    head: int
+    length: int
+
+    @property
+    def node_start(self) -> int:
+        return self.start + self.head
+
+    @property
+    def size(self) -> int:
+        return self.head + self.length
+
+
+class _Run(NamedTuple):
+    """A request's HOT run: path tokens ``[0, length)`` live in ``[start, start + length)``;
+    the first ``head`` of them are a shadow head (the tree's own values differ there)."""
+
+    start: int
+    length: int
+    head: int
 
 
 class GraniKVRadixCache(RadixCache):
@@ -63,7 +107,8 @@ class GraniKVRadixCache(RadixCache):
         self.hot_pool = allocator.hot_pool
         self.policy = policy or SharedLongPrefixPolicy.from_config(config)
         self.metrics = metrics or GraniKVMetrics()
-        self._hot_start: Dict[TreeNode, int] = {}
+        self._hot_start: Dict[TreeNode, int] = {}  # HOT node -> node.value[0]
+        self._head: Dict[TreeNode, int] = {}  # HOT node -> shadow head length (only if > 0)
         self._pending: Dict[TreeNode, None] = {}  # insertion-ordered set: deterministic
         self._live: Dict[int, object] = {}  # req_pool_idx -> Req
         super().__init__(params)
@@ -79,10 +124,12 @@ class GraniKVRadixCache(RadixCache):
 
     def reset(self):
         extents = self.hot_pool.extents()  # the allocator may have been cleared first
-        for node, start in self._hot_start.items():
-            if extents.get(start) == len(node.value):
-                self.hot_pool.free(start, len(node.value))
+        for node in self._hot_start:
+            ext = self._extent(node)
+            if extents.get(ext.start) == ext.size:
+                self.hot_pool.free(ext.start, ext.size)
         self._hot_start.clear()
+        self._head.clear()
         self._pending.clear()
         self._live.clear()
         self.hot_prefix_table.reset()
@@ -106,25 +153,37 @@ class GraniKVRadixCache(RadixCache):
             self.hot_prefix_table.clear(idx)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """LRU over COLD leaves only: HOT slots cannot serve a COLD allocation."""
+        """LRU over COLD leaves, and over HOT nodes below a COLD node: a node promoted with a
+        shadow head pins its COLD ancestors, and evicting it is the only way to free them
+        (this keeps ``evictable_size()`` exact). Counts COLD slots only."""
         start_time = time.perf_counter()
-        is_cold = lambda node: node not in self._hot_start  # noqa: E731
-        num = self._evict_lru(params.num_tokens, eligible=is_cold, counts=is_cold)
+        hot = self._hot_start
+        eligible = lambda n: n not in hot or self._below(n, cold=True)  # noqa: E731
+        num = self._evict_lru(params.num_tokens, eligible=eligible,
+                              counts=lambda n: 0 if n in hot else len(n.value))
         self.update_eviction_metrics(num, start_time)
         return EvictResult(num_tokens_evicted=num)
 
     def evictable_size(self):
-        return self.evictable_size_ - self._hot_tokens(locked=False)
+        return self.evictable_size_ - self._hot_key_tokens(locked=False)
 
     def protected_size(self):
-        return self.protected_size_ - self._hot_tokens(locked=True)
+        return self.protected_size_ - self._hot_key_tokens(locked=True)
 
     def _split_node(self, key, child: TreeNode, split_len: int):
+        """A HOT ``child`` splits its extent: the upper half keeps the shadow head.
+
+            before:  | head | child's tokens ..................... |
+            after:   | head | new_node [:split_len] | child [split_len:] |
+        """
         new_node = super()._split_node(key, child, split_len)
         start = self._hot_start.get(child)
         if start is not None:  # both halves stay HOT and contiguous
+            head = self._head.pop(child, 0)
             self._hot_start[new_node] = start
-            self._hot_start[child] = self.hot_pool.split(start, split_len)
+            if head:
+                self._head[new_node] = head
+            self._hot_start[child] = self.hot_pool.split(start - head, head + split_len)
             self.metrics.hot_splits += 1
         return new_node
 
@@ -135,21 +194,23 @@ class GraniKVRadixCache(RadixCache):
         self.update_requests_hot_prefix([req])
 
     def update_requests_hot_prefix(self, reqs) -> None:
+        """Register ``reqs`` as live, point their rows at their HOT runs, publish the runs.
+
+        SGLang writes ``prefix_indices`` (the tree's values) into a new request's row, so
+        where a run starts with a shadow head, the row's first columns still point at the
+        ancestors' slots (same KV): those rows are repointed (device-side, no host sync).
+        """
         reqs = [r for r in reqs if r.req_pool_idx is not None]
         for req in reqs:
             self._live[req.req_pool_idx] = req
-        self._publish(reqs)
+        runs = [self._run(r) for r in reqs]
+        self._repoint([(r, run) for r, run in zip(reqs, runs) if run.head])
+        self._publish(reqs, runs)
 
     def hot_run(self, req) -> tuple:
         """``(start, length)`` of the HOT run ``req``'s KV starts with; ``(0, 0)`` if none."""
-        start, total = 0, 0
-        for node in self._path(getattr(req, "last_node", None)):
-            s = self._hot_start.get(node)
-            if s is None or (total and s != start + total):
-                break
-            start = s if not total else start
-            total += len(node.key)
-        return start, total
+        run = self._run(req)
+        return run.start, run.length
 
     def apply_pending_promotions(self, register=()) -> int:
         """Execute queued promotions; returns how many nodes became HOT.
@@ -165,20 +226,30 @@ class GraniKVRadixCache(RadixCache):
         """
         if register:
             self.update_requests_hot_prefix(register)
-        pending, self._pending = list(self._pending), {}
-        promoted = 0
-        for node in pending:
+        work, self._pending = deque(self._pending), {}
+        seen, promoted = set(), 0
+        while work:
+            node = work.popleft()
+            if node in seen:
+                continue
+            seen.add(node)
             holders = self._promotable_holders(node)
             if holders is _RETRY:
                 self._pending[node] = None  # e.g. a holder registers later this step
                 continue
             if holders is None:
                 continue
-            start = self._reserve_extent(len(node.value))
+            deeper = self._superseded_by(node, holders)
+            if deeper is not None:  # every holder shares a longer prefix: promote that one
+                self.metrics.skip("superseded")
+                work.extend(deeper)
+                continue
+            depth = self._depth(node)
+            start = self._reserve_extent(depth + len(node.value))
             if start is None:
                 self.metrics.skip("no_space")
                 continue
-            self._materialize(node, start, holders)
+            self._materialize(node, HotExtent(start, depth, len(node.value)), holders)
             promoted += 1
         if promoted:
             self.refresh_gauges()
@@ -190,24 +261,27 @@ class GraniKVRadixCache(RadixCache):
     def evict_hot(self, num_tokens: int) -> int:
         """LRU-evict unlocked HOT subtrees until ``num_tokens`` HOT slots are freed.
 
-        COLD leaves below HOT nodes go too (a HOT node is a leaf only once they are gone).
-        Returns the number of HOT slots freed.
+        COLD leaves below HOT nodes go too (a HOT node is a leaf only once they are gone);
+        COLD ancestors of HOT nodes stay (``evict`` frees them). Returns the number of HOT
+        slots freed (shadow heads included).
         """
-        in_hot_subtree = lambda node: self._root_child(node) in self._hot_start  # noqa: E731
-        freed = self._evict_lru(num_tokens, eligible=in_hot_subtree,
-                                counts=lambda node: node in self._hot_start)
+        hot = self._hot_start
+        freed = self._evict_lru(
+            num_tokens, eligible=lambda n: n in hot or self._below(n, cold=False),
+            counts=lambda n: self._extent(n).size if n in hot else 0)
         self.refresh_gauges()
         return freed
 
     def hot_evictable_size(self) -> int:
-        return self._hot_tokens(locked=False)
+        """HOT slots (shadow heads included) of unlocked HOT nodes."""
+        return self._hot_slots(locked=False)
 
     def hot_protected_size(self) -> int:
-        return self._hot_tokens(locked=True)
+        """HOT slots (shadow heads included) of locked HOT nodes."""
+        return self._hot_slots(locked=True)
 
-    def hot_extent_of(self, node: TreeNode) -> Optional[tuple]:
-        start = self._hot_start.get(node)
-        return None if start is None else (start, len(node.key))
+    def hot_extent_of(self, node: TreeNode) -> Optional[HotExtent]:
+        return self._extent(node) if node in self._hot_start else None
 
     def live_requests(self) -> Dict[int, object]:
         return dict(self._live)
@@ -232,21 +306,30 @@ class GraniKVRadixCache(RadixCache):
 
     # ---- promotion internals ---------------------------------------------------------------
 
+    def _target(self, node: Optional[TreeNode]) -> Optional[TreeNode]:
+        """The deepest node on ``node``'s path the policy accepts (``None``: none does)."""
+        path = self._path(node)
+        end = sum(len(n.key) for n in path)
+        for n in reversed(path):
+            if self.policy.should_promote(end, n.lock_ref, hit_count=n.hit_count):
+                return n
+            end -= len(n.key)
+        return None
+
     def _maybe_queue(self, node: TreeNode) -> None:
-        rc = self._root_child(node)
-        if rc is None or rc in self._hot_start or rc in self._pending:
-            return
-        if self.policy.should_promote(len(rc.key), rc.lock_ref, hit_count=rc.hit_count):
-            self._pending[rc] = None
+        target = self._target(node)
+        if target is not None and target not in self._hot_start:
+            self._pending[target] = None
 
     def _promotable_holders(self, node: TreeNode):
         """The live requests holding ``node`` if it may be promoted now; ``None`` to drop the
         queue entry; ``_RETRY`` to keep it queued for the next call."""
-        if not self._attached(node) or node.parent is not self.root_node or node in self._hot_start:
-            return None  # stale queue entry: evicted, split below the root, already HOT
-        if not self.policy.should_promote(len(node.key), node.lock_ref, hit_count=node.hit_count):
+        if not self._attached(node) or node in self._hot_start:
+            return None  # stale queue entry: evicted, already HOT
+        total = self._depth(node) + len(node.key)
+        if not self.policy.should_promote(total, node.lock_ref, hit_count=node.hit_count):
             return None
-        if len(node.value) > self.hot_pool.capacity:
+        if total > self.hot_pool.capacity:
             self.metrics.skip("too_large")
             return None
         holders = [r for r in self._live_reqs() if node in self._path(r.last_node)]
@@ -256,6 +339,14 @@ class GraniKVRadixCache(RadixCache):
             self.metrics.skip("unknown_holders")
             return _RETRY
         return holders
+
+    def _superseded_by(self, node: TreeNode, holders: list) -> Optional[list]:
+        """``None`` if some holder's deepest accepted node is ``node``; otherwise the holders'
+        deeper COLD targets (promoting ``node`` too would copy KV nobody's run would use)."""
+        targets = dict.fromkeys(self._target(r.last_node) for r in holders)
+        if node in targets:
+            return None
+        return [t for t in targets if t is not None and t not in self._hot_start]
 
     def _reserve_extent(self, n: int) -> Optional[int]:
         """A HOT extent of ``n`` slots: best fit, else compaction (keeps every cached extent),
@@ -274,62 +365,113 @@ class GraniKVRadixCache(RadixCache):
         return start
 
     def _compact(self, need: int) -> bool:
-        """Slide unlocked extents down (KV moved) if that opens a hole of ``need`` slots."""
-        locked = [s for node, s in self._hot_start.items() if node.lock_ref > 0]
+        """Slide unlocked extents down (KV moved) if that opens a hole of ``need`` slots.
+
+        Only unlocked extents move, so no live row points into them; a split's lower half
+        sits right after its upper half, so it moves with it or not at all (contiguity kept).
+        """
+        node_at = {self._extent(node).start: node for node in self._hot_start}
+        locked = [s for s, node in node_at.items() if node.lock_ref > 0]
         plan = self.hot_pool.compaction_plan(locked)
         if plan.largest_hole < need:
             return False
-        node_at = {s: node for node, s in self._hot_start.items()}
         for move in plan.moves:
             self.metrics.bytes_copied += move_kv_range(self.kv_pool, *move)
             self.hot_pool.apply_move(move)
             node = node_at[move.src]
-            node.value = self._arange(move.dst, move.length)
-            self._hot_start[node] = move.dst
+            start = move.dst + self._head.get(node, 0)
+            node.value = self._arange(start, len(node.key))
+            self._hot_start[node] = start
         self.metrics.compactions += 1
         self.metrics.compaction_moves += len(plan.moves)
         return True
 
-    def _materialize(self, node: TreeNode, start: int, holders: list) -> None:
-        """Copy ``node``'s KV into ``[start, start+n)`` and repoint everything at it.
+    def _materialize(self, node: TreeNode, ext: HotExtent, holders: list) -> None:
+        """Copy the path's KV (ancestors, then ``node``) into ``ext`` and repoint at it.
 
-            req_to_token[holder]: | ..depth.. | old COLD slots of node | rest |
-                               -> | ..depth.. | start ... start+n-1    | rest |
+            path:     | A (any slots) | h (any slots) | node (COLD)       |
+            extent:   | ext.start ..... shadow head   | ext.node_start ... |   head = depth
+            req_to_token[holder][:head + length] -> arange(ext.start, ext.start + ext.size)
+
+        The ancestors keep their own slots (other requests use them); ``node``'s old COLD
+        slots are freed.
         """
+        path = self._path(node)
+        self.metrics.bytes_copied += copy_kv_slots(
+            self.kv_pool, torch.cat([n.value for n in path]), ext.start)
         old = node.value
-        n, depth = len(old), self._depth(node)
-        self.metrics.bytes_copied += copy_kv_slots(self.kv_pool, old, start)
-        new = self._arange(start, n)
-        self._rewrite_rows(holders, depth, old, new)
-        node.value = new
-        self._hot_start[node] = start
+        node.value = self._arange(ext.node_start, ext.length)
+        self._hot_start[node] = ext.node_start
+        if ext.head:
+            self._head[node] = ext.head
+        self._repoint([(r, self._run(r)) for r in holders])
         self.token_to_kv_pool_allocator.free(old)
         self._publish(holders)
         self.metrics.promotions += 1
-        self.metrics.promoted_tokens += n
+        self.metrics.promoted_tokens += ext.length
+        self.metrics.shadow_head_tokens += ext.head
 
-    def _rewrite_rows(self, holders: list, depth: int, old: torch.Tensor, new: torch.Tensor):
-        """Device-side masked rewrite (no host sync): a row is rewritten only if its slot at
-        ``depth`` is still the node's first old slot."""
-        for req in holders:
-            req.prefix_indices = _splice(req.prefix_indices, depth, new)
-        if not holders:
+    def _repoint(self, reqs_runs: list) -> None:
+        """Point each request's row and ``prefix_indices`` at its HOT run: one device-side
+        masked write for all rows (no host sync).
+
+            req_to_token[r]:  | ancestors' / COLD slots ...... | rest (untouched) |
+                           -> | run.start ... run.start+len-1  | rest             |
+                                columns [0, run.length)
+
+        Valid for any live request: its path's tokens ``[0, run.length)`` have the same KV
+        in the run as in the slots the row held (``run.length <= cache_protected_len``, so
+        the request's private slots are never overwritten).
+        """
+        reqs_runs = [(r, run) for r, run in reqs_runs if run.length]
+        if not reqs_runs:
             return
+        for req, run in reqs_runs:
+            req.prefix_indices = _splice_prefix(req.prefix_indices, self._arange(run.start, run.length))
         r2t = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r in holders], dtype=torch.int64)
-        rows = rows.to(r2t.device, non_blocking=True)
-        cols = slice(depth, depth + len(new))
-        block = r2t[rows, cols]
-        mask = block[:, :1] == old[:1].to(device=r2t.device, dtype=r2t.dtype)
-        r2t[rows, cols] = torch.where(mask, new.to(device=r2t.device, dtype=r2t.dtype), block)
-        self.metrics.rows_rewritten += len(holders)
+        width = max(run.length for _, run in reqs_runs)
+        rows, starts, lens = (torch.tensor(v, dtype=torch.int64).to(r2t.device, non_blocking=True)
+                              for v in zip(*[(r.req_pool_idx, run.start, run.length)
+                                             for r, run in reqs_runs]))
+        cols = torch.arange(width, dtype=torch.int64, device=r2t.device)
+        block = r2t[rows, :width]
+        new = (starts[:, None] + cols).to(r2t.dtype)
+        r2t[rows, :width] = torch.where(cols < lens[:, None], new, block)
+        self.metrics.rows_rewritten += len(reqs_runs)
 
-    # ---- helpers ---------------------------------------------------------------------------
+# ---- helpers ---------------------------------------------------------------------------
 
-    def _publish(self, reqs) -> None:
-        runs = [self.hot_run(r) for r in reqs]
+    def _run(self, req) -> _Run:
+        """``req``'s HOT run, capped at ``cache_protected_len`` (never its private slots)."""
+        run = self._run_of(getattr(req, "last_node", None))
+        limit = getattr(req, "cache_protected_len", run.length)
+        return run if run.length <= limit else _Run(run.start, max(limit, 0), min(run.head, limit))
+
+    def _run_of(self, node: Optional[TreeNode]) -> _Run:
+        """The HOT run of the path root -> ``node``.
+
+            path:   | h (COLD, 4) | B (HOT, head 4) | B' (HOT, follows B) | c (COLD) |
+            run:    [s, s + 4 + |B| + |B'|)       s = B's extent start
+
+        A HOT node whose shadow head covers its whole depth (re)starts the run (root
+        children: depth 0, head 0); a HOT node whose slots follow the run's end, with the run
+        reaching its depth, extends it. Other nodes leave the run as it is.
+        """
+        start = length = head = depth = 0
+        for n in self._path(node):
+            s = self._hot_start.get(n)
+            if s is not None:
+                if length == depth > 0 and s == start + length:
+                    length += len(n.key)
+                elif self._head.get(n, 0) == depth:
+                    start, length, head = s - depth, depth + len(n.key), depth
+            depth += len(n.key)
+        return _Run(start, length, head)
+
+    def _publish(self, reqs, runs=None) -> None:
+        runs = runs if runs is not None else [self._run(r) for r in reqs]
         self.hot_prefix_table.set_many([r.req_pool_idx for r in reqs],
-                                       [s for s, _ in runs], [n for _, n in runs])
+                                       [run.start for run in runs], [run.length for run in runs])
 
     def _live_reqs(self) -> list:
         stale = [i for i, r in self._live.items() if r.req_pool_idx != i]
@@ -339,13 +481,15 @@ class GraniKVRadixCache(RadixCache):
         return list(self._live.values())
 
     def _evict_lru(self, num_tokens: int, *, eligible, counts) -> int:
+        """Evict ``eligible`` leaves in LRU order until ``counts`` (slots freed per node, taken
+        before the node goes) adds up to ``num_tokens``; parents that become leaves join."""
         prio = self.eviction_strategy.get_priority
         heap = [(prio(n), n) for n in self.evictable_leaves if eligible(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             _, x = heapq.heappop(heap)
-            freed += len(x.value) if counts(x) else 0
+            freed += counts(x)
             self._release_value(x)
             self._delete_leaf(x)
             self._record_remove_event(x)
@@ -356,23 +500,36 @@ class GraniKVRadixCache(RadixCache):
 
     def _release_value(self, node: TreeNode) -> None:
         self._pending.pop(node, None)
-        start = self._hot_start.pop(node, None)
-        if start is None:
+        if node not in self._hot_start:
             self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
             return
-        self.hot_pool.free(start, len(node.value))  # host metadata only, no .item()
+        ext = self._extent(node)
+        del self._hot_start[node]
+        self._head.pop(node, None)
+        self.hot_pool.free(ext.start, ext.size)  # host metadata only, no .item()
         self.metrics.hot_evictions += 1
-        self.metrics.hot_evicted_tokens += len(node.value)
+        self.metrics.hot_evicted_tokens += ext.size
 
-    def _hot_tokens(self, *, locked: bool) -> int:
+    def _extent(self, node: TreeNode) -> HotExtent:
+        head = self._head.get(node, 0)
+        return HotExtent(self._hot_start[node] - head, head, len(node.key))
+
+    def _hot_key_tokens(self, *, locked: bool) -> int:
+        """Tree tokens (node keys) of HOT nodes: what SGLang's size counters include."""
         return sum(len(n.key) for n in self._hot_start if (n.lock_ref > 0) == locked)
 
-    def _root_child(self, node: Optional[TreeNode]) -> Optional[TreeNode]:
-        if node is None or node is self.root_node:
-            return None
-        while node.parent is not self.root_node:
+    def _hot_slots(self, *, locked: bool) -> int:
+        """HOT slots (shadow heads included) of HOT nodes."""
+        return sum(self._extent(n).size for n in self._hot_start if (n.lock_ref > 0) == locked)
+
+    def _below(self, node: TreeNode, *, cold: bool) -> bool:
+        """Whether some ancestor of ``node`` (the root excluded) is COLD (``cold``) / HOT."""
+        node = node.parent
+        while node is not None and node is not self.root_node:
+            if (node not in self._hot_start) == cold:
+                return True
             node = node.parent
-        return node
+        return False
 
     def _path(self, node: Optional[TreeNode]) -> List[TreeNode]:
         """Nodes from the root's child down to ``node`` (empty for None / the root)."""
@@ -393,11 +550,13 @@ class GraniKVRadixCache(RadixCache):
         return torch.arange(start, start + n, dtype=torch.int64, device=self.device)
 
 
-def _splice(indices: Optional[torch.Tensor], depth: int, new: torch.Tensor):
-    """``indices`` with ``[depth, depth + len(new))`` replaced by ``new`` (a new tensor)."""
-    if indices is None or len(indices) < depth + len(new):
-        return indices
-    return torch.cat([indices[:depth], new.to(indices.dtype), indices[depth + len(new):]])
+def _splice_prefix(indices: Optional[torch.Tensor], new: torch.Tensor):
+    """``indices`` with its first ``min(len(indices), len(new))`` entries replaced by ``new``'s
+    (a new tensor; ``None`` stays ``None``)."""
+    if indices is None:
+        return None
+    k = min(len(indices), len(new))
+    return torch.cat([new[:k].to(device=indices.device, dtype=indices.dtype), indices[k:]])
 
 
 # ---- integrity (debug / tests; syncs the device) ---------------------------------------------
@@ -418,14 +577,14 @@ def _check_cache(cache: GraniKVRadixCache, *, strict: bool) -> None:
 
 def _check_tree(cache: GraniKVRadixCache) -> list:
     """Structure, values, lock counts and size counters of every node; returns the nodes."""
-    nodes, stack = [], list(cache.root_node.children.values())
+    nodes, stack = [], [(c, 0) for c in cache.root_node.children.values()]
     evictable = protected = 0
     hot_base = cache.token_to_kv_pool_allocator.hot_base
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
         nodes.append(node)
-        stack.extend(node.children.values())
-        where = f"node {node.id} (len {len(node.key)})"
+        stack.extend((c, depth + len(node.key)) for c in node.children.values())
+        where = f"node {node.id} (len {len(node.key)}, depth {depth})"
         if not cache._attached(node):
             raise IntegrityError(f"{where}: not its parent's child")
         v = node.value
@@ -438,13 +597,12 @@ def _check_tree(cache: GraniKVRadixCache) -> list:
         protected += len(v) if node.lock_ref > 0 else 0
         start = cache._hot_start.get(node)
         if start is None:
+            if node in cache._head:
+                raise IntegrityError(f"{where}: COLD node has a shadow head")
             if len(v) and (int(v.min()) < 1 or int(v.max()) >= hot_base):
                 raise IntegrityError(f"{where}: COLD node holds slots outside [1, {hot_base})")
             continue
-        if node.parent is not cache.root_node and node.parent not in cache._hot_start:
-            raise IntegrityError(f"{where}: HOT node below a COLD node")
-        if not torch.equal(v.cpu(), torch.arange(start, start + len(v))):
-            raise IntegrityError(f"{where}: HOT value is not arange({start}, {start + len(v)})")
+        _check_hot_node(cache, node, depth, where)
     if (evictable, protected) != (cache.evictable_size_, cache.protected_size_):
         raise IntegrityError(
             f"tree sizes: evictable {evictable} / protected {protected} by walk, counters say "
@@ -452,12 +610,36 @@ def _check_tree(cache: GraniKVRadixCache) -> list:
     return nodes
 
 
+def _check_hot_node(cache: GraniKVRadixCache, node: TreeNode, depth: int, where: str) -> None:
+    """A HOT node starts a run (its shadow head covers its whole depth; root children: 0) or
+    continues its HOT parent's extent (the lower half of a split); value == its slots."""
+    start, head = cache._hot_start[node], cache._head.get(node, 0)
+    if head and head != depth:
+        raise IntegrityError(f"{where}: shadow head of {head} tokens != depth {depth}")
+    parent = node.parent
+    follows = (parent in cache._hot_start
+               and cache._hot_start[parent] + len(parent.key) == start)
+    if not head and depth and not follows:
+        raise IntegrityError(f"{where}: HOT node with neither a shadow head nor a HOT parent "
+                             f"whose extent it continues")
+    v = node.value
+    if not torch.equal(v.cpu(), torch.arange(start, start + len(v))):
+        raise IntegrityError(f"{where}: HOT value is not arange({start}, {start + len(v)})")
+
+
 def _check_hot_extents(cache: GraniKVRadixCache, nodes: list) -> None:
+    """HOT node extents (shadow heads included) == the hot pool's extents, none twice."""
     in_tree = set(nodes)
     for node in cache._hot_start:
         if node not in in_tree:
             raise IntegrityError(f"HOT node {node.id} is not in the tree")
-    by_nodes = {s: len(n.key) for n, s in cache._hot_start.items()}
+    for node in cache._head:
+        if node not in cache._hot_start or cache._head[node] <= 0:
+            raise IntegrityError(f"node {node.id}: shadow head {cache._head[node]} on a non-HOT node")
+    exts = [cache._extent(n) for n in cache._hot_start]
+    by_nodes = {e.start: e.size for e in exts}
+    if len(by_nodes) != len(exts):
+        raise IntegrityError(f"{len(exts) - len(by_nodes)} HOT extents claimed by two nodes")
     by_pool = cache.hot_pool.extents()
     if by_nodes != by_pool:
         raise IntegrityError(f"HOT extents of nodes {sorted(by_nodes.items())[:8]} != hot pool "

@@ -37,9 +37,20 @@ def unsupported_reason(model_runner, cfg) -> Optional[str]:
     return None
 
 
+def attention_tp_size(model_runner) -> int:
+    """Attention tensor-parallel size (heads per rank = total / this)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_tp_size)
+    except Exception:  # no runtime context (tests, other SGLang versions)
+        ps = getattr(model_runner, "ps", None)
+        return int(getattr(ps, "attn_tp_size", None) or getattr(ps, "tp_size", None) or 1)
+
+
 def build_dispatcher(model_runner, cfg) -> Dispatcher:
     mc = model_runner.model_config
-    tp = model_runner.tp_size
+    tp = attention_tp_size(model_runner)
     gpu = torch.cuda.get_device_name(model_runner.device) if torch.cuda.is_available() else None
     cost_model = CostModel.load(cfg.cost_model, gpu)
     return Dispatcher(
