@@ -206,8 +206,10 @@ def _before_run_batch(scheduler, batch, *args, **kwargs):
 
 
 def _after_get_internal_state(result, scheduler, *args, **kwargs):
-    if isinstance(result, dict) and config_of(scheduler.server_args) is not None:
+    """Adds GraniKV's counters to ``GetInternalStateReqOutput.internal_state`` (server info)."""
+    state = getattr(result, "internal_state", result)
+    if isinstance(state, dict) and config_of(scheduler.server_args) is not None:
         from granikv.scheduler_step import metrics_snapshot
 
-        result["granikv"] = metrics_snapshot(scheduler)
+        state["granikv"] = metrics_snapshot(scheduler)
     return None

@@ -3,6 +3,8 @@
 After every step: ``check_integrity()`` (exact COLD accounting, HOT extents == hot pool,
 lock counts == live holders, table == tree) and the KV oracle through every row and node.
 At the end: everything finished and evicted -> every slot free, every lock count zero.
+Two of the three shared prefixes start with the same 4-token head (below ``min_tokens``), and
+requests may be prefilled in chunks, so deep promotions with shadow heads are exercised.
 Derandomized (same examples every run); GRANIKV_SLOW_TESTS=1 runs many more.
 """
 
@@ -18,8 +20,15 @@ from sim import Sim, SimConfig
 
 SLOW = os.environ.get("GRANIKV_SLOW_TESTS") == "1"
 CFG = SimConfig(kv_size=320, max_reqs=10, max_context=120, hot_fraction=0.3, min_tokens=16)
-PREFIXES = [[random.Random(100 + i).randrange(CFG.vocab) for _ in range(n)]
-            for i, n in enumerate((48, 33, 21))]
+
+
+def _rand(seed, n):
+    return [random.Random(seed).randrange(CFG.vocab) for _ in range(n)]
+
+
+HEAD = _rand(99, 4)  # a chat template's first tokens
+PREFIXES = [HEAD + _rand(100, 44), HEAD + _rand(101, 29), _rand(102, 21)]
+GROUP_KEY = 8  # tokens that tell the prefixes apart
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -28,11 +37,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.sim = Sim(CFG)
         self.pending = []  # allocated, not yet through their forward (prefill_end)
 
-    @initialize(k=st.integers(2, 3))
-    def warm_up(self, k):
+    @initialize(k=st.integers(2, 3), chunk=st.sampled_from([None, 16]))
+    def warm_up(self, k, chunk):
         for p in PREFIXES:  # k requests per shared prefix: promotable from the start
             for j in range(k):
-                self.sim.admit(p + [j])
+                if chunk is not None and j == 0:
+                    self.sim.admit_chunked(p + [j], chunk)
+                else:
+                    self.sim.admit(p + [j])
 
     def _live(self, i):
         reqs = [r for r in self.sim.live.values() if r.kv_committed_len]
@@ -52,6 +64,13 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             for req in batch:
                 self.sim.prefill_end(req)
+
+    @rule(p=st.integers(0, 2), chunk=st.sampled_from([7, 16, 20]),
+          suffix=st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=6),
+          promote=st.booleans())
+    def chunked_request(self, p, chunk, suffix, promote):
+        """Chunked prefill: the prefix enters the tree chunk by chunk (promotions between)."""
+        self.sim.admit_chunked(PREFIXES[p] + suffix, chunk, promote=promote)
 
     @precondition(lambda self: self.pending)
     @rule()
@@ -77,9 +96,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(p=st.integers(0, 2))
     def finish_group(self, p):
         """Every request on one prefix finishes: its HOT extent stays cached, unlocked."""
-        head = list(PREFIXES[p][:5])
+        head = list(PREFIXES[p][:GROUP_KEY])
         for req in list(self.sim.live.values()):
-            if req.kv_committed_len and list(req.tokens[:5]) == head:
+            if req.kv_committed_len and list(req.tokens[:GROUP_KEY]) == head:
                 self.sim.finish(req)
 
     @rule(p=st.integers(0, 2), n=st.integers(2, 40))
@@ -112,7 +131,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self):
         m = self.sim.cache.metrics
-        for name in ("promotions", "hot_splits", "hot_evictions", "compactions", "promotions_skipped"):
+        for name in ("promotions", "shadow_head_tokens", "hot_splits", "hot_evictions",
+                     "compactions", "promotions_skipped"):
             event(f"{name} > 0: {getattr(m, name) > 0}")
         for req in self.pending:
             self.sim.prefill_end(req)
@@ -133,13 +153,15 @@ TestCacheMachine = CacheMachine.TestCase
 
 
 def test_property_run_promotes_and_splits():
-    """The random walk above must actually exercise promotions and HOT splits."""
+    """The random walk above must actually exercise promotions, shadow heads and HOT splits."""
     sim = Sim(CFG)
     rng = random.Random(7)
     for step in range(120):
         p = PREFIXES[rng.randrange(3)]
         cut = rng.choice([None, None, 17, 19])
-        req = sim.admit((p if cut is None else p[:cut]) + [rng.randrange(CFG.vocab)])
+        prompt = (p if cut is None else p[:cut]) + [rng.randrange(CFG.vocab)]
+        chunk = rng.choice([None, None, 16])
+        req = sim.admit(prompt) if chunk is None else sim.admit_chunked(prompt, chunk)
         live = list(sim.live.values())
         if live and rng.random() < 0.4:
             sim.finish(rng.choice(live))
@@ -148,6 +170,6 @@ def test_property_run_promotes_and_splits():
         sim.check()
         del req
     m = sim.cache.metrics
-    assert m.promotions >= 2 and m.hot_splits >= 1, m.snapshot()
+    assert m.promotions >= 2 and m.hot_splits >= 1 and m.shadow_head_tokens > 0, m.snapshot()
     sim.drain()
     sim.assert_all_free()

@@ -430,9 +430,9 @@ class GraniKVRadixCache(RadixCache):
             req.prefix_indices = _splice_prefix(req.prefix_indices, self._arange(run.start, run.length))
         r2t = self.req_to_token_pool.req_to_token
         width = max(run.length for _, run in reqs_runs)
-        rows, starts, lens = (torch.tensor(v, dtype=torch.int64).to(r2t.device, non_blocking=True)
-                              for v in zip(*[(r.req_pool_idx, run.start, run.length)
-                                             for r, run in reqs_runs]))
+        host = torch.tensor([[r.req_pool_idx, run.start, run.length] for r, run in reqs_runs],
+                            dtype=torch.int64)
+        rows, starts, lens = host.to(r2t.device, non_blocking=True).unbind(1)
         cols = torch.arange(width, dtype=torch.int64, device=r2t.device)
         block = r2t[rows, :width]
         new = (starts[:, None] + cols).to(r2t.dtype)
