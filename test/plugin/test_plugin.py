@@ -134,3 +134,20 @@ def test_engine_kwargs_become_config():
     with pytest.raises(ValueError, match="--granikv-hot-min-tokens=0"):
         plugin._around_server_args_init(orig, FakeServerArgs(), model_path="m",
                                         enable_granikv=True, granikv_hot_min_tokens=0)
+
+
+def test_internal_state_carries_granikv_counters():
+    """Engine.get_server_info()['internal_states'][i]['granikv'] is filled by the hook."""
+    from granikv.mem_cache.metrics import GraniKVMetrics
+
+    metrics = GraniKVMetrics(promotions=3)
+    cache = type("C", (), {"metrics": metrics, "refresh_gauges": lambda self: None})()
+    on = type("S", (), {"server_args": _FakeConfigurator(True).server_args, "tree_cache": cache,
+                        "tp_worker": None})()
+    result = type("Out", (), {"internal_state": {"last_gen_throughput": 1.0}})()
+    plugin._after_get_internal_state(result, on, None)
+    assert result.internal_state["granikv"]["promotions"] == 3
+    off = type("S", (), {"server_args": _FakeConfigurator(False).server_args})()
+    result = type("Out", (), {"internal_state": {}})()
+    plugin._after_get_internal_state(result, off, None)
+    assert "granikv" not in result.internal_state
