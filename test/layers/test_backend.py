@@ -241,3 +241,23 @@ def test_debug_compare_reports_the_difference(caplog):
         be.forward_decode(q, k, v, LAYER, fb)
     assert "max |diff| vs paged" in caplog.text
     assert 0 < be.stats.max_compare_diff < ATOL  # fp16 output vs float64 reference
+
+
+def test_graphs_too_small_for_a_group_run_no_extra_kernels(monkeypatch):
+    """A captured bs=1 graph never needs the shared-prefix kernels: they are not captured."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    calls = []
+    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: calls.append(a))
+    fb, _ = _batch(runner, hot={0})
+    one = _replay_view(fb, 5)
+    one.batch_size, one.num_padding = 1, 0
+    be.init_forward_metadata_out_graph(one, in_capture=True)
+    q, k, v = _qkv(1, 6)
+    be.forward_decode(q, k, v, LAYER, one)
+    assert calls == []
+    be.init_forward_metadata_out_graph(_replay_view(fb, 8), in_capture=True)
+    q, k, v = _qkv(8, 6)
+    be.forward_decode(q, k, v, LAYER, _replay_view(fb, 8))
+    assert len(calls) == 1

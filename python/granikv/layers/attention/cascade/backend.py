@@ -212,8 +212,11 @@ class GraniKVAttnBackend(AttentionBackend):
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
         # In graph mode the kernels always run (a captured graph cannot skip them; with bs = 0
-        # in the workspace they exit at once), so warm-up compiles them before capture.
-        if self._path is not Path.PAGED or self._graph_mode:
+        # in the workspace they exit at once), so warm-up compiles them before capture; except
+        # in graphs too small to ever hold a group, which then cost nothing extra.
+        if self._path is not Path.PAGED or (
+            self._graph_mode and q.shape[0] >= self.cfg.min_group_size
+        ):
             self._run_shared_prefix(q, layer, o)
             if self._path is not Path.PAGED and self._compare_due(layer):
                 self._compare_with_reference(q, layer, forward_batch, o)
