@@ -1,0 +1,194 @@
+"""Deepest-shared-node promotion with shadow heads: chunked prompts, short common heads,
+extension of an earlier promotion, eviction and splits. KV checked bit-exact through every row,
+every ``prefix_indices``, every node and every shadow head (``Sim.check``)."""
+
+import random
+
+import torch
+
+from sim import Sim, SimConfig
+
+
+def _tokens(seed, n, vocab=61):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+H = _tokens(1, 4)  # a chat template's first tokens, shared by every prompt
+P1 = _tokens(2, 37)
+P2 = _tokens(3, 29)
+
+
+def _assert_runs(sim, reqs, run):
+    start, n = run
+    for r in reqs:
+        assert sim.cache.hot_run(r) == run
+        assert sim.cache.hot_prefix_table.get(r.req_pool_idx) == run
+        assert torch.equal(r.prefix_indices[:n], torch.arange(start, start + n))
+        row = sim.req_pool.req_to_token[r.req_pool_idx, :n].to(torch.int64)
+        assert torch.equal(row, torch.arange(start, start + n))
+
+
+def _finish_all(sim, reqs):
+    for r in reqs:
+        sim.finish(r)
+        sim.check()
+
+
+def test_chunked_shared_prompt_is_hot_over_its_whole_length():
+    sim = Sim()
+    shared = _tokens(10, 53)  # inserted in chunks of 20: root -> [0,20) -> [20,40) -> ...
+    agents = []
+    for i in range(4):
+        agents.append(sim.admit_chunked(shared + [i, 2 * i + 1, 5], 20, promote=True))
+        sim.check()
+    assert sim.cache.metrics.promotions == 1
+    node = agents[0].last_node.parent  # [40, 53): the deepest node every agent shares
+    ext = sim.cache.hot_extent_of(node)
+    assert (ext.head, ext.length) == (40, 13)
+    assert sim.cache.hot_extent_of(node.parent) is None  # the chunks above stay COLD
+    assert sim.allocator.hot_pool.extents() == {ext.start: 53}
+    assert sim.cache.metrics.shadow_head_tokens == 40
+    _assert_runs(sim, agents, (ext.start, 53))
+    for step in range(3):
+        for r in agents:
+            assert sim.decode(r, (7 * step + r.rid) % 61)
+        sim.check()
+    _finish_all(sim, agents)
+    sim.drain()
+    sim.check()
+    sim.assert_all_free()
+
+
+def test_short_common_head_does_not_hide_long_shared_prompts():
+    sim = Sim()
+    order = [H + P1 + [1], H + P2 + [2], H + P1 + [3], H + P2 + [4], H + P1 + [5]]
+    reqs = [sim.admit(p) for p in order]
+    other = sim.admit(H + _tokens(20, 9))  # shares only the 4-token head
+    assert sim.promote() == 2
+    sim.check()
+    head = reqs[0].last_node.parent.parent
+    assert len(head.key) == 4 and sim.cache.hot_extent_of(head) is None  # below min_tokens
+    e1 = sim.cache.hot_extent_of(reqs[0].last_node.parent)
+    e2 = sim.cache.hot_extent_of(reqs[1].last_node.parent)
+    assert (e1.head, e1.length, e2.head, e2.length) == (4, len(P1), 4, len(P2))
+    _assert_runs(sim, reqs[0::2], (e1.start, 4 + len(P1)))
+    _assert_runs(sim, reqs[1::2], (e2.start, 4 + len(P2)))
+    assert sim.cache.hot_run(other) == (0, 0)
+    late = sim.admit(H + P2 + [6, 6])  # matched after the promotion: row repointed to the head
+    sim.check()
+    _assert_runs(sim, [late], (e2.start, 4 + len(P2)))
+    cut = sim.admit(H[:2] + [0, 0, 0])  # splits the COLD head ABOVE both shadow heads
+    sim.check()
+    _assert_runs(sim, reqs[1::2] + [late], (e2.start, 4 + len(P2)))
+    _finish_all(sim, reqs + [other, late, cut])
+    sim.drain()
+    sim.assert_all_free()
+
+
+def test_deeper_shared_node_extends_an_earlier_promotion():
+    sim = Sim()
+    a, b = _tokens(30, 30), _tokens(31, 23)
+    first = [sim.admit(a + [1]), sim.admit(a + [2])]
+    assert sim.promote() == 1
+    ea = sim.cache.hot_extent_of(first[0].last_node.parent)
+    assert ea.head == 0
+    agents = [sim.admit(a + b + [3]), sim.admit(a + b + [4])]
+    assert sim.promote() == 1  # B: shadow head = a copy of A's HOT KV
+    sim.check()
+    eb = sim.cache.hot_extent_of(agents[0].last_node.parent)
+    assert (eb.head, eb.length) == (30, 23)
+    assert sim.allocator.hot_pool.extents() == {ea.start: 30, eb.start: 53}  # A duplicated
+    _assert_runs(sim, first, (ea.start, 30))
+    _assert_runs(sim, agents, (eb.start, 53))
+    late = sim.admit(a + b + [5, 5])
+    _assert_runs(sim, [late], (eb.start, 53))
+    assert sim.promote() == 0  # nothing deeper is shared: no re-promotion
+    _finish_all(sim, first)
+    sim.evict(1 << 20)
+    assert sim.cache.evict_hot(1 << 20) == 0  # A stays locked: B's holders pass through it
+    sim.check()
+    _finish_all(sim, agents + [late])
+    sim.drain()
+    sim.assert_all_free()
+
+
+def test_shallower_promotion_superseded_by_a_deeper_one():
+    sim = Sim()
+    a, b = _tokens(40, 30), _tokens(41, 20)
+    r1 = sim.admit(a + b + [1])
+    r2 = sim.admit(a + [7, 7])  # A shared by 2: queued
+    r3 = sim.admit(a + b + [2])  # A+B shared by r1, r3: queued
+    sim.finish(r2)  # A's remaining holders all share A+B
+    assert sim.promote() == 1
+    assert sim.cache.metrics.skip_reasons["superseded"] == 1
+    sim.check()
+    ext = sim.cache.hot_extent_of(r1.last_node.parent)
+    assert (ext.head, ext.length) == (30, 20)
+    assert sim.allocator.hot_pool.extents() == {ext.start: 50}
+    _assert_runs(sim, [r1, r3], (ext.start, 50))
+    sim.drain()
+    sim.assert_all_free()
+
+
+def test_eviction_of_a_node_with_a_shadow_head_frees_exactly_its_extent():
+    sim = Sim()
+    g1 = [sim.admit(H + P1 + [i]) for i in range(2)]
+    g2 = [sim.admit(H + P2 + [i]) for i in range(2)]
+    assert sim.promote() == 2
+    e1 = sim.cache.hot_extent_of(g1[0].last_node.parent)
+    e2 = sim.cache.hot_extent_of(g2[0].last_node.parent)
+    _finish_all(sim, g2)
+    assert sim.cache.hot_evictable_size() == 4 + len(P2)
+    assert sim.cache.evict_hot(1) == 4 + len(P2)  # the whole extent, shadow head included
+    sim.check()
+    assert sim.allocator.hot_pool.extents() == {e1.start: e1.size}
+    _finish_all(sim, g1)
+    # COLD pressure: P1 (HOT) pins its COLD head; evict() may take it to free the head
+    cold = sim.cache.evictable_size()
+    assert cold == 4 + 2  # the head + the two 1-token suffixes
+    assert sim.evict(cold) == cold
+    sim.check()
+    sim.assert_all_free()
+    assert sim.cache.metrics.hot_evicted_tokens == 4 + len(P2) + 4 + len(P1)
+
+
+def test_split_of_a_node_with_a_shadow_head():
+    sim = Sim()
+    agents = [sim.admit(H + P2 + [i]) for i in range(3)]
+    sim.admit(H + [9] * 20)  # H becomes its own node, shared by everyone
+    assert sim.promote() == 1
+    ext = sim.cache.hot_extent_of(agents[0].last_node.parent)
+    assert (ext.head, ext.length) == (4, len(P2))
+    partial = sim.admit(H + P2[:10] + [60, 60])  # splits P2: the upper half keeps the head
+    sim.check()
+    assert sim.cache.metrics.hot_splits == 1
+    assert sim.allocator.hot_pool.extents() == {ext.start: 14, ext.start + 14: len(P2) - 10}
+    upper = partial.last_node.parent
+    assert sim.cache.hot_extent_of(upper) == (ext.start, 4, 10)
+    _assert_runs(sim, [partial], (ext.start, 14))
+    _assert_runs(sim, agents, (ext.start, 4 + len(P2)))  # both halves, one run
+    sim.drain()
+    sim.check()
+    sim.assert_all_free()
+
+
+def test_compaction_moves_extents_with_their_shadow_heads():
+    sim = Sim(SimConfig(kv_size=300, hot_fraction=0.4, min_tokens=16))  # HOT capacity 120
+    groups = [[sim.admit(H + _tokens(50 + g, 26) + [i]) for i in range(2)] for g in range(4)]
+    assert sim.promote() == 4  # 4 extents of 4 + 26: the region is full
+    h = sim.allocator.hot_base
+    for g in (0, 2, 1):  # group 1 is the most recently used; group 3 stays locked
+        _finish_all(sim, groups[g])
+    assert sim.cache.evict_hot(60) == 60  # LRU: groups 0 and 2 -> holes of 30 at h, h + 60
+    assert sim.allocator.hot_pool.holes() == [(h, 30), (h + 60, 30)]
+    big = [sim.admit(H + _tokens(60, 41) + [i]) for i in range(2)]  # needs 45 contiguous
+    assert sim.promote() == 1
+    sim.check()  # group 1's extent slid h+30 -> h with its head; the oracle checks both
+    assert sim.cache.metrics.compactions == 1
+    assert sim.allocator.hot_pool.extents() == {h: 30, h + 30: 45, h + 90: 30}
+    moved = groups[1][0].last_node.parent
+    assert sim.cache.hot_extent_of(moved) == (h, 4, 26)
+    _assert_runs(sim, big, (h + 30, 45))
+    sim.drain()
+    sim.assert_all_free()
