@@ -1,0 +1,55 @@
+"""scheduler_step.on_run_batch over the real pools + cache (scheduler_sim), fake scheduler."""
+
+from types import SimpleNamespace
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from granikv.config import GraniKVConfig
+from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.scheduler_sim import Sim, SimConfig
+from granikv.scheduler_step import metrics_snapshot, on_run_batch
+
+CFG = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, log_interval=1)
+
+
+def _scheduler(sim):
+    backend = object.__new__(GraniKVAttnBackend)  # only stage_batch / stats are used here
+    backend._staged = None
+    from granikv.layers.attention.cascade.step_stats import StepStats
+
+    backend.stats = StepStats()
+    runner = SimpleNamespace(attn_backend=backend)
+    return SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
+                           tp_worker=SimpleNamespace(model_runner=runner),
+                           enable_overlap=False), backend
+
+
+def test_extend_batch_registers_then_promotes_in_the_same_step(caplog):
+    sim = Sim(SimConfig(min_tokens=16))
+    prefix = list(range(1, 33))
+    sim.finish(sim.admit(prefix + [40]))  # the shared prefix is cached
+    reqs = [sim.prefill_begin(prefix + [41 + i, 50]) for i in range(3)]
+    sched, backend = _scheduler(sim)
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs)
+    on_run_batch(sched, batch, CFG)
+    # registered first, so the three fresh locks count as sharers: promoted now, not next step
+    assert sim.cache.metrics.promotions == 1
+    for r in reqs:
+        assert sim.cache.hot_prefix_table.get(r.req_pool_idx)[1] == len(prefix)
+    assert backend._staged is None  # only decode batches are planned
+    for r in reqs:
+        sim.prefill_end(r)
+        sim.decode(r, 7)
+    with caplog.at_level("INFO", logger="granikv"):
+        on_run_batch(sched, SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs), CFG)
+    assert list(backend._staged) == [r.req_pool_idx for r in reqs]
+    assert "promotions 1" in caplog.text  # metrics line at log_interval=1
+    snap = metrics_snapshot(sched)
+    assert snap["promotions"] == 1 and snap["hot_used_tokens"] >= len(prefix)
+    sim.check()
+
+
+def test_non_granikv_cache_is_left_alone():
+    sched = SimpleNamespace(tree_cache=object())
+    on_run_batch(sched, SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=[]), CFG)
+    assert metrics_snapshot(sched) == {}
