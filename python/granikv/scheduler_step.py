@@ -40,8 +40,8 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     if cfg.debug_integrity:
         cache.check_integrity()
         scheduler.token_to_kv_pool_allocator.check_integrity()
-    if cfg.log_interval and mode.is_decode():
-        _maybe_log(scheduler, cache, backend, cfg.log_interval)
+    if mode.is_decode():
+        _maybe_report(scheduler, cache, backend, cfg.log_interval)
 
 
 def _wait_for_forward_stream(scheduler) -> None:
@@ -60,14 +60,37 @@ def _granikv_backend(scheduler):
     return backend if isinstance(backend, GraniKVAttnBackend) else None
 
 
-def _maybe_log(scheduler, cache, backend, interval: int) -> None:
+METRICS_INTERVAL = 40  # decode steps between /metrics refreshes when logging is off
+
+
+def _maybe_report(scheduler, cache, backend, log_interval: int) -> None:
+    """Every ``log_interval`` decode steps: a log line, and the /metrics gauges if enabled."""
     n = getattr(scheduler, "_granikv_decode_steps", 0) + 1
     scheduler._granikv_decode_steps = n
-    if n % interval:
+    if n % (log_interval or METRICS_INTERVAL):
         return
-    attn = backend.stats.snapshot() if backend is not None else {}
     cache.refresh_gauges()
-    logger.info("GraniKV: %s | attention %s", cache.metrics.format(), attn)
+    if log_interval:
+        attn = backend.stats.snapshot() if backend is not None else {}
+        logger.info("GraniKV: %s | attention %s", cache.metrics.format(), attn)
+    exporter = _exporter(scheduler)
+    if exporter is not None:
+        exporter.update(metrics_snapshot(scheduler))
+
+
+def _exporter(scheduler):
+    """The scheduler's Prometheus exporter, created on first use; None if metrics are off."""
+    if not hasattr(scheduler, "_granikv_exporter"):
+        from granikv.prometheus import PrometheusExporter, metrics_enabled
+
+        exporter = None
+        if metrics_enabled():
+            try:
+                exporter = PrometheusExporter({"tp_rank": str(getattr(scheduler, "tp_rank", 0))})
+            except ImportError:
+                logger.warning("GraniKV: prometheus_client is missing; no granikv:* metrics")
+        scheduler._granikv_exporter = exporter
+    return scheduler._granikv_exporter
 
 
 def metrics_snapshot(scheduler) -> dict:

@@ -1,0 +1,64 @@
+"""GraniKV's counters on SGLang's ``/metrics`` endpoint (Prometheus), when metrics are enabled.
+
+SGLang (``--enable-metrics``) runs prometheus_client in multiprocess mode: gauges created in
+the scheduler process are served by the HTTP server. GraniKV mirrors its storage counters and
+the attention path counts into ``granikv:*`` gauges (``mostrecent``, labelled by TP rank),
+refreshed at the scheduler-step cadence. Cumulative counts are exported as gauges named
+``*_total`` (they only grow while the server lives).
+"""
+
+from typing import Dict, Mapping, Optional
+
+STORAGE_GAUGES = {
+    "hot_used_tokens": "KV slots used by HOT extents.",
+    "hot_capacity": "KV slots of the HOT region.",
+    "cold_used_tokens": "KV slots used in the COLD region.",
+    "cold_capacity": "KV slots of the COLD region.",
+    "hot_extents": "HOT extents (promoted shared prefixes and their split halves).",
+    "promotions": "Prefixes promoted to HOT extents (total).",
+    "promotions_skipped": "Promotions skipped (no space, superseded, unknown holders) (total).",
+    "hot_evictions": "HOT nodes evicted (total).",
+    "bytes_copied": "Bytes of KV copied by promotions and compaction (total).",
+}
+TOTALS = {"promotions", "promotions_skipped", "hot_evictions", "bytes_copied"}
+
+
+def metrics_enabled() -> bool:
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except Exception:
+        return False
+
+
+class PrometheusExporter:
+    """``update(snapshot)`` with ``scheduler_step.metrics_snapshot``'s dict."""
+
+    def __init__(self, labels: Mapping[str, str], *, registry=None):
+        from prometheus_client import REGISTRY, Gauge
+
+        reg = registry if registry is not None else REGISTRY
+        self.labels = dict(labels)
+        names = list(self.labels)
+        self._storage: Dict[str, object] = {}
+        for key, doc in STORAGE_GAUGES.items():
+            name = f"granikv:{key}{'_total' if key in TOTALS else ''}"
+            self._storage[key] = Gauge(name, doc, labelnames=names, multiprocess_mode="mostrecent",
+                                       registry=reg)
+        self._steps = Gauge("granikv:decode_steps_total", "Decode steps per attention path.",
+                            labelnames=names + ["path"], multiprocess_mode="mostrecent",
+                            registry=reg)
+        self._hit = Gauge("granikv:hot_hit_rate",
+                          "Share of decode requests served from a shared HOT prefix.",
+                          labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+
+    def update(self, snapshot: Mapping[str, object]) -> None:
+        for key, gauge in self._storage.items():
+            if key in snapshot:
+                gauge.labels(**self.labels).set(float(snapshot[key]))
+        attention: Optional[Mapping] = snapshot.get("attention")
+        if attention:
+            for path, n in attention.get("steps_per_path", {}).items():
+                self._steps.labels(**self.labels, path=path).set(float(n))
+            self._hit.labels(**self.labels).set(float(attention.get("hot_hit_rate", 0.0)))
