@@ -24,6 +24,7 @@ one H200. Default shapes: Llama-3.1-8B per-GPU heads (32q/8kv/128), bf16.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -35,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from granikv.layers.attention.cascade.cost_model import CostModel, calibrated_path
+from granikv.layers.attention.cascade.cost_model import CostModel, calibrated_path, never_fastest
 from granikv.layers.attention.cascade.dispatcher import Dispatcher
 from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
 
@@ -287,6 +288,7 @@ def main():
     t_plan = plan_us(big, dispatcher)
     del big
     model, rel_err = CostModel.fit(samples, plan_us=t_plan, fallback=fallback)
+    model = dataclasses.replace(model, disabled_paths=never_fastest(m for _, _, m, _ in rows))
     report(samples, rel_err, model)
     decisions = check_decisions(rows, model)
 
@@ -332,6 +334,7 @@ def report(samples, rel_err, model: CostModel):
     print()
     for name in CostModel.coefficient_names():
         print(f"  {name:<18} {getattr(model, name):10.2f}")
+    print(f"  disabled_paths     {', '.join(model.disabled_paths) or '-'} (never measured fastest)")
 
 
 def check_decisions(rows, model: CostModel, num_layers: int = 32):
@@ -341,7 +344,8 @@ def check_decisions(rows, model: CostModel, num_layers: int = 32):
     out, worst = [], math.inf
     for label, _, measured, w in rows:
         est = {p: getattr(model, f"{p}_time")(w, num_layers=num_layers)
-               for p in ("paged", "cascade", "fused") if p in measured}  # fmt: skip
+               for p in ("paged", "cascade", "fused")
+               if p in measured and p not in model.disabled_paths}  # fmt: skip
         pick = min(est, key=est.get)  # dict order: paged first, so it wins ties
         best = min(est, key=measured.get)
         vs_paged, vs_best = measured["paged"] / measured[pick], measured[best] / measured[pick]

@@ -34,7 +34,7 @@ def valid_mapping():
 
 def test_default_file_loads_and_is_checked_in():
     model = default_model()
-    assert all(v > 0 for v in dataclasses.asdict(model).values())
+    assert all(getattr(model, n) > 0 for n in CostModel.coefficient_names())
     assert os.path.exists(cm_mod.default_path(None))
     # An unknown GPU falls back to the default file.
     assert CostModel.load(None, "Imaginary GPU 9000") == model
@@ -213,3 +213,18 @@ def test_nnls_clamps_negative_solutions():
     x = cm_mod.nnls(a, np.array([2.0, -1.0, 1.0]))
     assert (x >= 0).all() and x[1] == 0.0
     assert x[0] == pytest.approx(1.5)
+
+
+def test_disabled_paths_come_from_measurements_and_are_never_picked(tmp_path):
+    from granikv.layers.attention.cascade.cost_model import never_fastest
+
+    cases = [{"paged": 10.0, "cascade": 12.0, "fused": 11.0},
+             {"paged": 50.0, "cascade": 9.0, "fused": 10.0}]
+    assert never_fastest(cases) == ("fused", "bgemm")
+    doc = default_model().to_mapping("GPU", )
+    doc["disabled_paths"] = ["cascade", "fused", "bgemm"]
+    model = CostModel.from_mapping(doc, source="x.json")
+    assert model.disabled_paths == ("cascade", "fused", "bgemm")
+    doc["disabled_paths"] = ["paged"]
+    with pytest.raises(ValueError, match="x.json: field 'disabled_paths'"):
+        CostModel.from_mapping(doc, source="x.json")

@@ -140,3 +140,17 @@ def test_invalid_configuration():
                    kv_dtype_bytes=2)  # fmt: skip
     with pytest.raises(ValueError, match="num_layers=0"):
         make(num_layers=0)
+
+
+def test_disabled_paths_are_never_chosen():
+    import dataclasses as dc
+
+    from granikv.layers.attention.cascade.cost_model import CostModel
+
+    model = dc.replace(CostModel.load(None, None), disabled_paths=("cascade", "fused", "bgemm"))
+    d = Dispatcher(model, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2)
+    n = 64
+    desc = BatchDescription(np.arange(1, n + 1), np.full(n, 16640), np.full(n, 1000),
+                            np.full(n, 16384))
+    g = group_requests(desc, min_group_size=2)
+    assert d.choose(g, desc, graph_safe_only=False).path is Path.PAGED

@@ -33,7 +33,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 FORMAT_VERSION = 1
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data")
@@ -136,6 +136,12 @@ class CostModel:
     bgemm_group_us: float = _coef("per group host and launch overhead of the eager bgemm path")
     suffix_gbps: float = _coef("bandwidth of GraniKV's paged suffix and merge kernels")
     plan_us: float = _coef("host planning and metadata upload per decode step (all layers)")
+    disabled_paths: Tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": "paths calibration never measured fastest on any case: the "
+                          "dispatcher does not pick them (evidence over a poor fit)",
+                  "coefficient": False},
+    )
 
     # ---- estimates (microseconds per decode step of `num_layers` layers) --------------------
 
@@ -256,7 +262,7 @@ class CostModel:
 
     @classmethod
     def coefficient_names(cls):
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("coefficient", True)]
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "<mapping>") -> "CostModel":
@@ -290,13 +296,20 @@ class CostModel:
                     f"got {v!r}"
                 )
             kwargs[name] = float(v)
-        return cls(**kwargs)
+        disabled = values.get("disabled_paths", [])
+        if not isinstance(disabled, list) or not set(disabled) <= set(DISABLEABLE_PATHS):
+            raise ValueError(
+                f"{source}: field 'disabled_paths' must be a list of {', '.join(DISABLEABLE_PATHS)}, "
+                f"got {disabled!r}"
+            )
+        return cls(**kwargs, disabled_paths=tuple(disabled))
 
     def to_mapping(self, gpu_name: str, **extra: Any) -> dict:
         return {
             "format": FORMAT_VERSION,
             "gpu_name": gpu_name,
-            "coefficients": dataclasses.asdict(self),
+            "coefficients": {n: getattr(self, n) for n in self.coefficient_names()},
+            "disabled_paths": list(self.disabled_paths),
             **extra,
         }
 
@@ -315,6 +328,18 @@ class CostModel:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         return cls.from_mapping(values, source=path)
+
+
+DISABLEABLE_PATHS = ("cascade", "fused", "bgemm")  # paged always stays eligible
+
+
+def never_fastest(cases) -> Tuple[str, ...]:
+    """GraniKV paths that were not the fastest measured path on any calibration case.
+
+    ``cases``: iterable of ``{path: measured_us}`` dicts.
+    """
+    won = {min(m, key=m.get) for m in cases if m}
+    return tuple(p for p in DISABLEABLE_PATHS if p not in won)
 
 
 def gpu_slug(gpu_name: str) -> str:

@@ -8,6 +8,7 @@ Eligibility:
 
 - ``PAGED``: always (the stock backend is correct on any batch).
 - ``CASCADE``, ``FUSED``: the batch has at least one group.
+- any path the calibration never measured fastest (``CostModel.disabled_paths``) is out.
 - ``BGEMM``: also needs an eager step (``graph_safe_only=False``): its launches depend on the
   grouping, so it cannot be captured in a CUDA graph.
 
@@ -118,11 +119,12 @@ class Dispatcher:
         paged = cm.paged_time(w, num_layers=n)
         if grouping.num_groups == 0:
             return PathTimes(paged, _INF, _INF, _INF)
+        off = cm.disabled_paths
         return PathTimes(
             paged=paged,
-            cascade=cm.cascade_time(w, num_layers=n),
-            fused=cm.fused_time(w, num_layers=n),
-            bgemm=_INF if graph_safe_only else cm.bgemm_time(w, num_layers=n),
+            cascade=_INF if "cascade" in off else cm.cascade_time(w, num_layers=n),
+            fused=_INF if "fused" in off else cm.fused_time(w, num_layers=n),
+            bgemm=_INF if graph_safe_only or "bgemm" in off else cm.bgemm_time(w, num_layers=n),
         )
 
     def choose(
@@ -135,7 +137,7 @@ class Dispatcher:
         if self.forced is not None:
             if math.isinf(times.of(self.forced)):
                 return Decision(
-                    Path.PAGED, times, f"forced {self.forced.value} needs an eager step: paged"
+                    Path.PAGED, times, f"forced {self.forced.value} not eligible (eager-only or disabled by calibration): paged"
                 )
             return Decision(self.forced, times, f"forced {self.forced.value}")
         k = min(range(4), key=times.__getitem__)  # PathTimes order = _ORDER: PAGED wins ties
