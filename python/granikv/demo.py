@@ -63,6 +63,12 @@ def _gpu_available() -> bool:
 
 
 def _run_gpu_benchmark() -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("sgl_kernel") is None:
+        print("granikv-demo: a GPU is present but SGLang's GPU stack is not installed "
+              "(`pip install 'granikv[serve]'` provides it); running the CPU walk-through.")
+        return run_cpu_walkthrough(_parse([]))
     script = _find_benchmark()
     if script is None:
         print("granikv-demo: a GPU is present, but benchmark/multi_agent/run.py was not found "

@@ -199,6 +199,46 @@ class Sim:
     def promote(self) -> int:
         return self.cache.apply_pending_promotions()
 
+    def prefill_next_chunk(self, req: SimReq, chunk: int) -> bool:
+        """Chunked prefill, step by step: allocate the next ``chunk`` prompt tokens of a
+        request whose previous chunk went through ``prefill_end(chunked=True)``; the caller
+        then runs ``prefill_end``. On COLD exhaustion the request is aborted (``False``)."""
+        end = min(len(req.origin_input_ids), req.kv_committed_len + chunk)
+        if self._alloc_extend(req, end, register=True):
+            return True
+        self.abort(req)
+        return False
+
+    def abort_pending(self, req: SimReq) -> None:
+        """Abort a request allocated by ``prefill_begin`` / ``prefill_next_chunk`` whose forward
+        has not run. SGLang counts the extend as committed when it allocates it
+        (``prepare_for_extend``), so ``cache_finished_req(is_insert=False)`` frees the new
+        slots; nothing unwritten enters the tree."""
+        start, out = req.pending
+        req.pending = None
+        req.kv_committed_len = start + len(out)
+        self.abort(req)
+
+    def hot_state(self) -> dict:
+        """Every storage decision, in rank-independent terms (no tensors, no node ids): HOT
+        extents by path tokens, the promotion queue in order, the table, the counters. Two
+        simulated TP ranks fed the same calls must return equal dicts."""
+        cache = self.cache
+        path = lambda n: tuple(t for m in cache._path(n) for t in m.key.token_ids)  # noqa: E731
+        m = cache.metrics.snapshot()
+        slot_bytes = 2 * self.cfg.layers * self.cfg.kv_heads * self.cfg.head_dim * self.cfg.dtype.itemsize
+        m["bytes_copied"] = m["bytes_copied"] / slot_bytes  # slots copied: per-rank bytes differ
+        return {
+            "extents": sorted((path(n), tuple(cache.hot_extent_of(n))) for n in cache._hot_start),
+            "pending": [path(n) for n in cache._pending],
+            "holes": self.allocator.hot_pool.holes(),
+            "table": (cache.hot_prefix_table.start_np.tolist(),
+                      cache.hot_prefix_table.length_np.tolist()),
+            "cold_free": self.allocator.available_size(),
+            "metrics": m,
+        }
+
+
     def lock(self, tokens) -> None:
         """A temporary admission lock (``PrefillAdder._lock_node``) with no request row."""
         node = self.match(tokens).node
