@@ -1,0 +1,103 @@
+"""The storage hooks with SGLang's real objects on CPU: allocator swap, token budget, cache."""
+
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigResult
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+from granikv import plugin
+from granikv.config import GraniKVConfig
+from granikv.mem_cache.allocator import GraniKVAllocator
+from granikv.mem_cache.radix_cache import GraniKVRadixCache
+
+SIZE = 400
+
+
+def _pools():
+    kv = MHATokenToKVPool(SIZE, page_size=1, dtype=torch.float16, head_num=2, head_dim=8,
+                          layer_num=2, device="cpu", enable_memory_saver=False)
+    req = ReqToTokenPool(size=6, max_context_len=64, device="cpu", enable_memory_saver=False)
+    stock = TokenToKVPoolAllocator(SIZE, torch.float16, "cpu", kv, need_sort=False)
+    return kv, req, stock
+
+
+def _configurator(enable: bool, *, draft: bool = False):
+    sa = SimpleNamespace(_granikv=GraniKVConfig(enable=enable, hot_fraction=0.25))
+    return SimpleNamespace(server_args=sa, is_draft_worker=draft)
+
+
+def _build(enable, **kw):
+    kv, req, stock = _pools()
+    conf = _configurator(enable, **kw)
+    got = plugin._after_build_allocator(stock, conf, sizes=None, token_to_kv_pool=kv,
+                                        is_dsv4_model=False, req_to_token_pool=req,
+                                        token_to_kv_pool_allocator=None)
+    return kv, req, stock, conf, got
+
+
+def test_allocator_swap_keeps_the_pool_and_reserves_the_hot_region():
+    kv, req, stock, conf, alloc = _build(True)
+    assert isinstance(alloc, GraniKVAllocator) and alloc.get_kvcache() is kv
+    assert alloc.hot_capacity == SIZE // 4 and alloc.cold_capacity + alloc.hot_capacity == SIZE
+    assert alloc.available_size() == alloc.cold_capacity
+    assert alloc.hot_prefix_table.num_rows == req.req_to_token.shape[0]
+    alloc.check_integrity()
+    # SGLang budgets (and leak-checks) against COLD only
+    result = KVCacheConfigResult(max_total_num_tokens=SIZE, max_running_requests=6,
+                                 full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
+                                 req_to_token_pool=req, token_to_kv_pool=kv,
+                                 token_to_kv_pool_allocator=alloc, memory_pool_config=None)
+    fixed = plugin._after_configure(result, conf, pre_model_load_memory=0)
+    assert fixed.max_total_num_tokens == alloc.cold_capacity
+    assert fixed.token_to_kv_pool_allocator is alloc
+
+
+def test_disabled_or_draft_workers_keep_sglangs_allocator():
+    for enable, draft in ((False, False), (True, True)):
+        *_, got = _build(enable, draft=draft)
+        assert got is None  # AFTER hook: None keeps SGLang's own result
+
+
+def test_unsupported_allocator_is_a_clear_startup_error():
+    kv, req, stock = _pools()
+
+    class PagedLike(TokenToKVPoolAllocator):
+        pass
+
+    odd = object.__new__(PagedLike)
+    with pytest.raises(ValueError, match="supports SGLang's page-size-1 TokenToKVPoolAllocator"):
+        plugin._after_build_allocator(odd, _configurator(True), sizes=None, token_to_kv_pool=kv,
+                                      is_dsv4_model=False, req_to_token_pool=req,
+                                      token_to_kv_pool_allocator=None)
+
+
+def test_registered_cache_factory_builds_the_granikv_cache():
+    kv, req, stock, conf, alloc = _build(True)
+    params = CacheInitParams(disable=False, req_to_token_pool=req,
+                             token_to_kv_pool_allocator=alloc, page_size=1)
+    ctx = TreeCacheBuildContext(server_args=conf.server_args, params=params, is_hybrid_swa=False,
+                                is_hybrid_ssm=False, enable_hierarchical_cache=False,
+                                disable_radix_cache=False, effective_chunked_prefill_size=None,
+                                tp_worker=None, model_config=None, tp_size=1, tp_rank=0,
+                                tp_group=None)
+    cache = plugin._make_radix_cache(ctx)
+    assert isinstance(cache, GraniKVRadixCache)
+    assert cache.hot_prefix_table is alloc.hot_prefix_table
+    cache.check_integrity()
+    off = TreeCacheBuildContext(**{**ctx.__dict__, "server_args": _configurator(False).server_args})
+    with pytest.raises(ValueError, match="without --enable-granikv"):
+        plugin._make_radix_cache(off)
+
+
+def test_register_is_idempotent_per_process():
+    from sglang.srt.mem_cache.registry import _RADIX_CACHE_REGISTRY
+
+    plugin.register()
+    plugin.register()  # SGLang may call load_plugins paths twice; no "already registered"
+    assert plugin.CACHE_BACKEND_NAME in _RADIX_CACHE_REGISTRY
