@@ -47,3 +47,11 @@ def test_invalid_values_name_flag_value_and_range(kwargs, needle):
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         GraniKVConfig().enable = True
+
+
+def test_missing_cost_model_file_fails_at_startup(tmp_path):
+    with pytest.raises(ValueError, match=r"--granikv-cost-model='.*nope.json': no such file"):
+        GraniKVConfig(cost_model=str(tmp_path / "nope.json"))
+    f = tmp_path / "cm.json"
+    f.write_text("{}")
+    assert GraniKVConfig(cost_model=str(f)).cost_model == str(f)

@@ -8,6 +8,7 @@ invalid value fails at startup with the flag, the value and the allowed range in
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Mapping, Optional, get_args
 
@@ -85,6 +86,8 @@ class GraniKVConfig:
             lo, hi = md.get("lo"), md.get("hi")
             if lo is not None and not (lo <= value <= hi):
                 raise ValueError(f"{flag}={value!r} is outside the allowed range [{lo}, {hi}]")
+        if self.cost_model is not None and not os.path.isfile(self.cost_model):
+            raise ValueError(f"{cli_flag('cost_model')}={self.cost_model!r}: no such file")
 
     # ---- conversions ----------------------------------------------------------------------
 
