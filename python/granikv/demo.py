@@ -12,13 +12,10 @@ slot free again and every request's KV bit-identical to what was written.
 """
 
 import argparse
-import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
 
 import numpy as np
 

@@ -2,7 +2,6 @@
 
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 import torch
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator

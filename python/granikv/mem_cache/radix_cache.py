@@ -45,7 +45,6 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from granikv.mem_cache.allocator import GraniKVAllocator
-from granikv.mem_cache.hot_pool import IntegrityError
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_range
 from granikv.mem_cache.metrics import GraniKVMetrics
@@ -302,7 +301,9 @@ class GraniKVRadixCache(RadixCache):
         exact (free + tree + requests' private slots == COLD capacity) and every lock count
         equals the number of live requests whose path holds the node.
         """
-        _check_cache(self, strict=strict)
+        from granikv.mem_cache.cache_integrity import check_cache
+
+        check_cache(self, strict=strict)
 
     # ---- promotion internals ---------------------------------------------------------------
 
@@ -557,143 +558,3 @@ def _splice_prefix(indices: Optional[torch.Tensor], new: torch.Tensor):
         return None
     k = min(len(indices), len(new))
     return torch.cat([new[:k].to(device=indices.device, dtype=indices.dtype), indices[k:]])
-
-
-# ---- integrity (debug / tests; syncs the device) ---------------------------------------------
-
-
-def _check_cache(cache: GraniKVRadixCache, *, strict: bool) -> None:
-    alloc = cache.token_to_kv_pool_allocator
-    alloc.check_integrity()
-    cache.hot_prefix_table.check_integrity()
-    nodes = _check_tree(cache)
-    _check_hot_extents(cache, nodes)
-    owned = [n.value for n in nodes if n not in cache._hot_start]
-    if strict:
-        owned += [_private_slots(cache, r) for r in cache._live.values()]
-    _check_cold_ownership(alloc, owned, exact=strict)
-    _check_live(cache, strict=strict)
-
-
-def _check_tree(cache: GraniKVRadixCache) -> list:
-    """Structure, values, lock counts and size counters of every node; returns the nodes."""
-    nodes, stack = [], [(c, 0) for c in cache.root_node.children.values()]
-    evictable = protected = 0
-    hot_base = cache.token_to_kv_pool_allocator.hot_base
-    while stack:
-        node, depth = stack.pop()
-        nodes.append(node)
-        stack.extend((c, depth + len(node.key)) for c in node.children.values())
-        where = f"node {node.id} (len {len(node.key)}, depth {depth})"
-        if not cache._attached(node):
-            raise IntegrityError(f"{where}: not its parent's child")
-        v = node.value
-        if not isinstance(v, torch.Tensor) or v.dim() != 1 or len(v) != len(node.key):
-            raise IntegrityError(f"{where}: value is not a 1-D tensor of the key's length")
-        if node.lock_ref < 0 or (node.parent is not cache.root_node
-                                 and node.lock_ref > node.parent.lock_ref):
-            raise IntegrityError(f"{where}: lock_ref {node.lock_ref} (parent {node.parent.lock_ref})")
-        evictable += len(v) if node.lock_ref == 0 else 0
-        protected += len(v) if node.lock_ref > 0 else 0
-        start = cache._hot_start.get(node)
-        if start is None:
-            if node in cache._head:
-                raise IntegrityError(f"{where}: COLD node has a shadow head")
-            if len(v) and (int(v.min()) < 1 or int(v.max()) >= hot_base):
-                raise IntegrityError(f"{where}: COLD node holds slots outside [1, {hot_base})")
-            continue
-        _check_hot_node(cache, node, depth, where)
-    if (evictable, protected) != (cache.evictable_size_, cache.protected_size_):
-        raise IntegrityError(
-            f"tree sizes: evictable {evictable} / protected {protected} by walk, counters say "
-            f"{cache.evictable_size_} / {cache.protected_size_}")
-    return nodes
-
-
-def _check_hot_node(cache: GraniKVRadixCache, node: TreeNode, depth: int, where: str) -> None:
-    """A HOT node starts a run (its shadow head covers its whole depth; root children: 0) or
-    continues its HOT parent's extent (the lower half of a split); value == its slots."""
-    start, head = cache._hot_start[node], cache._head.get(node, 0)
-    if head and head != depth:
-        raise IntegrityError(f"{where}: shadow head of {head} tokens != depth {depth}")
-    parent = node.parent
-    follows = (parent in cache._hot_start
-               and cache._hot_start[parent] + len(parent.key) == start)
-    if not head and depth and not follows:
-        raise IntegrityError(f"{where}: HOT node with neither a shadow head nor a HOT parent "
-                             f"whose extent it continues")
-    v = node.value
-    if not torch.equal(v.cpu(), torch.arange(start, start + len(v))):
-        raise IntegrityError(f"{where}: HOT value is not arange({start}, {start + len(v)})")
-
-
-def _check_hot_extents(cache: GraniKVRadixCache, nodes: list) -> None:
-    """HOT node extents (shadow heads included) == the hot pool's extents, none twice."""
-    in_tree = set(nodes)
-    for node in cache._hot_start:
-        if node not in in_tree:
-            raise IntegrityError(f"HOT node {node.id} is not in the tree")
-    for node in cache._head:
-        if node not in cache._hot_start or cache._head[node] <= 0:
-            raise IntegrityError(f"node {node.id}: shadow head {cache._head[node]} on a non-HOT node")
-    exts = [cache._extent(n) for n in cache._hot_start]
-    by_nodes = {e.start: e.size for e in exts}
-    if len(by_nodes) != len(exts):
-        raise IntegrityError(f"{len(exts) - len(by_nodes)} HOT extents claimed by two nodes")
-    by_pool = cache.hot_pool.extents()
-    if by_nodes != by_pool:
-        raise IntegrityError(f"HOT extents of nodes {sorted(by_nodes.items())[:8]} != hot pool "
-                             f"{sorted(by_pool.items())[:8]}")
-
-
-def _check_cold_ownership(alloc: GraniKVAllocator, owned: list, *, exact: bool) -> None:
-    """No COLD slot owned twice among free list, tree and (exact) live requests."""
-    free = alloc.cold_free_slots().cpu()
-    held = torch.cat([t.cpu().to(torch.int64) for t in owned]) if owned else free[:0]
-    every = torch.cat([free, held])
-    dupes = every.numel() - torch.unique(every).numel()
-    if dupes:
-        raise IntegrityError(f"COLD: {dupes} slots owned twice (free {free.numel()}, "
-                             f"held {held.numel()})")
-    if exact and every.numel() != alloc.cold_capacity:
-        raise IntegrityError(f"COLD: free {free.numel()} + held {held.numel()} != total "
-                             f"{alloc.cold_capacity} ({alloc.cold_capacity - every.numel()} leaked)")
-
-
-def _private_slots(cache: GraniKVRadixCache, req) -> torch.Tensor:
-    """The slots a live request owns itself: row[cache_protected_len : kv_allocated_len]."""
-    end = req.kv.kv_allocated_len if getattr(req, "kv", None) is not None else 0
-    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-    return row[req.cache_protected_len : end]
-
-
-def _check_live(cache: GraniKVRadixCache, *, strict: bool) -> None:
-    table, r2t = cache.hot_prefix_table, cache.req_to_token_pool.req_to_token
-    for idx, req in cache._live.items():
-        if req.req_pool_idx != idx:
-            raise IntegrityError(f"live request at row {idx} now has req_pool_idx {req.req_pool_idx}")
-        start, n = cache.hot_run(req)
-        if table.get(idx) != (start, n):
-            raise IntegrityError(f"row {idx}: table says {table.get(idx)}, tree says {(start, n)}")
-        if n and not torch.equal(r2t[idx, :n].cpu().to(torch.int64), torch.arange(start, start + n)):
-            raise IntegrityError(f"row {idx}: req_to_token[:{n}] is not its HOT run at {start}")
-    rows = set(cache._live)
-    stray = [r for r in range(1, table.num_rows) if r not in rows and table.length_np[r]]
-    if stray:
-        raise IntegrityError(f"table rows {stray[:8]} have a HOT run but no live request")
-    if strict:
-        _check_lock_counts(cache)
-
-
-def _check_lock_counts(cache: GraniKVRadixCache) -> None:
-    holders: Dict[TreeNode, int] = {}
-    for req in cache._live.values():
-        for node in cache._path(req.last_node):
-            holders[node] = holders.get(node, 0) + 1
-    stack = list(cache.root_node.children.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node.lock_ref != holders.get(node, 0):
-            raise IntegrityError(f"node {node.id}: lock_ref {node.lock_ref} but "
-                                 f"{holders.get(node, 0)} live requests hold it")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from granikv.layers.attention.cascade.dispatcher import Decision, Path
-from granikv.layers.attention.cascade.plan import BatchDescription, Grouping, group_requests
+from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
 from granikv.layers.attention.cascade.step_stats import StepStats
 from granikv.layers.attention.cascade.support import build_dispatcher, unsupported_reason
 
