@@ -61,12 +61,13 @@ class GraniKVConfig:
         "checked-in file for this GPU, else a conservative default.",
     )
     debug_integrity: bool = _opt(
-        False, "Run check_integrity() on the pools and the cache after every scheduler step (slow)."
+        False, "Run check_integrity() on the pools and the cache after every scheduler step, and "
+        "check that every planned group's requests hold its HOT slots (slow)."
     )
     debug_compare_every: int = _opt(
         0,
-        "Every N decode steps, also run the paged path for layer 0 and log the max difference "
-        "(0 = off).",
+        "Every N decode steps, compare layer 0 with a float64 reference of paged attention and "
+        "log the max difference (0 = off; eager steps only: use --disable-cuda-graph).",
         lo=0,
         hi=1 << 30,
     )

@@ -72,7 +72,7 @@ def config_of(server_args: Any) -> Optional[GraniKVConfig]:
     return cfg if cfg is not None and cfg.enable else None
 
 
-def _apply_to_server_kwargs(cfg: GraniKVConfig, kwargs: dict, get, set_) -> None:
+def _apply_to_server_kwargs(cfg: GraniKVConfig, get, set_) -> None:
     """Settings GraniKV needs from SGLang itself (before ServerArgs is built and sealed)."""
     if not cfg.enable:
         return
@@ -101,7 +101,7 @@ def _after_add_cli_args(result, parser):
 
 def _around_from_cli_args(orig, cls, args):
     cfg = GraniKVConfig.from_mapping(vars(args))
-    _apply_to_server_kwargs(cfg, vars(args), lambda k: getattr(args, k, None),
+    _apply_to_server_kwargs(cfg, lambda k: getattr(args, k, None),
                             lambda k, v: setattr(args, k, v))
     server_args = orig(cls, args)
     server_args._granikv = cfg
@@ -116,7 +116,7 @@ def _around_server_args_init(orig, self, *args, **kwargs):
     (``Engine.__init__`` itself cannot be hooked: it loads the plugins.)"""
     values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
     cfg = GraniKVConfig.from_mapping(values)
-    _apply_to_server_kwargs(cfg, kwargs, kwargs.get, kwargs.__setitem__)
+    _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
     orig(self, *args, **kwargs)
     if getattr(self, "_granikv", None) is None or values:
         self._granikv = cfg
@@ -132,12 +132,8 @@ def _after_build_allocator(result, configurator, **kw):
     from granikv.mem_cache.allocator import GraniKVAllocator
     from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
-    if type(result).__name__ != "TokenToKVPoolAllocator":
-        raise ValueError(
-            f"--enable-granikv supports SGLang's page-size-1 TokenToKVPoolAllocator, but this "
-            f"configuration builds {type(result).__name__} (hybrid/SWA/MLA/NPU pools are not "
-            "supported)"
-        )
+    # from_stock raises a ValueError naming the class for anything but SGLang's page-size-1
+    # TokenToKVPoolAllocator (hybrid / SWA / NPU / paged pools): a clear startup error.
     allocator = GraniKVAllocator.from_stock(result, hot_fraction=cfg.hot_fraction,
                                             debug_checks=cfg.debug_integrity)
     # The per-request HOT table lives beside the allocator: the cache (scheduler) writes it,

@@ -38,8 +38,7 @@ def on_run_batch(scheduler, batch, cfg) -> None:
                            count=len(batch.reqs))
         backend.stage_batch(rows if mode.is_decode() else None)
     if cfg.debug_integrity:
-        cache.check_integrity()
-        scheduler.token_to_kv_pool_allocator.check_integrity()
+        cache.check_integrity()  # pools, table and tree
     if mode.is_decode():
         _maybe_report(scheduler, cache, backend, cfg.log_interval)
 
@@ -72,7 +71,7 @@ def _maybe_report(scheduler, cache, backend, log_interval: int) -> None:
     cache.refresh_gauges()
     if log_interval:
         attn = backend.stats.snapshot() if backend is not None else {}
-        logger.info("GraniKV: %s | attention %s", cache.metrics.format(), attn)
+        logger.info("%s | attention %s", cache.metrics.format(), attn)
     exporter = _exporter(scheduler)
     if exporter is not None:
         exporter.update(metrics_snapshot(scheduler))

@@ -261,3 +261,23 @@ def test_graphs_too_small_for_a_group_run_no_extra_kernels(monkeypatch):
     q, k, v = _qkv(8, 6)
     be.forward_decode(q, k, v, LAYER, _replay_view(fb, 8))
     assert len(calls) == 1
+
+
+def test_eager_step_larger_than_the_graphs_uses_its_own_workspace():
+    """More running requests than the largest captured graph: an eager step, still planned."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    graph_ws = be.workspace
+    fb, rows = _batch(runner, hot={0, 2, 3})  # 5 requests > 4
+    q, k, v = _qkv(fb.batch_size, 7)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    o = be.forward_decode(q, k, v, LAYER, fb)
+    torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+    assert be.stats.paths["cascade"] == 1
+    assert be.workspace is graph_ws and be._ws is not graph_ws and be._ws.max_bs >= 5
+    # unplanned large eager step: the stock backend alone, no kernel launch, no error
+    be.init_forward_metadata(fb)
+    o = be.forward_decode(q, k, v, LAYER, fb)
+    torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)

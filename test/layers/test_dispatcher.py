@@ -66,9 +66,10 @@ def test_the_design_small_case_is_paged():
     assert make().choose(*batch([(4096, 8)])).path is Path.PAGED
 
 
-@pytest.mark.parametrize("prefix", [1024, 4096, 16384, 32768])
+@pytest.mark.parametrize("prefix", [4096, 16384, 32768])
 def test_monotonic_in_fan_out(prefix):
-    """Once sharing pays off, adding requests to the group keeps it paying off."""
+    """Once sharing pays off, adding requests to the group keeps it paying off (and it does
+    pay off at some fan-out for these prefixes; at 1K the default model never leaves paged)."""
     dispatcher = make()
     left_paged = False
     for n in (2, 3, 5, 8, 17, 32, 37, 64, 128, 256):
@@ -76,6 +77,7 @@ def test_monotonic_in_fan_out(prefix):
         if left_paged:
             assert path is not Path.PAGED, (prefix, n)
         left_paged |= path is not Path.PAGED
+    assert left_paged, prefix
 
 
 def test_monotonic_in_prefix_length():
@@ -92,8 +94,11 @@ def test_forest_with_ungrouped_requests():
     grouping, desc = batch([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], ungrouped=5)
     assert grouping.num_groups == 4
     d = make().choose(grouping, desc)
-    assert d.path is not Path.PAGED
-    assert all(math.isfinite(t) for t in d.times[:3])
+    assert d.path is Path.CASCADE
+    assert all(math.isfinite(t) for t in d.times[:2])  # paged, cascade
+    assert math.isinf(d.times.fused) and math.isinf(d.times.bgemm)  # graph step: not captured
+    eager = make().choose(grouping, desc, graph_safe_only=False)
+    assert all(math.isfinite(t) for t in eager.times)
 
 
 def test_bgemm_only_when_eager():

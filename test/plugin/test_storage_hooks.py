@@ -70,7 +70,7 @@ def test_unsupported_allocator_is_a_clear_startup_error():
         pass
 
     odd = object.__new__(PagedLike)
-    with pytest.raises(ValueError, match="supports SGLang's page-size-1 TokenToKVPoolAllocator"):
+    with pytest.raises(ValueError, match="replaces only SGLang's page-size-1 TokenToKVPoolAllocator, got PagedLike"):
         plugin._after_build_allocator(odd, _configurator(True), sizes=None, token_to_kv_pool=kv,
                                       is_dsv4_model=False, req_to_token_pool=req,
                                       token_to_kv_pool_allocator=None)

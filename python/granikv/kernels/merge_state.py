@@ -79,7 +79,7 @@ def merge_state(workspace, out: torch.Tensor) -> torch.Tensor:
 
 def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.Tensor, out: torch.Tensor,
                num_kv_heads: int) -> torch.Tensor:
-    """Stand-alone merge of a CSR of partial states (no workspace): for tests and the bgemm path.
+    """Stand-alone merge of a CSR of partial states (no workspace), for tests.
 
     part_o [rows, Hq, D] fp32, part_lse [rows, Hq] fp32, part_indptr int32 [bs+1] (device),
     out [bs, Hq, D]. Every request's rows are merged; grid (bs, num_kv_heads).

@@ -17,7 +17,6 @@ import triton.language as tl
 __all__ = ["prefix_attention"]
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit

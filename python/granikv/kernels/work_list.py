@@ -235,9 +235,10 @@ class CascadeWorkspace:
       (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
 
     Device buffers (int32 unless noted):
-      ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1)] = counts (bs, n_prefix_items,
-      n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr;
-      ``req_pool_indices`` [max_bs]; ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
+      ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
+      n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
+      req_pool_indices (the view ``req_pool_indices``; host rows travel in the one copy);
+      ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
       [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches).
     """
 
@@ -281,7 +282,8 @@ class CascadeWorkspace:
         # meta layout
         P, S = self.prefix_cap, self.suffix_cap
         offs, o = {}, 0
-        for name, n in (("counts", 3), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs), ("pptr", max_bs + 1)):
+        for name, n in (("counts", 3), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs), ("pptr", max_bs + 1),
+                        ("rpi", max_bs)):
             offs[name], o = o, o + n
         self._offs, self._meta_len = offs, o
         pin = self.device.type == "cuda"
@@ -295,7 +297,7 @@ class CascadeWorkspace:
         self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
         self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
         self.part_indptr = self.meta[offs["pptr"] : offs["pptr"] + max_bs + 1]
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self.req_pool_indices = self.meta[offs["rpi"] : offs["rpi"] + max_bs]
         self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
@@ -367,16 +369,17 @@ class CascadeWorkspace:
             h[o["sfx"] + j * S : o["sfx"] + j * S + n] = a
         h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
         h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
+        from_device = isinstance(req_pool_indices, torch.Tensor)
+        if not from_device:  # host rows travel in the same single copy as the metadata
+            h[o["rpi"] : o["rpi"] + wl.bs] = np.asarray(req_pool_indices)[: wl.bs]
         non_blocking = self.device.type == "cuda"
         self.meta.copy_(self._host[k], non_blocking=non_blocking)
         if non_blocking:
             ev = self._events[k] or torch.cuda.Event()
             ev.record()
             self._events[k] = ev
-        if isinstance(req_pool_indices, torch.Tensor):
+        if from_device:
             self.req_pool_indices[: wl.bs].copy_(req_pool_indices[: wl.bs], non_blocking=True)
-        else:
-            self.req_pool_indices[: wl.bs].copy_(torch.from_numpy(np.asarray(req_pool_indices, dtype=np.int32)))
 
     # -------------------------------------------------------------- helpers
     def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:

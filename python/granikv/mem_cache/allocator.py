@@ -10,9 +10,10 @@
   ``free(tensor)`` only ever receives COLD slots; ``debug_checks=True`` asserts it (that
   check syncs the device, so it is off by default).
 - ``available_size()`` counts COLD only: the HOT capacity is reserved for extents and can
-  never satisfy a request's allocation. SGLang's admission budget and its idle leak check
-  (``available + evictable + protected == max_total_num_tokens``) must therefore add
-  ``hot_capacity`` on the right side (the radix cache reports COLD-only evictable/protected).
+  never satisfy a request's allocation. The plugin therefore sets SGLang's
+  ``max_total_num_tokens`` to ``cold_capacity``, so its admission budget and its idle leak
+  check (``available + evictable + protected == max_total_num_tokens``) stay exact with the
+  radix cache's COLD-only evictable / protected sizes.
 """
 
 import torch
@@ -34,8 +35,7 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
                  hot_fraction: float, debug_checks: bool = False):
         self.hot_fraction = hot_fraction
         self.debug_checks = debug_checks
-        self.hot_base, self.hot_capacity = hot_layout(size, hot_fraction)
-        self.hot_pool = HotPool(self.hot_base, self.hot_capacity)
+        self.hot_pool = HotPool(size + 1, 0)  # laid out by clear()
         super().__init__(size, dtype, device, kvcache, need_sort)  # calls clear()
 
     @classmethod
@@ -45,7 +45,8 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
         if type(stock) is not TokenToKVPoolAllocator:
             raise ValueError(
                 f"GraniKV replaces only SGLang's page-size-1 TokenToKVPoolAllocator, "
-                f"got {type(stock).__name__} (page_size={stock.page_size})")
+                f"got {type(stock).__name__} (page_size={getattr(stock, 'page_size', '?')}); "
+                "hybrid / SWA / NPU / paged pools are not supported")
         return cls(stock.size, stock.dtype, stock.device, stock.get_kvcache(), stock.need_sort,
                    hot_fraction=hot_fraction, debug_checks=debug_checks)
 
@@ -53,12 +54,10 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
 
     def clear(self):
         # also reached through resize(): the HOT layout follows the (new) size
+        super().clear()  # free_pages = arange(1, size + 1), free groups, release pages
         self.hot_base, self.hot_capacity = hot_layout(self.size, self.hot_fraction)
         self.hot_pool.reset(self.hot_base, self.hot_capacity)
-        self.free_pages = torch.arange(1, self.hot_base, dtype=torch.int64, device=self.device)
-        self.is_not_in_free_group = True
-        self.free_group = []
-        self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.free_pages = self.free_pages[: self.hot_base - 1]  # COLD = [1, hot_base)
 
     def free(self, free_index: torch.Tensor):
         if self.debug_checks and free_index.numel():
@@ -73,9 +72,6 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
     @property
     def cold_capacity(self) -> int:
         return self.hot_base - 1
-
-    def hot_free_size(self) -> int:
-        return self.hot_pool.free_size
 
     def cold_free_slots(self) -> torch.Tensor:
         """Every free COLD slot, including pending release / free-group entries (debug use)."""

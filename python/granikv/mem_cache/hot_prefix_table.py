@@ -51,9 +51,15 @@ class HotPrefixTable:
         rows, starts, lengths = rows[changed], starts[changed], lengths[changed]
         self.start_np[rows] = starts
         self.length_np[rows] = lengths
-        idx = torch.from_numpy(rows).to(self.device, non_blocking=True)
-        self.start_dev[idx] = torch.from_numpy(starts).to(self.device, torch.int32)
-        self.length_dev[idx] = torch.from_numpy(lengths).to(self.device, torch.int32)
+        # One H2D copy from pinned memory, non-blocking (PyTorch keeps the pinned block alive
+        # until the copy is done), then two scatters: no host sync on the serving path.
+        packed = torch.from_numpy(np.stack([rows, starts, lengths]).astype(np.int32))
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        idx = packed[0].long()
+        self.start_dev[idx] = packed[1]
+        self.length_dev[idx] = packed[2]
 
     def reset(self) -> None:
         self.start_np[:] = 0

@@ -296,8 +296,9 @@ class GraniKVRadixCache(RadixCache):
     def check_integrity(self, *, strict: bool = True) -> None:
         """Raise ``IntegrityError`` on the first violated invariant (syncs the device).
 
-        ``strict``: every request holding slots or locks is registered (true between
-        scheduler steps when the plugin hooks ``alloc_for_extend``), so COLD accounting is
+        ``strict``: every request holding slots or locks is registered (true once the plugin's
+        ``run_batch`` step has registered the batch, i.e. after ``alloc_for_extend`` and before
+        the forward, no temporary admission locks pending), so COLD accounting is
         exact (free + tree + requests' private slots == COLD capacity) and every lock count
         equals the number of live requests whose path holds the node.
         """

@@ -14,8 +14,9 @@ Extend/prefill/idle batches go to the wrapped backend untouched. For a decode ba
 CUDA graphs: the graph captures ``wrapped decode -> cascade kernels``. All plan-dependent data
 lives in the fixed-capacity ``CascadeWorkspace`` (refilled in ``init_forward_metadata_out_graph``
 before every replay), and the wrapped backend's metadata is refilled from a view whose
-``seq_lens`` reflect the path; so a replay with any grouping, or with none, is valid. The fused
-and bgemm paths are not captured: under graphs the choice is between paged and cascade.
+``seq_lens`` reflect the path; so a replay with any grouping, or with none, is valid. Only the
+cascade kernels are captured (the dispatcher's ``graph_safe_only`` choice is paged or cascade);
+fused and bgemm run on eager steps.
 
 The per-step host input is staged by the scheduler hook (``stage_batch``: the batch's
 ``req_pool_idx`` values, known on the host without a device sync); HOT runs come from the
@@ -29,8 +30,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from granikv.layers.attention.cascade.dispatcher import Decision, Path
-from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+from granikv.layers.attention.cascade.dispatcher import Path
+from granikv.layers.attention.cascade.plan import (
+    BatchDescription,
+    group_requests,
+    verify_same_slots,
+)
 from granikv.layers.attention.cascade.step_stats import StepStats
 from granikv.layers.attention.cascade.support import build_dispatcher, unsupported_reason
 
@@ -78,7 +83,9 @@ class GraniKVAttnBackend(AttentionBackend):
         geo = self.dispatcher.geometry
         self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
         self.device = torch.device(model_runner.device)
-        self.workspace = None  # CascadeWorkspace, sized in _ensure_workspace
+        self.workspace = None  # CascadeWorkspace (the graph one once graphs exist)
+        self._eager_workspace = None  # eager steps larger than the graph workspace
+        self._ws = None  # the workspace of the current step
         self.stats = StepStats()
         self._staged: Optional[np.ndarray] = None
         self._path = Path.PAGED  # path of the current step
@@ -109,16 +116,30 @@ class GraniKVAttnBackend(AttentionBackend):
         """The next decode batch's ``req_pool_idx`` per request, in batch order (host ints)."""
         self._staged = req_pool_indices
 
-    def _ensure_workspace(self, max_bs: int):
-        """The workspace; never reallocated once CUDA graphs captured its buffers."""
+    def _new_workspace(self, max_bs: int):
         from granikv.kernels.work_list import CascadeWorkspace
 
-        if self.workspace is None or (self.workspace.max_bs < max_bs and not self._graph_mode):
-            geo = self.dispatcher.geometry
-            self.workspace = CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads,
-                                              geo.head_dim, self.device)
-            self._ones = torch.ones(max_bs, dtype=torch.int32, device=self.device)
-        return self.workspace
+        geo = self.dispatcher.geometry
+        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim,
+                                self.device)
+
+    def _workspace_for(self, bs: int):
+        """The workspace a step of ``bs`` requests uses.
+
+        The graph workspace (sized at ``init_cuda_graph_state``) is never reallocated: captured
+        graphs read its buffers. Eager steps larger than it (more running requests than the
+        largest captured graph) get a separate eager workspace, grown on demand.
+        """
+        if self._graph_mode and bs <= self.workspace.max_bs:
+            return self.workspace
+        attr = "_eager_workspace" if self._graph_mode else "workspace"
+        ws = getattr(self, attr)
+        if ws is None or ws.max_bs < bs:
+            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
+            setattr(self, attr, ws)
+        if self._ones is None or self._ones.numel() < bs:
+            self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.device)
+        return ws
 
     # ---- planning (host side, once per step) -----------------------------------------
 
@@ -128,8 +149,7 @@ class GraniKVAttnBackend(AttentionBackend):
         if not fb.forward_mode.is_decode():
             return None
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
-        too_big = self._graph_mode and fb.batch_size > self.workspace.max_bs
-        if staged is None or len(staged) != bs or fb.seq_lens_cpu is None or too_big:
+        if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
             self.stats.unplanned += 1
             return None
         table = self.hot_prefix_table
@@ -138,15 +158,21 @@ class GraniKVAttnBackend(AttentionBackend):
             table.length_np,
         )
         grouping = group_requests(desc, min_group_size=self.cfg.min_group_size)
+        if self.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(
+            grouping, desc, self.model_runner.req_to_token_pool.req_to_token
+        ):
+            logger.error("GraniKV: grouped requests do not all hold their group's HOT slots "
+                         "(stale HotPrefixTable); this step runs paged")
+            self.stats.unplanned += 1
+            return None
         decision = self.dispatcher.choose(grouping, desc, graph_safe_only=graph)
-        decision = _graph_restrict(decision) if graph else decision
         self.stats.record(decision, grouping)
         if decision.path is Path.PAGED:
             return None
         return grouping, desc, decision
 
     def _fill_workspace(self, plan, fb) -> None:
-        ws = self._ensure_workspace(0 if plan is None else fb.batch_size)
+        ws = self._ws = self._workspace_for(fb.batch_size)
         if plan is None:
             ws.fill(*_EMPTY_FILL)
             return
@@ -162,7 +188,8 @@ class GraniKVAttnBackend(AttentionBackend):
         """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
         bs = fb.batch_size
         view = copy.copy(fb)
-        view.seq_lens = self._ones[:bs].to(fb.seq_lens.dtype)
+        view.seq_lens = self._ones[:bs] if fb.seq_lens.dtype == torch.int64 else (
+            self._ones[:bs].to(fb.seq_lens.dtype))
         view.seq_lens_cpu = torch.ones(bs, dtype=fb.seq_lens_cpu.dtype)
         view.seq_lens_sum = bs
         return view
@@ -173,8 +200,8 @@ class GraniKVAttnBackend(AttentionBackend):
         plan = self._plan(forward_batch, graph=False)
         self._path = Path.PAGED if plan is None else plan[2].path
         if plan is None:
-            if self._graph_mode and forward_batch.forward_mode.is_decode():
-                self._fill_workspace(None, forward_batch)  # decode runs the kernels: bs = 0
+            if self._kernels_always_run(forward_batch.batch_size):
+                self._fill_workspace(None, forward_batch)  # the kernels run with bs = 0
             return self.inner.init_forward_metadata(forward_batch)
         self._fill_workspace(plan, forward_batch)
         self.inner.init_forward_metadata(self._inner_view(forward_batch))
@@ -183,7 +210,7 @@ class GraniKVAttnBackend(AttentionBackend):
         if not (self._graph_mode and forward_batch.forward_mode.is_decode()):
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         plan = None if in_capture else self._plan(forward_batch, graph=True)
-        self._path = Path.PAGED if plan is None else Path.CASCADE
+        self._path = Path.PAGED if plan is None else plan[2].path  # cascade: all a graph holds
         self._fill_workspace(plan, forward_batch)
         view = forward_batch if plan is None else self._inner_view(forward_batch)
         self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
@@ -193,7 +220,9 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
-        self._ensure_workspace(max_bs)
+        self._graph_mode = False
+        self.workspace = None
+        self._workspace_for(max_bs)
         self._graph_mode = True
 
     def get_cuda_graph_seq_len_fill_value(self):
@@ -211,16 +240,18 @@ class GraniKVAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
-        # In graph mode the kernels always run (a captured graph cannot skip them; with bs = 0
-        # in the workspace they exit at once), so warm-up compiles them before capture; except
-        # in graphs too small to ever hold a group, which then cost nothing extra.
-        if self._path is not Path.PAGED or (
-            self._graph_mode and q.shape[0] >= self.cfg.min_group_size
-        ):
+        if self._path is not Path.PAGED or self._kernels_always_run(q.shape[0]):
             self._run_shared_prefix(q, layer, o)
             if self._path is not Path.PAGED and self._compare_due(layer):
                 self._compare_with_reference(q, layer, forward_batch, o)
         return o
+
+    def _kernels_always_run(self, bs: int) -> bool:
+        """Graph-sized decode steps run the kernels whatever the plan: a captured graph cannot
+        skip them (with ``bs = 0`` in the workspace they exit at once), and warm-up compiles
+        them before capture. Graphs too small to hold a group, and eager steps larger than the
+        largest graph, run them only when planned."""
+        return self._graph_mode and self.cfg.min_group_size <= bs <= self.workspace.max_bs
 
     def _compare_due(self, layer) -> bool:
         n = self.cfg.debug_compare_every
@@ -228,7 +259,9 @@ class GraniKVAttnBackend(AttentionBackend):
         return bool(n) and layer.layer_id == 0 and not capturing and self.stats.steps % n == 0
 
     def _compare_with_reference(self, q, layer, fb, o) -> None:
-        """Debug: the chosen path against plain paged attention (float64 torch) on layer 0."""
+        """Debug: the chosen path against the float64 torch reference of paged attention on
+        layer 0. Python runs ``forward_decode`` only on eager steps: with CUDA graphs on, only
+        steps that do not replay a graph are compared."""
         from granikv.kernels.reference import decode_attention_ref
 
         pool = self.model_runner.token_to_kv_pool
@@ -255,7 +288,7 @@ class GraniKVAttnBackend(AttentionBackend):
         run = {Path.FUSED: kernels.fused_cascade_attention,
                Path.BGEMM: kernels.bgemm_cascade_attention}.get(self._path,
                                                                 kernels.cascade_attention)
-        run(q3, k_buf, v_buf, req_to_token, self.workspace, sm_scale=layer.scaling, out=out)
+        run(q3, k_buf, v_buf, req_to_token, self._ws, sm_scale=layer.scaling, out=out)
 
 
 # ``forward`` dispatches to this class's forward_decode / forward_extend: never forwarded.
@@ -282,15 +315,6 @@ _forward_base_methods(GraniKVAttnBackend)
 _EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
                np.zeros(0, np.int64))
-
-
-def _graph_restrict(decision: Decision) -> Decision:
-    """Under CUDA graphs only paged and cascade are captured: pick the cheaper of the two."""
-    if decision.path in (Path.PAGED, Path.CASCADE):
-        return decision
-    t = decision.times
-    path = Path.CASCADE if t.cascade < t.paged else Path.PAGED
-    return Decision(path, t, f"graph: {decision.path.value} not captured -> {path.value}")
 
 
 def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):

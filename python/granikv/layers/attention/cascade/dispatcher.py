@@ -9,24 +9,28 @@ Eligibility:
 - ``PAGED``: always (the stock backend is correct on any batch).
 - ``CASCADE``, ``FUSED``: the batch has at least one group.
 - any path the calibration never measured fastest (``CostModel.disabled_paths``) is out.
-- ``BGEMM``: also needs an eager step (``graph_safe_only=False``): its launches depend on the
-  grouping, so it cannot be captured in a CUDA graph.
+- ``FUSED``, ``BGEMM``: also need an eager step (``graph_safe_only=False``). The backend's
+  decode CUDA graphs capture the cascade kernels only (bgemm's launches depend on the grouping
+  and cannot be captured; fused could be, but capturing both would cost every replay the
+  empty launches of the one not chosen).
 
 A forced path (``forced_path != "auto"``) is returned whenever it is eligible, else ``PAGED``.
-The caller is responsible for the same-physical-slots check (``plan.verify_same_slots``) in
-debug mode; grouping is by slot, so a correct ``HotPrefixTable`` makes it hold by construction.
+Grouping is by physical slot, so a correct ``HotPrefixTable`` makes "grouped requests read the
+same slots" hold by construction; ``plan.verify_same_slots`` checks it (tests, and the
+backend under ``--granikv-debug-integrity``).
 """
 
 import enum
 import math
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import numpy as np
 
+from granikv.config import AttentionPath
 from granikv.layers.attention.cascade.cost_model import CostModel, HeadGeometry, Workload
 from granikv.layers.attention.cascade.plan import BatchDescription, Grouping
 
-FORCED_PATHS = ("auto", "paged", "cascade", "fused", "bgemm")
+FORCED_PATHS = get_args(AttentionPath)
 
 
 class Path(enum.Enum):
@@ -123,14 +127,14 @@ class Dispatcher:
         return PathTimes(
             paged=paged,
             cascade=_INF if "cascade" in off else cm.cascade_time(w, num_layers=n),
-            fused=_INF if "fused" in off else cm.fused_time(w, num_layers=n),
+            fused=_INF if graph_safe_only or "fused" in off else cm.fused_time(w, num_layers=n),
             bgemm=_INF if graph_safe_only or "bgemm" in off else cm.bgemm_time(w, num_layers=n),
         )
 
     def choose(
         self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True
     ) -> Decision:
-        """The path for this step. ``graph_safe_only=True`` (a CUDA-graph step) excludes BGEMM."""
+        """The path for this step. ``graph_safe_only=True`` (a CUDA-graph step): paged or cascade."""
         times = self.estimate(grouping, desc, graph_safe_only=graph_safe_only)
         if grouping.num_groups == 0:
             return Decision(Path.PAGED, times, "no group")
