@@ -130,7 +130,6 @@ def _after_build_allocator(result, configurator, **kw):
     if cfg is None or configurator.is_draft_worker or kw.get("token_to_kv_pool_allocator"):
         return None
     from granikv.mem_cache.allocator import GraniKVAllocator
-    from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
     # from_stock raises a ValueError naming the class for anything but SGLang's page-size-1
     # TokenToKVPoolAllocator (hybrid / SWA / NPU / paged pools): a clear startup error.
@@ -139,8 +138,7 @@ def _after_build_allocator(result, configurator, **kw):
     # The per-request HOT table lives beside the allocator: the cache (scheduler) writes it,
     # the attention backend (model runner) reads it; both reach the allocator.
     req_to_token_pool = kw["req_to_token_pool"]
-    allocator.hot_prefix_table = HotPrefixTable(req_to_token_pool.req_to_token.shape[0],
-                                                result.device)
+    allocator.ensure_hot_prefix_table(req_to_token_pool.req_to_token.shape[0])
     logger.info("GraniKV allocator: %d COLD slots, %d HOT slots from %d", allocator.cold_capacity,
                 allocator.hot_capacity, allocator.hot_base)
     return allocator

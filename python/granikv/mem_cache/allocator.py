@@ -16,10 +16,13 @@
   radix cache's COLD-only evictable / protected sizes.
 """
 
+from typing import Optional
+
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from granikv.mem_cache.hot_pool import HotPool, IntegrityError
+from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
 
 def hot_layout(size: int, hot_fraction: float) -> tuple:
@@ -36,6 +39,9 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
         self.hot_fraction = hot_fraction
         self.debug_checks = debug_checks
         self.hot_pool = HotPool(size + 1, 0)  # laid out by clear()
+        # Per-request HOT runs: written by the radix cache (scheduler), read by the attention
+        # backend (model runner); both reach this allocator, so it holds the one table.
+        self.hot_prefix_table: Optional[HotPrefixTable] = None
         super().__init__(size, dtype, device, kvcache, need_sort)  # calls clear()
 
     @classmethod
@@ -68,6 +74,15 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
         super().free(free_index)
 
     # ---- GraniKV ---------------------------------------------------------------------------
+
+    def ensure_hot_prefix_table(self, num_rows: int) -> HotPrefixTable:
+        """The shared HotPrefixTable (``num_rows`` = ``req_to_token`` rows), created once."""
+        if self.hot_prefix_table is None:
+            self.hot_prefix_table = HotPrefixTable(num_rows, self.device)
+        elif self.hot_prefix_table.num_rows != num_rows:
+            raise ValueError(f"HotPrefixTable has {self.hot_prefix_table.num_rows} rows, "
+                             f"asked for {num_rows}")
+        return self.hot_prefix_table
 
     @property
     def cold_capacity(self) -> int:

@@ -115,8 +115,11 @@ class GraniKVRadixCache(RadixCache):
 
     @classmethod
     def create(cls, params: CacheInitParams, config, kv_pool, **kwargs) -> "GraniKVRadixCache":
-        """Build with a fresh HotPrefixTable sized for ``params.req_to_token_pool``."""
-        table = HotPrefixTable(params.req_to_token_pool.size + 1, kv_pool.device)
+        """Build with the allocator's HotPrefixTable (created for ``params.req_to_token_pool``)."""
+        alloc = params.token_to_kv_pool_allocator
+        table = None  # the constructor rejects anything but a GraniKVAllocator
+        if isinstance(alloc, GraniKVAllocator):
+            table = alloc.ensure_hot_prefix_table(params.req_to_token_pool.req_to_token.shape[0])
         return cls(params, config, kv_pool, table, **kwargs)
 
     # ---- SGLang API overrides --------------------------------------------------------------
