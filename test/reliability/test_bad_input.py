@@ -185,7 +185,7 @@ def test_plugin_rejects_pools_it_cannot_manage(kv_pool):
     paged = PagedTokenToKVPoolAllocator(64, 16, torch.bfloat16, "cpu", kv_pool, False)
     conf = SimpleNamespace(server_args=SimpleNamespace(_granikv=GraniKVConfig(enable=True)),
                            is_draft_worker=False)
-    with pytest.raises(ValueError, match="got PagedTokenToKVPoolAllocator \(page_size=16\)"):
+    with pytest.raises(ValueError, match=r"got PagedTokenToKVPoolAllocator \(page_size=16\)"):
         plugin._after_build_allocator(paged, conf, req_to_token_pool=None,
                                       token_to_kv_pool_allocator=None)
 
