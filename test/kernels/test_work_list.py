@@ -134,3 +134,24 @@ def test_planning_cost_bs256():
     per = (time.perf_counter() - t) / n
     print(f"fill: {per * 1e6:.1f} us")
     assert per < 1e-3
+
+
+def test_fill_reuses_the_prefix_half_only_while_the_grouping_is_unchanged():
+    """Decode steps keep their grouping while seq_lens grow: the memoised prefix items must
+    give exactly the work list a fresh build gives, and a new grouping must not reuse them."""
+    import numpy as np
+
+    from granikv.kernels.work_list import CascadeWorkspace, build_work_list
+
+    ws = CascadeWorkspace(16, 8, 2, 64, "cpu", sm_count=4)
+    g = (np.array([100, 300]), np.array([37, 90]), np.array([0, 2, 5]), np.array([0, 3, 1, 4, 6]))
+    prefix_len = np.array([37, 90, 0, 37, 90, 0, 90])
+    g2 = (np.array([500]), np.array([40]), np.array([0, 2]), np.array([2, 5]))
+    prefix2 = np.array([0, 0, 40, 0, 0, 40, 0])
+    for step, (grouping, pl) in enumerate([(g, prefix_len)] * 3 + [(g2, prefix2)]):
+        seq = np.array([50, 120, 17, 60, 95, 30, 99]) + step
+        got = ws.fill(*grouping, pl, seq, np.arange(1, 8))
+        want = build_work_list(*grouping, pl, seq, ratio=ws.ratio, num_kv_heads=2,
+                               config=ws.config, sm_count=4, max_splits=ws.max_splits)
+        for name, value in want._asdict().items():
+            assert np.array_equal(np.asarray(getattr(got, name)), np.asarray(value)), (step, name)

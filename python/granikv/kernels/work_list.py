@@ -126,39 +126,28 @@ def _segment_arange(counts: np.ndarray) -> tuple:
     return owner, local
 
 
-def build_work_list(
-    group_start,
-    group_len,
-    group_req_indptr,
-    group_req_idx,
-    prefix_len,
-    seq_lens,
-    *,
-    ratio: int,
-    num_kv_heads: int,
-    config: KernelConfig,
-    sm_count: int,
-    max_splits: int,
-    single_prefix_chunk: bool = False,
-) -> WorkList:
-    """Cut a grouped decode batch into prefix items, suffix items and partial rows.
+class PrefixItems(NamedTuple):
+    """The prefix half of a work list: depends on the grouping only, not on ``seq_lens``."""
 
-    Arguments are numpy integer arrays in the planner's layout (docs/contracts.md):
-    ``group_start[G]``, ``group_len[G]`` (>= 1), ``group_req_indptr[G+1]``, ``group_req_idx[nnz]``
-    (batch positions), ``prefix_len[bs]`` (``group_len`` of the request's group, 0 if none),
-    ``seq_lens[bs]``. ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills
-    those rows itself). Vectorised: no Python loop over requests or groups.
-    """
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    prefix_len = np.asarray(prefix_len, dtype=np.int64)
+    chunk: int
+    m_lo: np.ndarray
+    m_hi: np.ndarray
+    slot_lo: np.ndarray
+    n_kv: np.ndarray
+    split: np.ndarray
+    n_pre: np.ndarray  # [bs] prefix chunks of each request's group (0 = ungrouped)
+    group_req_idx: np.ndarray
+
+
+def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs: int, *,
+                       ratio: int, num_kv_heads: int, config: KernelConfig, sm_count: int,
+                       max_splits: int, single_prefix_chunk: bool = False) -> PrefixItems:
+    """Prefix items (group, chunk, tile), tile fastest so a chunk's tiles run together (L2)."""
     g_start = np.asarray(group_start, dtype=np.int64)
     g_len = np.asarray(group_len, dtype=np.int64)
     g_ptr = np.asarray(group_req_indptr, dtype=np.int64)
     g_idx = np.asarray(group_req_idx, dtype=np.int64)
-    bs = len(seq_lens)
     rpt = config.block_m // ratio  # requests per prefix tile
-
-    # ---- prefix items: (group, chunk, tile), tile fastest so a chunk's tiles run together (L2)
     n_mem = np.diff(g_ptr)
     tiles = _cdiv(n_mem, rpt)
     if len(g_len):
@@ -179,12 +168,49 @@ def build_work_list(
     m_lo = g_ptr[item_g] + t * rpt
     m_hi = np.minimum(m_lo + rpt, g_ptr[item_g + 1])
     kv_lo = c * chunk
-    n_kv = np.minimum(chunk, g_len[item_g] - kv_lo)
-    slot_lo = g_start[item_g] + kv_lo
-
-    # ---- partial rows per request
     n_pre = np.zeros(bs, np.int64)
     n_pre[g_idx] = np.repeat(chunks, n_mem)
+    return PrefixItems(chunk=int(chunk), m_lo=m_lo, m_hi=m_hi, slot_lo=g_start[item_g] + kv_lo,
+                       n_kv=np.minimum(chunk, g_len[item_g] - kv_lo), split=c, n_pre=n_pre,
+                       group_req_idx=g_idx)
+
+
+def build_work_list(
+    group_start,
+    group_len,
+    group_req_indptr,
+    group_req_idx,
+    prefix_len,
+    seq_lens,
+    *,
+    ratio: int,
+    num_kv_heads: int,
+    config: KernelConfig,
+    sm_count: int,
+    max_splits: int,
+    single_prefix_chunk: bool = False,
+    prefix_items: Optional[PrefixItems] = None,
+) -> WorkList:
+    """Cut a grouped decode batch into prefix items, suffix items and partial rows.
+
+    Arguments are numpy integer arrays in the planner's layout (docs/contracts.md):
+    ``group_start[G]``, ``group_len[G]`` (>= 1), ``group_req_indptr[G+1]``, ``group_req_idx[nnz]``
+    (batch positions), ``prefix_len[bs]`` (``group_len`` of the request's group, 0 if none),
+    ``seq_lens[bs]``. ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills
+    those rows itself). ``prefix_items``: ``build_prefix_items`` of the same grouping, reused
+    (decode steps keep their grouping while ``seq_lens`` grow). Vectorised: no Python loop over
+    requests or groups.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    prefix_len = np.asarray(prefix_len, dtype=np.int64)
+    bs = len(seq_lens)
+    p = prefix_items or build_prefix_items(
+        group_start, group_len, group_req_indptr, group_req_idx, bs, ratio=ratio,
+        num_kv_heads=num_kv_heads, config=config, sm_count=sm_count, max_splits=max_splits,
+        single_prefix_chunk=single_prefix_chunk,
+    )  # fmt: skip
+
+    # ---- partial rows per request: its group's prefix chunks, then its suffix chunks
     sfx_len = np.maximum(seq_lens - prefix_len, 0)
     if bs:
         target = max(1, int(config.suffix_waves * sm_count) // num_kv_heads)
@@ -194,30 +220,30 @@ def build_work_list(
         s_chunk = config.suffix_block_n
     n_sfx = _cdiv(sfx_len, s_chunk)
     part_indptr = np.zeros(bs + 1, np.int64)
-    np.cumsum(n_pre + n_sfx, out=part_indptr[1:])
+    np.cumsum(p.n_pre + n_sfx, out=part_indptr[1:])
 
     # ---- suffix items
     s_req, s_local = _segment_arange(n_sfx)
     s_lo = prefix_len[s_req] + s_local * s_chunk
     s_hi = np.minimum(s_lo + s_chunk, seq_lens[s_req])
-    s_row = part_indptr[s_req] + n_pre[s_req] + s_local
+    s_row = part_indptr[s_req] + p.n_pre[s_req] + s_local
 
     return WorkList(
         bs=bs,
-        prefix_chunk=int(chunk),
+        prefix_chunk=p.chunk,
         suffix_chunk=int(s_chunk),
-        pfx_m_lo=m_lo,
-        pfx_m_hi=m_hi,
-        pfx_slot_lo=slot_lo,
-        pfx_n_kv=n_kv,
-        pfx_split=c,
-        group_req_idx=g_idx,
+        pfx_m_lo=p.m_lo,
+        pfx_m_hi=p.m_hi,
+        pfx_slot_lo=p.slot_lo,
+        pfx_n_kv=p.n_kv,
+        pfx_split=p.split,
+        group_req_idx=p.group_req_idx,
         sfx_req=s_req,
         sfx_lo=s_lo,
         sfx_hi=s_hi,
         sfx_row=s_row,
         part_indptr=part_indptr,
-        n_prefix_parts=n_pre,
+        n_prefix_parts=p.n_pre,
     )
 
 
@@ -303,6 +329,7 @@ class CascadeWorkspace:
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self.work_list: Optional[WorkList] = None
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
+        self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
 
     # ------------------------------------------------------------------ fill
     def fill(
@@ -333,6 +360,8 @@ class CascadeWorkspace:
             group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
             ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
             sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
+            prefix_items=self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx,
+                                            bs, single_prefix_chunk),
         )  # fmt: skip
         np_, ns = wl.num_prefix_items, wl.num_suffix_items
         if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
@@ -344,6 +373,19 @@ class CascadeWorkspace:
         self.work_list = wl
         self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
         return wl
+
+    def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
+                      single_prefix_chunk: bool) -> PrefixItems:
+        """``build_prefix_items``, reused while the grouping is unchanged (successive decode
+        steps of the same requests), which halves the host work of a step."""
+        arrays = (group_start, group_len, group_req_indptr, group_req_idx)
+        key = (bs, single_prefix_chunk) + tuple(np.asarray(a, dtype=np.int64).tobytes() for a in arrays)
+        if self._prefix_memo[0] != key:
+            items = build_prefix_items(*arrays, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
+                                       config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
+                                       single_prefix_chunk=single_prefix_chunk)  # fmt: skip
+            self._prefix_memo = (key, items)
+        return self._prefix_memo[1]
 
     def fill_grouping(self, grouping, seq_lens, req_pool_indices, **kw) -> WorkList:
         """``fill`` from any object with the planner's Grouping attribute names."""
