@@ -74,7 +74,7 @@ def _maybe_report(scheduler, cache, backend, log_interval: int) -> None:
         logger.info("%s | attention %s", cache.metrics.format(), attn)
     exporter = _exporter(scheduler)
     if exporter is not None:
-        exporter.update(metrics_snapshot(scheduler))
+        exporter.update(metrics_snapshot(scheduler, refresh=False))
 
 
 def _exporter(scheduler):
@@ -92,12 +92,13 @@ def _exporter(scheduler):
     return scheduler._granikv_exporter
 
 
-def metrics_snapshot(scheduler) -> dict:
+def metrics_snapshot(scheduler, *, refresh: bool = True) -> dict:
     """Storage and attention counters, for server info / the metrics endpoint."""
     cache = scheduler.tree_cache
     if not hasattr(cache, "refresh_gauges"):
         return {}
-    cache.refresh_gauges()
+    if refresh:
+        cache.refresh_gauges()
     out = dict(cache.metrics.snapshot())
     backend = _granikv_backend(scheduler)
     if backend is not None:

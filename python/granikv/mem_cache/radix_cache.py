@@ -409,9 +409,10 @@ class GraniKVRadixCache(RadixCache):
         self._hot_start[node] = ext.node_start
         if ext.head:
             self._head[node] = ext.head
-        self._repoint([(r, self._run(r)) for r in holders])
+        runs = [self._run(r) for r in holders]
+        self._repoint(list(zip(holders, runs)))
         self.token_to_kv_pool_allocator.free(old)
-        self._publish(holders)
+        self._publish(holders, runs)
         self.metrics.promotions += 1
         self.metrics.promoted_tokens += ext.length
         self.metrics.shadow_head_tokens += ext.head
