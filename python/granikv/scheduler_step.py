@@ -50,13 +50,14 @@ def _wait_for_forward_stream(scheduler) -> None:
 
 
 def _granikv_backend(scheduler):
-    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+    """The model runner's GraniKV backend (None if attention is stock), looked up once."""
+    if not hasattr(scheduler, "_granikv_backend"):
+        from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 
-    try:
-        backend = scheduler.tp_worker.model_runner.attn_backend
-    except AttributeError:
-        return None
-    return backend if isinstance(backend, GraniKVAttnBackend) else None
+        backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None),
+                          "attn_backend", None)
+        scheduler._granikv_backend = backend if isinstance(backend, GraniKVAttnBackend) else None
+    return scheduler._granikv_backend
 
 
 METRICS_INTERVAL = 40  # decode steps between /metrics refreshes when logging is off

@@ -100,15 +100,16 @@ class Workload(NamedTuple):
     ) -> "Workload":
         """From token counts: ``seq_tokens = sum(seq_lens)``, ``prefix_tokens = sum_g len_g``,
         ``stacked_prefix_tokens = sum_g size_g * len_g``, ``num_grouped = sum_g size_g``."""
-        hq, hkv, d, nbytes = geometry
-        bpt = 2 * hkv * d * nbytes
-        state = 8 * hq * (d + 1) * (num_grouped + batch_size) + batch_size * hq * d * nbytes
+        g = geometry
+        bpt = g.kv_bytes_per_token
+        output = g.num_q_heads * g.head_dim * g.kv_dtype_bytes  # per request, written once
+        state = g.state_bytes_per_request * (num_grouped + batch_size) + batch_size * output
         return cls(
             float(seq_tokens * bpt),
             float((stacked_prefix_tokens - prefix_tokens) * bpt),
             float(prefix_tokens * bpt),
             float((seq_tokens - stacked_prefix_tokens) * bpt),
-            float(stacked_prefix_tokens * 4 * hq * d),
+            float(stacked_prefix_tokens * g.flops_per_query_token),
             float(state),
             num_groups,
         )
