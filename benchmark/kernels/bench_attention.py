@@ -295,11 +295,77 @@ def print_table(rows, bw, tf):
     print("(cells: ms and effective TB/s of unique bytes; floor = max(bytes/copy BW, FLOPs/matmul rate))")
 
 
+SWEEP = {
+    "default": {},
+    "nomerge": dict(suffix_merge=False),
+    "nomerge_swv4": dict(suffix_merge=False, suffix_waves=4.0),
+    "swv2": dict(suffix_waves=2.0),
+    "sb16": dict(suffix_block_n=16),
+    "sb64": dict(suffix_block_n=64),
+    "mbp4": dict(merge_block_p=4),
+    "mbp16": dict(merge_block_p=16),
+    "sw8": dict(suffix_warps=8),
+}
+SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
+               ([(4096, 8)], 256)]
+
+
+def sweep(args):
+    """Every SWEEP variant of the default config at SWEEP_CASES: cascade graph time + parts (us)."""
+    base = default_config(D)
+    rows = []
+    for groups, sfx in SWEEP_CASES:
+        case = Case(groups, sfx)
+        ref = None
+        for name, kw in SWEEP.items():
+            row = dict(groups=groups, suffix=sfx, config=name)
+            try:
+                cfg = dataclasses.replace(base, **kw)
+                ws = CascadeWorkspace(max(case.n_req, 8), HQ, HKV, D, DEV, config=cfg)
+                case.fill(ws)
+                out = torch.empty_like(case.q)
+                row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws,
+                                                                          sm_scale=SCALE))[0] * 1e3, 1)
+                ref = out.clone() if ref is None else ref
+                row["maxdiff"] = round((out.float() - ref.float()).abs().max().item(), 4)
+                from granikv.kernels.merge_state import merge_state
+                from granikv.kernels.prefix_attention import prefix_attention
+                from granikv.kernels.suffix_attention import suffix_attention
+
+                for part, f in (
+                    ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)),
+                    ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE)),
+                    ("merge", lambda: merge_state(ws, out)),
+                ):
+                    row[part + "_us"] = round(bench(f)[0] * 1e3, 1)
+                wl = ws.work_list
+                row.update(prefix_chunk=wl.prefix_chunk, prefix_items=wl.num_prefix_items,
+                           suffix_chunk=wl.suffix_chunk, suffix_items=wl.num_suffix_items)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:300]
+                traceback.print_exc()
+            rows.append(row)
+            print("SWEEP", json.dumps(row), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, base=dataclasses.asdict(base),
+                       variants=SWEEP, rows=rows), f, indent=1)
+    for r in rows:
+        print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
+              + " ".join(f"{k[:-3]}={r.get(k, '-')}" for k in ("cascade_us", "prefix_us", "suffix_us", "merge_us"))
+              + f" diff={r.get('maxdiff', r.get('error', '-'))}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="key points + a tile/launch tuning sweep")
+    ap.add_argument("--sweep", action="store_true",
+                    help="tile/launch tuning only: GraniKV cascade (graph) + its parts per config, no baselines")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
     os.makedirs(args.out, exist_ok=True)
     bw, tf = ceilings()
     print(f"ceilings: copy {bw:.2f} TB/s, bf16 matmul {tf:.0f} TFLOP/s", flush=True)

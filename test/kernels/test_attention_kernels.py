@@ -6,6 +6,8 @@ flash kernel does), about 1e-3 relative on o, so 4e-3; the LSE only sees fp32-ac
 products of exact fp16 values, so 1e-4.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import SMALL_CONFIG, fill, make_batch
@@ -18,12 +20,14 @@ from granikv.kernels.work_list import CascadeWorkspace
 
 O_TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 LSE_TOL = {torch.float32: 2e-5, torch.float16: 1e-4}
-SHAPES = [(4, 2), (1, 2), (5, 2)]  # (GQA ratio, kv heads)
+SUFFIX_HEADS = {(4, 2): 2, (1, 2): 2, (5, 2): 2, (4, 4): 4}  # (GQA ratio, kv heads) -> kv heads per suffix program
+SHAPES = list(SUFFIX_HEADS)
 
 
-def _setup(dtype, ratio, hkv, seed, **kw):
+def _setup(dtype, ratio, hkv, seed, suffix_head_group=True, **kw):
     b = make_batch(num_q_heads=ratio * hkv, num_kv_heads=hkv, dtype=dtype, seed=seed, **kw)
-    ws = CascadeWorkspace(b.bs + 2, ratio * hkv, hkv, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+    cfg = dataclasses.replace(SMALL_CONFIG, suffix_head_group=suffix_head_group)
+    ws = CascadeWorkspace(b.bs + 2, ratio * hkv, hkv, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
     wl = fill(ws, b)
     ws.part_o.fill_(float("nan"))
     ws.part_lse.fill_(float("nan"))
@@ -52,8 +56,10 @@ def test_prefix_attention(dtype, ratio, hkv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("ratio,hkv", SHAPES)
-def test_suffix_attention(dtype, ratio, hkv):
-    b, ws, wl = _setup(dtype, ratio, hkv, seed=10 + ratio, ungrouped_len=70)
+@pytest.mark.parametrize("head_group", [True, False])
+def test_suffix_attention(dtype, ratio, hkv, head_group):
+    b, ws, wl = _setup(dtype, ratio, hkv, seed=10 + ratio, ungrouped_len=70, suffix_head_group=head_group)
+    assert ws.suffix_heads == (SUFFIX_HEADS[ratio, hkv] if head_group else 1)
     assert (wl.sfx_req[1:] == wl.sfx_req[:-1]).any()  # a request with several suffix chunks
     suffix_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
     exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
@@ -64,8 +70,10 @@ def test_suffix_attention(dtype, ratio, hkv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("ratio", [1, 4, 5])
-def test_merge_rows(dtype, ratio):
-    """Random partial states, CSR with 0..4 rows per request, some rows empty (lse = -inf)."""
+@pytest.mark.parametrize("block_p", [1, 2, 8])
+def test_merge_rows(dtype, ratio, block_p):
+    """Random partial states, CSR with 0..4 rows per request, some rows empty (lse = -inf);
+    block_p 1/2 folds several row blocks, including an all-empty block before a finite one."""
     g = torch.Generator().manual_seed(ratio)
     counts = torch.tensor([3, 1, 0, 4, 2, 1])
     indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
@@ -75,8 +83,9 @@ def test_merge_rows(dtype, ratio):
     lse = torch.randn(rows, hq, generator=g) * 4
     lse[2, : hq // 2] = float("-inf")  # an empty chunk
     lse[3] = float("-inf")  # request 1's only row is empty -> zeros
+    lse[4:6, :] = float("-inf")  # request 3: its first two rows empty, then finite rows
     out = torch.full((len(counts), hq, d), float("nan"), dtype=dtype)
-    merge_rows(o, lse, indptr, out, hkv)
+    merge_rows(o, lse, indptr, out, hkv, block_p=block_p)
     for i in range(len(counts)):
         lo, hi = int(indptr[i]), int(indptr[i + 1])
         exp = merge_state_ref(o[lo:hi], lse[lo:hi]).o if hi > lo else torch.zeros(hq, d, dtype=torch.float64)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import SMALL_CONFIG, fill, make_batch
 
-from granikv.kernels.work_list import CascadeWorkspace, build_work_list
+from granikv.kernels.work_list import CascadeWorkspace, KernelConfig, build_work_list, suffix_heads
 
 
 def _cdiv(a, b):
@@ -34,7 +34,7 @@ def _work_list_loops(b, *, ratio, num_kv_heads, cfg, sm_count, max_splits):
                 n_kv = min(chunk, L - c * chunk)
                 pfx.append((lo, min(lo + rpt, p1), int(b.group_start[g]) + c * chunk, n_kv, c))
     sfx_len = [int(s - p) for s, p in zip(b.seq_lens, b.prefix_len)]
-    target = max(1, int(cfg.suffix_waves * sm_count) // num_kv_heads)
+    target = max(1, int(cfg.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, cfg)))
     sc = max(_cdiv(sum(sfx_len), target), cfg.min_suffix_chunk, _cdiv(max(sfx_len), max_splits))
     sc = _cdiv(sc, cfg.suffix_block_n) * cfg.suffix_block_n
     indptr = [0]
@@ -155,3 +155,16 @@ def test_fill_reuses_the_prefix_half_only_while_the_grouping_is_unchanged():
                                config=ws.config, sm_count=4, max_splits=ws.max_splits)
         for name, value in want._asdict().items():
             assert np.array_equal(np.asarray(getattr(got, name)), np.asarray(value)), (step, name)
+
+
+@pytest.mark.parametrize(
+    "ratio,hkv,want",
+    [(4, 8, 4), (4, 2, 2), (8, 8, 2), (5, 8, 2), (1, 8, 8), (1, 32, 16), (7, 4, 2), (9, 8, 1), (16, 8, 1), (4, 1, 1), (3, 6, 2)],
+)
+def test_suffix_heads(ratio, hkv, want):
+    """Heads per suffix program fill the tile's 16 (or next_pow2(ratio)) rows and divide Hkv."""
+    cfg = KernelConfig()
+    h = suffix_heads(ratio, hkv, cfg)
+    assert h == want
+    assert hkv % h == 0 and h * ratio <= max(16, 1 << (ratio - 1).bit_length())
+    assert suffix_heads(ratio, hkv, KernelConfig(suffix_head_group=False)) == 1

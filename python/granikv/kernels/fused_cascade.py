@@ -1,7 +1,8 @@
 """Single-launch cascade: prefix items, suffix items and the merge in one kernel.
 
 Grid (prefix capacity + suffix capacity, Hkv). Program (w, h) with w < n_prefix runs prefix
-item w, else suffix item w - n_prefix (same code as the two-launch path). After writing its
+item w for kv head h, else suffix item w - n_prefix for kv-head group h (same code as the
+two-launch path; programs h >= Hkv / suffix_heads of a suffix item exit). After writing its
 partial rows, every row (request b, q-head j) it computed "arrives" on its own counter:
 
     partials of b = part_indptr[b+1] - part_indptr[b]            (prefix chunks + suffix chunks)
@@ -70,7 +71,8 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_q_heads, qk_scale,
                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_H: tl.constexpr, SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  BLOCK_H: tl.constexpr, SFX_HEADS: tl.constexpr, NUM_SFX_GROUPS: tl.constexpr,
+                  SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                   EVEN_SPLIT: tl.constexpr):
     h = tl.program_id(1)
     n_pfx = tl.load(Counts + 1)
@@ -83,11 +85,11 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                                      RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
-    elif w < n_all:
+    elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
         b, qh, row_ok = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                                      stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                                     RATIO, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION)
+                                     RATIO, SFX_HEADS, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
 
@@ -111,8 +113,8 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
         out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,
-        RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=block_h(ws.ratio),
-        SFX_BLOCK_N=cfg.suffix_block_n,
+        RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=block_h(ws.ratio * ws.suffix_heads),
+        SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.num_kv_heads // ws.suffix_heads, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

@@ -1,7 +1,9 @@
 """Paged (page size 1) decode attention over each request's suffix, with LSE.
 
-A suffix item (req, t_lo, t_hi, row) and kv head h: the ratio q-heads of h of batch position
-``req`` (padded to BLOCK_H >= 16 rows for tl.dot) attend to the tokens t_lo..t_hi-1 of the
+A suffix item (req, t_lo, t_hi, row) and a group of ``HEADS`` kv heads (``work_list.suffix_heads``:
+as many as fill the 16 rows tl.dot needs anyway, so GQA ratio 4 serves 4 kv heads per program
+and reads 4 contiguous heads per slot): the q-heads of those kv heads of batch position
+``req`` (padded to BLOCK_H >= 16 rows) attend to the tokens t_lo..t_hi-1 of the
 request, whose slots are gathered from SGLang's table ``req_to_token[req_pool_indices[req], t]``:
 
     req_to_token row:  | prefix (served by the prefix kernel) | t_lo ... t_hi | ... | seq_len
@@ -12,18 +14,37 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
+from .prefix_attention import LOG2E, _store_partial, input_precision
 
 __all__ = ["suffix_attention"]
 
 
 @triton.jit
-def _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
+def _suffix_step(q, k, v, ok, same_head, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
+    """One online-softmax step over a gathered key tile; keys not ok or of another head masked."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    s = tl.where(same_head & ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                  stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                 RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr):
-    """Attention of suffix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
+                 RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Attention of suffix item ``w`` for kv heads ``hg*HEADS .. hg*HEADS+HEADS-1``.
+
+    Rows r < HEADS*RATIO are q-heads ``hg*HEADS*RATIO + r`` (local kv head r // RATIO); the key
+    tile holds BLOCK_N gathered slots x HEADS kv heads (key j = slot j // HEADS, head j % HEADS),
+    so each slot's HEADS heads are one contiguous read. Scores of a row against another head's
+    keys are masked out. Writes the item's partial row; returns per-row (batch pos, q-head, valid).
+    """
     b = tl.load(SfxItems + w)
     t_lo = tl.load(SfxItems + sfx_cap + w)
     t_hi = tl.load(SfxItems + 2 * sfx_cap + w)
@@ -31,23 +52,30 @@ def _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken
     b64 = b.to(tl.int64)
 
     r = tl.arange(0, BLOCK_H)
-    row_ok = r < RATIO
-    qh = h * RATIO + r
+    row_ok = r < HEADS * RATIO
+    h0 = hg * HEADS
+    qh = h0 * RATIO + r
+    row_head = r // RATIO
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b64 * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
 
     tok_ptr = ReqToToken + tl.load(ReqPoolIdx + b).to(tl.int64) * stride_rt + t_lo
-    offs_n = tl.arange(0, BLOCK_N)
+    j = tl.arange(0, BLOCK_N * HEADS)
+    jn = j // HEADS
+    jg = j % HEADS
+    # padded rows (r >= HEADS*RATIO, q = 0) see every valid key, so no row is ever all -inf
+    same_head = (jg[None, :] == row_head[:, None]) | (r[:, None] >= HEADS * RATIO)
+    kv_off = (h0 + jg)[:, None] * stride_kh + d[None, :]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     n_kv = t_hi - t_lo
     for start in range(0, n_kv, BLOCK_N):
-        ok = offs_n < n_kv - start
-        slots = tl.load(tok_ptr + offs_n, mask=ok, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_kb + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vb + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_kv - start, True, BLOCK_N, INPUT_PRECISION)
+        ok = jn < n_kv - start
+        slots = tl.load(tok_ptr + jn, mask=ok, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_kb + kv_off, mask=ok[:, None], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vb + kv_off, mask=ok[:, None], other=0.0)
+        m_i, l_i, acc = _suffix_step(q, k, v, ok, same_head, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
         tok_ptr += BLOCK_N
 
     rows_part = tl.zeros([BLOCK_H], tl.int64) + row
@@ -59,21 +87,21 @@ def _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken
 def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                    stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr):
-    h = tl.program_id(1)
+                   RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    hg = tl.program_id(1)
     n_items = tl.load(Counts + 2)
     w = tl.program_id(0)
     if w < n_items:  # grid fixed at capacity; the live count is read from device memory
-        _suffix_item(w, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
+        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                      stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                     RATIO, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
+                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
 
 
-def block_h(ratio: int) -> int:
-    """Rows of a suffix tile: the ratio q-heads of one kv head, padded for tl.dot (>= 16)."""
-    return max(16, triton.next_power_of_2(ratio))
+def block_h(rows: int) -> int:
+    """Rows of a suffix tile: its q-heads (ratio x kv heads of the program), padded for tl.dot (>= 16)."""
+    return max(16, triton.next_power_of_2(rows))
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -85,7 +113,7 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
     workspace:    CascadeWorkspace after ``fill`` (its ``req_pool_indices`` select the rows);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
-    Grid: (suffix capacity, Hkv), fixed per workspace (CUDA-graph safe).
+    Grid: (suffix capacity, Hkv / suffix_heads), fixed per workspace (CUDA-graph safe).
     """
     ws = workspace
     ws.check_shapes(q, k_buffer)
@@ -93,12 +121,14 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError(f"req_to_token must be int32 with unit column stride, got {req_to_token.dtype} "
                          f"strides {req_to_token.stride()}")
     cfg = ws.config
-    grid = (ws.grid_items("suffix"), ws.num_kv_heads)
+    heads = ws.suffix_heads
+    grid = (ws.grid_items("suffix"), ws.num_kv_heads // heads)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.suffix_cap,
         sm_scale * LOG2E,
-        RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_H=block_h(ws.ratio), BLOCK_N=cfg.suffix_block_n,
-        INPUT_PRECISION=input_precision(q.dtype), num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
+        RATIO=ws.ratio, HEADS=heads, HEAD_DIM=ws.head_dim, BLOCK_H=block_h(ws.ratio * heads),
+        BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype),
+        num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip

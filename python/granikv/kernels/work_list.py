@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-__all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config"]
+__all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config", "suffix_heads"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class KernelConfig:
     """Prefix keys per inner step (64 measured fastest on H200 with block_m 64, although ptxas
     reports a ~1 KB stack there; 32 has no spill but was 1.3x slower, docs/results/kernels.md)."""
     prefix_warps: int = 4
-    prefix_stages: int = 2
+    prefix_stages: int = 3
     suffix_block_n: int = 32
     """Suffix keys (gathered slots) per inner step."""
     suffix_warps: int = 4
@@ -61,12 +61,30 @@ class KernelConfig:
     min_suffix_chunk: int = 64
     even_split: bool = False
     """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False)."""
+    merge_block_p: int = 16
+    """Partial rows the merge kernel loads at once."""
+    suffix_head_group: bool = True
+    """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
+    instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "suffix_block_n"):
+        for name in ("block_m", "block_n", "suffix_block_n", "merge_block_p"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two >= 16")
+            lo = 1 if name == "merge_block_p" else 16
+            if v < lo or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= {lo}")
+
+
+def suffix_heads(ratio: int, num_kv_heads: int, config: KernelConfig) -> int:
+    """KV heads per suffix program: the largest power of two h dividing num_kv_heads with
+    h * ratio <= max(16, next_pow2(ratio)) (the rows a tl.dot tile has anyway); 1 if disabled."""
+    if not config.suffix_head_group:
+        return 1
+    rows = max(16, 1 << (ratio - 1).bit_length())
+    h = 1
+    while num_kv_heads % (2 * h) == 0 and 2 * h * ratio <= rows:
+        h *= 2
+    return h
 
 
 def default_config(head_dim: int) -> KernelConfig:
@@ -213,7 +231,7 @@ def build_work_list(
     # ---- partial rows per request: its group's prefix chunks, then its suffix chunks
     sfx_len = np.maximum(seq_lens - prefix_len, 0)
     if bs:
-        target = max(1, int(config.suffix_waves * sm_count) // num_kv_heads)
+        target = max(1, int(config.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, config)))
         s_chunk = max(_cdiv(int(sfx_len.sum()), target), config.min_suffix_chunk, _cdiv(int(sfx_len.max()), max_splits))
         s_chunk = _round_up(s_chunk, config.suffix_block_n)
     else:
@@ -300,7 +318,8 @@ class CascadeWorkspace:
         cfg = self.config
         rpt = cfg.block_m // self.ratio
         target_p = max(1, int(cfg.prefix_waves * sm_count) // num_kv_heads)
-        target_s = max(1, int(cfg.suffix_waves * sm_count) // num_kv_heads)
+        self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
+        target_s = max(1, int(cfg.suffix_waves * sm_count) // (num_kv_heads // self.suffix_heads))
         self.prefix_cap = target_p + _cdiv(max_bs, rpt) + self.max_groups
         self.suffix_cap = target_s + max_bs
         self.partial_cap = rpt * target_p + max_bs + self.suffix_cap
