@@ -15,7 +15,8 @@ too), baselines eagerly as in fi_attn_bench.py (GPU-bound at these sizes); trito
 FLOPs / bf16 matmul rate), both measured at the start of the run; "TB/s" and "TFLOP/s" count
 the unique bytes (each K/V token read once, q read, out written) and the useful FLOPs.
 
-    python benchmark/kernels/bench_attention.py --quick --out DIR     # key points + tuning sweep
+    python benchmark/kernels/bench_attention.py --quick --out DIR     # key points
+    python benchmark/kernels/bench_attention.py --sweep --out DIR     # tile/launch variants (SWEEP)
     python benchmark/kernels/bench_attention.py --out DIR             # full grid
 
 Writes DIR/kernels.json and DIR/kernels.png (if matplotlib is importable).
@@ -359,7 +360,7 @@ def sweep(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="key points + a tile/launch tuning sweep")
+    ap.add_argument("--quick", action="store_true", help="key points only (tuning variants: --sweep)")
     ap.add_argument("--sweep", action="store_true",
                     help="tile/launch tuning only: GraniKV cascade (graph) + its parts per config, no baselines")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -372,16 +373,7 @@ def main():
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
     base = default_config(D)
     if args.quick:
-        configs = {"default": base}
-        for name, kw in {
-            "n64": dict(block_n=64),
-            "m128w8": dict(block_m=128, block_n=64, prefix_warps=8),
-            "st3": dict(prefix_stages=3),
-            "pw1": dict(prefix_waves=1.0),
-            "pw4": dict(prefix_waves=4.0),
-            "s64w8": dict(suffix_block_n=64, suffix_warps=8),
-        }.items():
-            configs[name] = dataclasses.replace(base, **kw)
+        configs = {"default": base}  # tile/launch variants: --sweep
         cases = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                  ([(4096, 8)], 256)]
     else:
