@@ -61,18 +61,15 @@ class KernelConfig:
     min_suffix_chunk: int = 64
     even_split: bool = False
     """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False)."""
-    merge_block_p: int = 16
-    """Partial rows the merge kernel loads at once."""
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "suffix_block_n", "merge_block_p"):
+        for name in ("block_m", "block_n", "suffix_block_n"):
             v = getattr(self, name)
-            lo = 1 if name == "merge_block_p" else 16
-            if v < lo or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two >= {lo}")
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16")
 
 
 def suffix_heads(ratio: int, num_kv_heads: int, config: KernelConfig) -> int:
