@@ -77,6 +77,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
 
 import workloads as wl  # noqa: E402
+from run import counter_delta  # noqa: E402  (benchmark/multi_agent/run.py)
 
 # ------------------------------------------------------------------------------------------
 # settings
@@ -438,19 +439,6 @@ def parse_metrics(text: str) -> Dict[str, float]:
         except ValueError:
             continue
         out[m[1]] = out.get(m[1], 0.0) + value
-    return out
-
-
-def numeric_delta(after: Dict[str, Any], before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """after - before for every numeric leaf (nested dicts recursed)."""
-    before = before or {}
-    out: Dict[str, Any] = {}
-    for k, v in after.items():
-        b = before.get(k)
-        if isinstance(v, dict):
-            out[k] = numeric_delta(v, b if isinstance(b, dict) else {})
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = v - (b if isinstance(b, (int, float)) and not isinstance(b, bool) else 0)
     return out
 
 
@@ -1303,7 +1291,7 @@ def granikv_phase(args, plan: Plan, server: Server, result: Dict[str, Any], t_en
     rec["idle_after"] = snapshot_idle(server)
     after_g, after_m = server.granikv() or {}, server.metrics()
     rec.update(granikv_before=before_g, granikv_after=after_g,
-               granikv_delta=numeric_delta(after_g, before_g) if after_g else {},
+               granikv_delta=counter_delta(after_g, before_g or {}) if after_g else {},
                metrics_delta=metric_delta(after_m, before_m) if after_m else {})
     ub, ua = rec["idle_before"].get("num_used_tokens"), rec["idle_after"].get("num_used_tokens")
     rec["slots_leaked"] = (ua - ub) if isinstance(ua, int) and isinstance(ub, int) else None

@@ -218,7 +218,7 @@ sglang:token_usage 0.5
 def test_numeric_delta_recurses():
     after = {"promotions": 10, "attention": {"decode_steps": 50, "last_reason": "x"}, "flag": True}
     before = {"promotions": 4, "attention": {"decode_steps": 20}}
-    assert soak.numeric_delta(after, before) == {"promotions": 6, "attention": {"decode_steps": 30}}
+    assert soak.counter_delta(after, before) == {"promotions": 6, "attention": {"decode_steps": 30}}
 
 
 def test_compare_outputs():

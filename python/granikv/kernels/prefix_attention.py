@@ -20,12 +20,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr):
-    """One online-softmax step over a [BLOCK_N, D] key/value tile (base-2 exponentials)."""
+def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One online-softmax step over a [N, D] key/value tile (base-2 exponentials); with MASKED,
+    scores where ``keep`` (broadcast to [rows, N]) is False are dropped."""
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
     if MASKED:
-        s = tl.where(tl.arange(0, BLOCK_N)[None, :] < n_left, s, float("-inf"))
+        s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -77,7 +77,7 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
         for _ in range(0, n_full):
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, BLOCK_N, INPUT_PRECISION)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION)
             k_ptrs += BLOCK_N * stride_kb
             v_ptrs += BLOCK_N * stride_vb
         n_left = n_kv - n_full * BLOCK_N
@@ -85,13 +85,14 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
             kv_ok = offs_n[:, None] < n_left
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_left, True, BLOCK_N, INPUT_PRECISION)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_left)[None, :], True,
+                                          INPUT_PRECISION)
     else:  # every tile masked (one code path, fewer registers)
         for start in range(0, n_kv, BLOCK_N):
             kv_ok = offs_n[:, None] < n_kv - start
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, n_kv - start, True, BLOCK_N,
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_kv - start)[None, :], True,
                                           INPUT_PRECISION)
             k_ptrs += BLOCK_N * stride_kb
             v_ptrs += BLOCK_N * stride_vb

@@ -14,22 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefix_attention import LOG2E, _store_partial, input_precision
+from .prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
 
 __all__ = ["suffix_attention"]
-
-
-@triton.jit
-def _suffix_step(q, k, v, ok, same_head, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
-    """One online-softmax step over a gathered key tile; keys not ok or of another head masked."""
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-    s = tl.where(same_head & ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -75,7 +62,7 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
         slots = tl.load(tok_ptr + jn, mask=ok, other=0).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_kb + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(V + slots[:, None] * stride_vb + kv_off, mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _suffix_step(q, k, v, ok, same_head, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, same_head & ok[None, :], True, INPUT_PRECISION)
         tok_ptr += BLOCK_N
 
     rows_part = tl.zeros([BLOCK_H], tl.int64) + row

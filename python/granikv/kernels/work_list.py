@@ -228,7 +228,8 @@ def build_work_list(
     # ---- partial rows per request: its group's prefix chunks, then its suffix chunks
     sfx_len = np.maximum(seq_lens - prefix_len, 0)
     if bs:
-        target = max(1, int(config.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, config)))
+        head_groups = num_kv_heads // suffix_heads(ratio, num_kv_heads, config)  # suffix grid axis 1
+        target = max(1, int(config.suffix_waves * sm_count) // head_groups)
         s_chunk = max(_cdiv(int(sfx_len.sum()), target), config.min_suffix_chunk, _cdiv(int(sfx_len.max()), max_splits))
         s_chunk = _round_up(s_chunk, config.suffix_block_n)
     else:
