@@ -307,6 +307,12 @@ SWEEP = {  # the variants measured on the H200 are in docs/results/runs/kernels_
     "swv2": dict(suffix_waves=2.0),
     "pw1": dict(prefix_waves=1.0),
     "pw3": dict(prefix_waves=3.0),
+    # TMA prefix loads (not measured yet)
+    "tma": dict(prefix_tma=True),
+    "tma_st2": dict(prefix_tma=True, prefix_stages=2),
+    "tma_st4": dict(prefix_tma=True, prefix_stages=4),
+    "tma_m128w8": dict(prefix_tma=True, block_m=128, prefix_warps=8),
+    "tma_n128w8": dict(prefix_tma=True, block_n=128, prefix_warps=8),
 }
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                ([(4096, 8)], 256)]

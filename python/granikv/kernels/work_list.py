@@ -61,6 +61,9 @@ class KernelConfig:
     min_suffix_chunk: int = 64
     even_split: bool = False
     """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False)."""
+    prefix_tma: bool = False
+    """Prefix full tiles through TMA tensor descriptors (Hopper+; implies the even-split loop).
+    Off by default: NOT measured on the GPU yet (written after the session-2 device time ran out)."""
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
