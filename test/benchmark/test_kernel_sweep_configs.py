@@ -1,0 +1,31 @@
+"""Every tuning variant that bench_attention.py --sweep will run on the GPU host is a valid
+KernelConfig and plans the sweep's cases (CPU), so a device call is never lost to a typo."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from granikv.kernels.work_list import CascadeWorkspace, default_config
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmark" / "kernels" / "bench_attention.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("name", list(bench.SWEEP))
+def test_sweep_variant_plans_every_case(name):
+    cfg = dataclasses.replace(default_config(bench.D), **bench.SWEEP[name])
+    for groups, sfx in bench.SWEEP_CASES:
+        n_req = sum(n for _, n in groups)
+        ws = CascadeWorkspace(max(n_req, 8), bench.HQ, bench.HKV, bench.D, "cpu", config=cfg, sm_count=132)
+        starts = 1 + np.cumsum([0] + [lp for lp, _ in groups[:-1]])
+        prefix_len = np.repeat([lp for lp, _ in groups], [n for _, n in groups])
+        wl = ws.fill(np.asarray(starts), np.array([lp for lp, _ in groups]),
+                     np.cumsum([0] + [n for _, n in groups]), np.arange(n_req), prefix_len, prefix_len + sfx,
+                     np.arange(n_req) + 1)  # fmt: skip
+        ws.check_integrity()
+        assert wl.num_prefix_items > 0 and wl.num_suffix_items >= n_req
