@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -151,6 +151,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "or a path to a model folder.")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--dp-routing", choices=("prefix", "balance"), default="prefix",
+                   help="With --dp > 1: 'prefix' sends each agent's requests with SGLang's "
+                        "routed_dp_rank from workloads.dp_routes (prefix-affine, balanced); "
+                        "'balance' leaves routing to SGLang's --load-balance-method.")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--tag", default="", help="Suffix of the output names: multi_agent[_TAG].*")
     p.add_argument("--latency", choices=("stream", "none"), default="stream",
@@ -253,7 +257,7 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float,
     job = dict(engine_kwargs=cfg.engine_kwargs, backend=cfg.backend, config=cfg.config,
                model_config=str(model_config_path(args.model)), latency=args.latency,
                specs=[s.to_json() for s in specs], deadline=deadline,
-               agreement=not args.no_agreement)
+               agreement=not args.no_agreement, dp=args.dp, dp_routing=args.dp_routing)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cfg.backend == "flashinfer":
         env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
@@ -437,25 +441,41 @@ class Child:
 
     # ---- one row -----------------------------------------------------------------------
 
-    def warm(self, w: wl.Workload) -> float:
-        """Flush the radix cache, then cache every shared prefix with one short request."""
+    def routes(self, w: wl.Workload) -> Optional[Tuple[int, ...]]:
+        """Each agent's DP rank (``routed_dp_rank``), or None to let SGLang route."""
+        dp = int(self.job.get("dp") or 1)
+        if dp > 1 and self.job.get("dp_routing", "prefix") == "prefix":
+            return wl.dp_routes(w, dp)
+        return None
+
+    def warm(self, w: wl.Workload, routes: Optional[Sequence[int]] = None) -> float:
+        """Flush the radix cache, then cache every shared prefix with one short request (on
+        every DP rank its agents are routed to)."""
         self.loop.run_until_complete(self.engine.tokenizer_manager.flush_cache())
         if not w.prefixes:
             return 0.0
         t = time.time()
-        self.engine.generate(input_ids=[list(p) + [5] for p in w.prefixes],
-                             sampling_params={"max_new_tokens": 8, "ignore_eos": True,
-                                              "temperature": 0})
+        params = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+        if routes is None:
+            self.engine.generate(input_ids=[list(p) + [5] for p in w.prefixes], sampling_params=params)
+        else:
+            for rank in sorted(set(routes)):
+                used = sorted({w.group[i] for i in range(w.agents) if routes[i] == rank and w.group[i] >= 0})
+                if used:
+                    self.engine.generate(input_ids=[list(w.prefixes[g]) + [5] for g in used],
+                                         sampling_params=params, routed_dp_rank=rank)
         return time.time() - t
 
-    async def _agent(self, w: wl.Workload, i: int, stats: Dict[str, List]) -> None:
+    async def _agent(self, w: wl.Workload, i: int, stats: Dict[str, List],
+                     routes: Optional[Sequence[int]] = None) -> None:
         context = list(w.prompts[i])
         params = dict(w.sampling.to_dict(), stream_interval=STREAM_INTERVAL)
+        route = {} if routes is None else {"routed_dp_rank": routes[i]}
         for turn in range(w.turns):
             t_submit = time.perf_counter()
             t_first, ids, meta = None, [], {}
             stream = await self.engine.async_generate(input_ids=context, sampling_params=params,
-                                                      stream=True)
+                                                      stream=True, **route)
             async for chunk in stream:
                 if t_first is None:
                     t_first = time.perf_counter()
@@ -481,12 +501,12 @@ class Child:
             except asyncio.TimeoutError:
                 pass
 
-    async def _timed_stream(self, w: wl.Workload) -> Dict[str, Any]:
+    async def _timed_stream(self, w: wl.Workload, routes: Optional[Sequence[int]] = None) -> Dict[str, Any]:
         stats: Dict[str, List] = {"out": [], "cached": [], "ttft": [], "tpot": []}
         done, peak = asyncio.Event(), [0]
         poller = asyncio.ensure_future(self._poll_kv(done, peak))
         t = time.perf_counter()
-        await asyncio.gather(*(self._agent(w, i, stats) for i in range(w.agents)))
+        await asyncio.gather(*(self._agent(w, i, stats, routes) for i in range(w.agents)))
         wall = time.perf_counter() - t
         done.set()
         await poller
@@ -495,7 +515,8 @@ class Child:
                     **latency_stats("tpot", stats["tpot"]))
 
     def _timed_batch(self, w: wl.Workload) -> Dict[str, Any]:
-        """baseline_bench.py's method: one generate call with every prompt (one turn only)."""
+        """baseline_bench.py's method: one generate call with every prompt (one turn only;
+        SGLang routes it across DP ranks)."""
         if w.turns != 1:
             return self.loop.run_until_complete(self._timed_stream(w))
         t = time.perf_counter()
@@ -509,10 +530,11 @@ class Child:
 
     def run(self, spec: wl.WorkloadSpec) -> Dict[str, Any]:
         w = spec.build()
-        warm_s = self.warm(w)
+        routes = self.routes(w)
+        warm_s = self.warm(w, routes)
         before = self.granikv_counters()
         if self.job["latency"] == "stream":
-            m = self.loop.run_until_complete(self._timed_stream(w))
+            m = self.loop.run_until_complete(self._timed_stream(w, routes))
         else:
             m = self._timed_batch(w)
         if m["out_tokens"] != w.out_tokens:
@@ -523,7 +545,9 @@ class Child:
                     params=dict(w.params), seconds=round(seconds, 3),
                     out_tok_per_s=round(m["out_tokens"] / seconds, 1),
                     prompt_tokens=w.prompt_tokens_first_turn, kv_tokens_logical=w.kv_tokens_logical(),
-                    warm_prefix_s=round(warm_s, 2), **self._counters(before), **m)
+                    warm_prefix_s=round(warm_s, 2),
+                    dp_routes=None if routes is None else [routes.count(r) for r in range(max(routes) + 1)],
+                    **self._counters(before), **m)
 
     def _counters(self, before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """GraniKV counters after the row, and their increase over the timed batch."""

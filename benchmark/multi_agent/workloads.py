@@ -216,6 +216,28 @@ def no_sharing(agents: int, prompt_len: int = 2048, out: int = 256, *, seed: int
                     prompts=prompts, group=(-1,) * agents, prefixes=(), sampling=Sampling(out))
 
 
+def dp_routes(w: Workload, dp: int) -> Tuple[int, ...]:
+    """Prefix-affine DP rank of each agent, for SGLang's per-request ``routed_dp_rank``.
+
+    Agents are walked group by group (largest group first, then the agents without a shared
+    prefix) and packed onto ranks 0..dp-1 in contiguous runs of ceil(agents / dp): each rank
+    gets the same number of agents (+-1), and a shared prefix is split over ranks only where a
+    run boundary falls inside its group. So at most dp - 1 prefixes are cached (and promoted to
+    HOT) on two ranks, and a single-prefix workload is split evenly, each rank holding one copy.
+    """
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1")
+    n = w.agents
+    sizes: Dict[int, int] = {}
+    for g in w.group:
+        sizes[g] = sizes.get(g, 0) + 1
+    order = sorted(range(n), key=lambda i: (w.group[i] < 0, -sizes[w.group[i]], w.group[i], i))
+    ranks = [0] * n
+    for pos, i in enumerate(order):
+        ranks[i] = pos * dp // n  # contiguous runs of floor / ceil(n / dp) agents
+    return tuple(ranks)
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What to build, without building it (cheap to print in ``--dry-run``, to send to a child).

@@ -267,13 +267,15 @@ class FakeEngine:
         self.server_args = type("SA", (), {"incremental_streaming_output": False})()
         self.prompts = []
 
-    def generate(self, input_ids, sampling_params):
+    def generate(self, input_ids, sampling_params, routed_dp_rank=None):
+        self.warm_calls = getattr(self, "warm_calls", []) + [(routed_dp_rank, [tuple(p[:-1]) for p in input_ids])]
         n = sampling_params["max_new_tokens"]
         return [{"output_ids": [1] * n, "meta_info": {"cached_tokens": 0}} for _ in input_ids]
 
-    async def async_generate(self, input_ids, sampling_params, stream):
+    async def async_generate(self, input_ids, sampling_params, stream, routed_dp_rank=None):
         assert stream and sampling_params["stream_interval"] == run.STREAM_INTERVAL
         self.prompts.append(list(input_ids))
+        self.routes = getattr(self, "routes", []) + [routed_dp_rank]
         n = sampling_params["max_new_tokens"]
 
         async def chunks():
@@ -289,9 +291,9 @@ class FakeEngine:
                 "max_total_num_tokens": 99}
 
 
-def _fake_child(latency="stream"):
+def _fake_child(latency="stream", **job):
     child = run.Child.__new__(run.Child)
-    child.job = {"latency": latency}
+    child.job = {"latency": latency, **job}
     child.engine = FakeEngine()
     child.loop = child.engine.loop
     child.incremental = False
@@ -429,3 +431,49 @@ def test_agreement_summary_counts_tokens_until_divergence():
     assert s["baseline_self_agreement"] == 0.75  # (4 + 2) of 8
     assert s["granikv_vs_baseline_agreement"] == 0.875  # (4 + 3) of 8
     assert s["tokens_ok"] and abs(s["max_logprob_diff_same_token"] - 0.1) < 1e-9
+
+
+# ---- data parallelism: prefix-affine routing ------------------------------------------------
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("build", [
+    lambda: wl.homogeneous(64, 64, 4, 2),
+    lambda: wl.heterogeneous(64, prefixes=(64, 48, 32, 16, 40, 24, 56, 8), suffix=4, out=2),
+    lambda: wl.no_sharing(10, 16, 2),
+])
+def test_dp_routes_balance_ranks_and_keep_prefixes_together(build, dp):
+    w = build()
+    routes = wl.dp_routes(w, dp)
+    counts = [routes.count(r) for r in range(dp)]
+    assert len(routes) == w.agents and max(routes) < dp
+    assert max(counts) - min(counts) <= 1 and max(counts) == -(-w.agents // dp)  # balanced
+    split = [g for g in range(len(w.prefixes)) if len({r for r, gi in zip(routes, w.group) if gi == g}) > 1]
+    assert len(split) <= dp - 1, f"prefixes {split} spread over ranks"
+    assert wl.dp_routes(w, dp) == routes  # deterministic
+
+
+def test_dp_routes_rejects_bad_dp():
+    with pytest.raises(ValueError, match="dp=0"):
+        wl.dp_routes(wl.homogeneous(16, 4, 2, 2), 0)
+
+
+def test_child_routes_agents_and_warms_each_rank_with_its_prefixes():
+    child = _fake_child(dp=2, dp_routing="prefix")
+    spec = wl.WorkloadSpec("heterogeneous", 16, 64, {"out": 3, "suffix": 2})
+    row = child.run(spec)
+    w = spec.build()
+    routes = wl.dp_routes(w, 2)
+    assert row["dp_routes"] == [8, 8]
+    assert sorted(child.engine.routes) == sorted(routes)
+    warmed = {rank: set(prefixes) for rank, prefixes in child.engine.warm_calls}
+    for rank in (0, 1):
+        want = {tuple(w.prefixes[g]) for g, r in zip(w.group, routes) if r == rank and g >= 0}
+        assert warmed[rank] == want
+
+
+def test_child_leaves_routing_to_sglang_when_asked():
+    child = _fake_child(dp=2, dp_routing="balance")
+    row = child.run(wl.WorkloadSpec("homogeneous", 4, 16, {"out": 3, "suffix": 2}))
+    assert row["dp_routes"] is None and set(child.engine.routes) == {None}
+    assert [r for r, _ in child.engine.warm_calls] == [None]
