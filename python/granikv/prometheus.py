@@ -52,6 +52,9 @@ class PrometheusExporter:
         self._hit = Gauge("granikv:hot_hit_rate",
                           "Share of decode requests served from a shared HOT prefix.",
                           labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+        self._plan = Gauge("granikv:plan_us_mean",
+                           "Mean host time of a decode step's planning (grouping, path choice, workspace fill).",
+                           labelnames=names, multiprocess_mode="mostrecent", registry=reg)
 
     def update(self, snapshot: Mapping[str, object]) -> None:
         for key, gauge in self._storage.items():
@@ -62,3 +65,4 @@ class PrometheusExporter:
             for path, n in attention.get("steps_per_path", {}).items():
                 self._steps.labels(**self.labels, path=path).set(float(n))
             self._hit.labels(**self.labels).set(float(attention.get("hot_hit_rate", 0.0)))
+            self._plan.labels(**self.labels).set(float(attention.get("plan_us_mean", 0.0)))

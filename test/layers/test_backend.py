@@ -142,6 +142,8 @@ def test_eager_shared_prefix_matches_paged(path):
     o = be.forward_decode(q, k, v, LAYER, fb)
     torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
     assert be.stats.paths[path] == 1 and be.stats.grouped_requests == 3
+    snap = be.stats.snapshot()
+    assert be.stats.planned == 1 and 0 < snap["plan_us_mean"] <= snap["plan_us_max"] < 1e6
 
 
 def test_no_group_goes_to_the_stock_backend_untouched():

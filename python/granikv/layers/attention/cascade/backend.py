@@ -25,6 +25,7 @@ The per-step host input is staged by the scheduler hook (``stage_batch``: the ba
 
 import copy
 import logging
+import time
 from typing import Optional
 
 import numpy as np
@@ -184,6 +185,11 @@ class GraniKVAttnBackend(AttentionBackend):
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
                 single_prefix_chunk=decision.path is Path.BGEMM)
 
+    def _timed_plan(self, fb, t0: float) -> None:
+        """Host time of this decode step's planning (``_plan`` + workspace fill) into the stats."""
+        if fb.forward_mode.is_decode():
+            self.stats.record_plan_time(time.perf_counter() - t0)
+
     def _inner_view(self, fb):
         """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
         bs = fb.batch_size
@@ -197,21 +203,27 @@ class GraniKVAttnBackend(AttentionBackend):
     # ---- AttentionBackend metadata contract ---------------------------------------------
 
     def init_forward_metadata(self, forward_batch):
+        t0 = time.perf_counter()
         plan = self._plan(forward_batch, graph=False)
         self._path = Path.PAGED if plan is None else plan[2].path
         if plan is None:
             if self._kernels_always_run(forward_batch.batch_size):
                 self._fill_workspace(None, forward_batch)  # the kernels run with bs = 0
+            self._timed_plan(forward_batch, t0)
             return self.inner.init_forward_metadata(forward_batch)
         self._fill_workspace(plan, forward_batch)
+        self._timed_plan(forward_batch, t0)
         self.inner.init_forward_metadata(self._inner_view(forward_batch))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if not (self._graph_mode and forward_batch.forward_mode.is_decode()):
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        t0 = time.perf_counter()
         plan = None if in_capture else self._plan(forward_batch, graph=True)
         self._path = Path.PAGED if plan is None else plan[2].path  # cascade: all a graph holds
         self._fill_workspace(plan, forward_batch)
+        if not in_capture:
+            self._timed_plan(forward_batch, t0)
         view = forward_batch if plan is None else self._inner_view(forward_batch)
         self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
 

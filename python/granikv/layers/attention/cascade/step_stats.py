@@ -16,6 +16,9 @@ class StepStats:
     unplanned: int = 0  # decode steps with no staged batch (fell back to paged)
     last_reason: str = ""
     max_compare_diff: float = 0.0  # debug compare mode: worst |chosen - paged| seen
+    plan_seconds: float = 0.0  # host time of decode-step planning (group, choose, workspace fill)
+    plan_max_seconds: float = 0.0
+    planned: int = 0  # decode steps timed
 
     def record(self, decision, grouping) -> None:
         self.steps += 1
@@ -26,6 +29,11 @@ class StepStats:
             self.groups += grouping.num_groups
         self.last_reason = decision.reason
 
+    def record_plan_time(self, seconds: float) -> None:
+        self.plan_seconds += seconds
+        self.plan_max_seconds = max(self.plan_max_seconds, seconds)
+        self.planned += 1
+
     def snapshot(self) -> dict:
         return {
             "decode_steps": self.steps,
@@ -35,4 +43,6 @@ class StepStats:
             "unplanned_steps": self.unplanned,
             "last_reason": self.last_reason,
             "max_compare_diff": self.max_compare_diff,
+            "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
+            "plan_us_max": 1e6 * self.plan_max_seconds,
         }
