@@ -17,10 +17,11 @@ STORAGE_GAUGES = {
     "hot_extents": "HOT extents (promoted shared prefixes and their split halves).",
     "promotions": "Prefixes promoted to HOT extents (total).",
     "promotions_skipped": "Promotions skipped (no space, superseded, unknown holders) (total).",
+    "extended_in_place": "Promotions placed right after their parent's HOT run, nothing re-copied (total).",
     "hot_evictions": "HOT nodes evicted (total).",
     "bytes_copied": "Bytes of KV copied by promotions and compaction (total).",
 }
-TOTALS = {"promotions", "promotions_skipped", "hot_evictions", "bytes_copied"}
+TOTALS = {"promotions", "promotions_skipped", "extended_in_place", "hot_evictions", "bytes_copied"}
 
 
 def metrics_enabled() -> bool:

@@ -95,6 +95,22 @@ def test_stats():
     assert (st.used, st.free, st.num_extents, st.largest_hole) == (5, 15, 1, 15)
 
 
+def test_alloc_at_carves_exact_slots_out_of_a_hole():
+    pool = HotPool(10, 50)  # [10, 60)
+    assert pool.alloc_at(20, 5)  # middle of the hole: two holes remain
+    assert pool.holes() == [(10, 10), (25, 35)]
+    assert pool.alloc_at(10, 10)  # a whole hole
+    assert pool.alloc_at(55, 5)  # the end of a hole
+    assert pool.holes() == [(25, 30)]
+    assert not pool.alloc_at(50, 6)  # runs into the extent at 55
+    assert not pool.alloc_at(22, 3)  # inside an extent
+    assert not pool.alloc_at(5, 2)  # below the range
+    assert pool.extents() == {20: 5, 10: 10, 55: 5}
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="n >= 1"):
+        pool.alloc_at(30, 0)
+
+
 # ---- property: random alloc / free / split / compaction against a slot-set model ------------
 
 import os  # noqa: E402
@@ -102,7 +118,7 @@ import os  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_OPS = st.lists(st.tuples(st.sampled_from(["alloc", "free", "split", "compact"]),
+_OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc_at", "free", "split", "compact"]),
                           st.integers(1, 40), st.integers(0, 1000)), max_size=60)
 
 
@@ -120,6 +136,13 @@ def test_hot_pool_random_ops_match_model(ops):
                 assert pool.largest_hole() < n
             else:
                 assert all(s + n <= t or t + model[t] <= s for t in starts)
+                model[s] = n
+        elif op == "alloc_at":
+            s = pool.base + pick % pool.capacity
+            taken = any(t < s + n and s < t + model[t] for t in starts)
+            fits = s + n <= pool.end and not taken
+            assert pool.alloc_at(s, n) == fits
+            if fits:
                 model[s] = n
         elif op == "free" and starts:
             s = starts[pick % len(starts)]

@@ -86,29 +86,65 @@ def test_short_common_head_does_not_hide_long_shared_prompts():
     sim.assert_all_free()
 
 
-def test_deeper_shared_node_extends_an_earlier_promotion():
+def test_deeper_shared_node_extends_an_earlier_promotion_in_place():
+    """A, then A+B shared: B goes right after A's extent (no shadow head, A's KV not copied
+    again), one run covers A+B; A's own holders keep their run."""
     sim = Sim()
     a, b = _tokens(30, 30), _tokens(31, 23)
     first = [sim.admit(a + [1]), sim.admit(a + [2])]
     assert sim.promote() == 1
     ea = sim.cache.hot_extent_of(first[0].last_node.parent)
     assert ea.head == 0
+    copied = sim.cache.metrics.bytes_copied
+    agents = [sim.admit(a + b + [3]), sim.admit(a + b + [4])]
+    assert sim.promote() == 1
+    sim.check()
+    eb = sim.cache.hot_extent_of(agents[0].last_node.parent)
+    assert (eb.start, eb.head, eb.length) == (ea.start + 30, 0, 23)  # continues A's extent
+    assert sim.allocator.hot_pool.extents() == {ea.start: 30, eb.start: 23}  # nothing duplicated
+    assert sim.cache.metrics.extended_in_place == 1 and sim.cache.metrics.shadow_head_tokens == 0
+    per_token = (copied // 30)
+    assert sim.cache.metrics.bytes_copied - copied == 23 * per_token  # only B's KV moved
+    _assert_runs(sim, first, (ea.start, 30))
+    _assert_runs(sim, agents, (ea.start, 53))
+    late = sim.admit(a + b + [5, 5])
+    _assert_runs(sim, [late], (ea.start, 53))
+    assert sim.promote() == 0  # nothing deeper is shared: no re-promotion
+    for step in range(3):
+        for r in agents + [late]:
+            assert sim.decode(r, (5 * step + r.rid) % 61)
+        sim.check()
+    _finish_all(sim, first)
+    sim.evict(1 << 20)
+    assert sim.cache.evict_hot(1 << 20) == 0  # A and B stay locked by B's holders
+    sim.check()
+    _finish_all(sim, agents + [late])
+    assert sim.cache.evict_hot(1 << 20) == 53  # B (the leaf), then A
+    sim.check()
+    sim.drain()
+    sim.assert_all_free()
+
+
+def test_deeper_shared_node_gets_a_shadow_head_when_the_slots_after_its_parent_are_taken():
+    sim = Sim()
+    a, b, c = _tokens(30, 30), _tokens(31, 23), _tokens(32, 25)
+    first = [sim.admit(a + [1]), sim.admit(a + [2])]
+    assert sim.promote() == 1
+    ea = sim.cache.hot_extent_of(first[0].last_node.parent)
+    others = [sim.admit(c + [1]), sim.admit(c + [2])]
+    assert sim.promote() == 1
+    ec = sim.cache.hot_extent_of(others[0].last_node.parent)
+    assert ec.start == ea.start + 30  # best fit took the slots right after A
     agents = [sim.admit(a + b + [3]), sim.admit(a + b + [4])]
     assert sim.promote() == 1  # B: shadow head = a copy of A's HOT KV
     sim.check()
     eb = sim.cache.hot_extent_of(agents[0].last_node.parent)
     assert (eb.head, eb.length) == (30, 23)
-    assert sim.allocator.hot_pool.extents() == {ea.start: 30, eb.start: 53}  # A duplicated
+    assert sim.allocator.hot_pool.extents() == {ea.start: 30, ec.start: 25, eb.start: 53}  # A duplicated
+    assert sim.cache.metrics.extended_in_place == 0
     _assert_runs(sim, first, (ea.start, 30))
     _assert_runs(sim, agents, (eb.start, 53))
-    late = sim.admit(a + b + [5, 5])
-    _assert_runs(sim, [late], (eb.start, 53))
-    assert sim.promote() == 0  # nothing deeper is shared: no re-promotion
-    _finish_all(sim, first)
-    sim.evict(1 << 20)
-    assert sim.cache.evict_hot(1 << 20) == 0  # A stays locked: B's holders pass through it
-    sim.check()
-    _finish_all(sim, agents + [late])
+    _finish_all(sim, first + others + agents)
     sim.drain()
     sim.assert_all_free()
 

@@ -92,6 +92,7 @@ class ChurnWorkload:
         out.update(promotions=m.promotions, hot_evictions=m.hot_evictions,
                    hot_splits=m.hot_splits, compactions=m.compactions,
                    compaction_moves=m.compaction_moves, shadow_head_tokens=m.shadow_head_tokens,
+                   extended_in_place=m.extended_in_place,
                    skipped_no_space=m.skip_reasons.get("no_space", 0),
                    skipped_unknown_holders=m.skip_reasons.get("unknown_holders", 0))
         out["aborts"] = sum(v for k, v in self.counts.items() if k.startswith("abort_"))

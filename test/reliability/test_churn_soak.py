@@ -23,7 +23,7 @@ EVENTS_PER_SEED = 10_000 if SLOW else 1_000
 
 MUST_HAPPEN = (
     "events", "joins", "chunks", "decode_steps", "finished", "promotions", "hot_evictions",
-    "hot_splits", "compactions", "shadow_head_tokens", "skipped_no_space",
+    "hot_splits", "compactions", "shadow_head_tokens", "extended_in_place", "skipped_no_space",
     "skipped_unknown_holders", "refused_no_cold_slots", "retracted_decode", "temp_locks",
     "rotations", "cold_evictions", "abort_waiting", "abort_pending",
     "abort_mid_chunked_prefill", "abort_decoding", "abort_after_promotion",

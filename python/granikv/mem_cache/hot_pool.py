@@ -115,6 +115,30 @@ class HotPool:
         self._used += n
         return start
 
+    def alloc_at(self, start: int, n: int) -> bool:
+        """Allocate exactly ``[start, start + n)`` if those slots are all free (one hole holds
+        them); ``False`` otherwise. Used to extend a HOT run in place."""
+        if n <= 0:
+            raise ValueError(f"HotPool.alloc_at needs n >= 1, got {n}")
+        i = bisect.bisect_right(self._free_starts, start) - 1
+        if i < 0:
+            return False
+        h_start, h_len = self._free_starts[i], self._free_lens[i]
+        if start + n > h_start + h_len:
+            return False
+        # carve [start, start + n) out of the hole [h_start, h_start + h_len)
+        before, after = start - h_start, h_start + h_len - (start + n)
+        del self._free_starts[i], self._free_lens[i]
+        if after:
+            self._free_starts.insert(i, start + n)
+            self._free_lens.insert(i, after)
+        if before:
+            self._free_starts.insert(i, h_start)
+            self._free_lens.insert(i, before)
+        self._extents[start] = n
+        self._used += n
+        return True
+
     def free(self, start: int, n: int) -> None:
         """Return the allocated extent ``[start, start + n)`` exactly as allocated (or split)."""
         got = self._extents.get(start)

@@ -20,6 +20,7 @@ class GraniKVMetrics:
     skip_reasons: Counter = field(default_factory=Counter)
     promoted_tokens: int = 0  # node tokens made HOT (shadow heads not included)
     shadow_head_tokens: int = 0  # ancestor tokens copied in front of promoted nodes
+    extended_in_place: int = 0  # promotions placed right after the parent's HOT run (no head)
     hot_evictions: int = 0
     hot_evicted_tokens: int = 0
     hot_splits: int = 0
@@ -43,7 +44,8 @@ class GraniKVMetrics:
         return (
             f"GraniKV: hot {self.hot_used_tokens}/{self.hot_capacity} ({hot_pct:.1f}%) "
             f"in {self.hot_extents} extents, cold {self.cold_used_tokens}/{self.cold_capacity} "
-            f"({cold_pct:.1f}%), promotions {self.promotions} (skipped {self.promotions_skipped}), "
+            f"({cold_pct:.1f}%), promotions {self.promotions} (in place {self.extended_in_place}, "
+            f"skipped {self.promotions_skipped}), "
             f"hot evictions {self.hot_evictions}, splits {self.hot_splits}, "
             f"compactions {self.compactions}, copied {self.bytes_copied / 2**20:.1f} MiB"
         )

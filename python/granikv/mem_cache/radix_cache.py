@@ -25,7 +25,9 @@ Lifecycle (the plugin drives the two public extras; everything else is SGLang's 
 - ``inc_lock_ref`` (admission, ``cache_unfinished_req``) QUEUES the deepest node of the locked
   path that the policy accepts, if it is COLD;
 - ``apply_pending_promotions()`` EXECUTES the queue at a safe point (before a batch's
-  forward): extent alloc (HOT eviction / compaction if needed), KV copy (ancestors + node),
+  forward): extent alloc (right after the parent's HOT run when that covers the whole path
+  and the slots are free: no head, only the node's KV copied; else a fresh extent with a
+  shadow head, HOT eviction / compaction if needed), KV copy (ancestors + node),
   rewrite of the holders' ``req_to_token`` rows and ``prefix_indices``, free of the COLD slots;
 - ``update_request_hot_prefix(req)`` after ``alloc_for_extend`` registers a live request and
   points its row at its HOT run; ``cache_finished_req`` (finish, abort, retract) drops it.
@@ -246,12 +248,15 @@ class GraniKVRadixCache(RadixCache):
                 self.metrics.skip("superseded")
                 work.extend(deeper)
                 continue
-            depth = self._depth(node)
-            start = self._reserve_extent(depth + len(node.value))
-            if start is None:
-                self.metrics.skip("no_space")
-                continue
-            self._materialize(node, HotExtent(start, depth, len(node.value)), holders)
+            ext = self._extend_in_place(node)
+            if ext is None:
+                depth = self._depth(node)
+                start = self._reserve_extent(depth + len(node.value))
+                if start is None:
+                    self.metrics.skip("no_space")
+                    continue
+                ext = HotExtent(start, depth, len(node.value))
+            self._materialize(node, ext, holders)
             promoted += 1
         if promoted:
             self.refresh_gauges()
@@ -369,6 +374,26 @@ class GraniKVRadixCache(RadixCache):
                 start = pool.alloc(n)
         return start
 
+    def _extend_in_place(self, node: TreeNode) -> Optional[HotExtent]:
+        """A head-less extent right after the HOT run of ``node``'s parent path, when that run
+        covers the whole path and the slots after it are free; ``None`` otherwise.
+
+            before:  | run of the parent path (depth d) | free ... |
+            after:   | run of the parent path (depth d) | node     |   one run of d + len(node)
+
+        No ancestor KV is copied (a shadow head would copy the whole path again), and the node
+        continues its HOT parent's extent, like the lower half of a split.
+        """
+        depth = self._depth(node)
+        run = self._run_of(node.parent)
+        if depth == 0 or run.length != depth:
+            return None
+        start = run.start + run.length
+        if not self.hot_pool.alloc_at(start, len(node.value)):
+            return None
+        self.metrics.extended_in_place += 1
+        return HotExtent(start, 0, len(node.value))
+
     def _compact(self, need: int) -> bool:
         """Slide unlocked extents down (KV moved) if that opens a hole of ``need`` slots.
 
@@ -392,18 +417,22 @@ class GraniKVRadixCache(RadixCache):
         return True
 
     def _materialize(self, node: TreeNode, ext: HotExtent, holders: list) -> None:
-        """Copy the path's KV (ancestors, then ``node``) into ``ext`` and repoint at it.
+        """Copy the path's last ``ext.size`` tokens of KV (ancestors, then ``node``) into ``ext``
+        and repoint at it.
 
             path:     | A (any slots) | h (any slots) | node (COLD)       |
             extent:   | ext.start ..... shadow head   | ext.node_start ... |   head = depth
             req_to_token[holder][:head + length] -> arange(ext.start, ext.start + ext.size)
 
+        (``head = 0``: the extent continues the parent's HOT run, only ``node``'s KV is copied,
+        ``_extend_in_place``.)
+
         The ancestors keep their own slots (other requests use them); ``node``'s old COLD
         slots are freed.
         """
         path = self._path(node)
-        self.metrics.bytes_copied += copy_kv_slots(
-            self.kv_pool, torch.cat([n.value for n in path]), ext.start)
+        src = torch.cat([n.value for n in path])[-ext.size:]  # head = depth: the whole path
+        self.metrics.bytes_copied += copy_kv_slots(self.kv_pool, src, ext.start)
         old = node.value
         node.value = self._arange(ext.node_start, ext.length)
         self._hot_start[node] = ext.node_start
