@@ -1,0 +1,59 @@
+"""calibrate.py's CPU parts: rebuilding the calibration workloads from a checked-in file's
+measurements, the data-driven choice of disabled paths, and the offline refit."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark" / "kernels"))
+
+import calibrate as cal  # noqa: E402
+
+from granikv.layers.attention.cascade.cost_model import CostModel  # noqa: E402
+
+H200 = ROOT / "python" / "granikv" / "data" / "cost_model_nvidia-h200.json"
+
+
+def _rows():
+    return cal.rows_from(json.loads(H200.read_text())["calibration"])
+
+
+def test_checked_in_h200_model_never_picks_below_paged_on_its_measurements():
+    rows = _rows()
+    assert len(rows) == len(cal.CASES)
+    d = cal.decisions(rows, CostModel.load(str(H200)))
+    assert min(x["speedup_vs_paged"] for x in d) >= 0.97
+    assert any(x["pick"] == "cascade" for x in d)  # not a model that only ever says "paged"
+
+
+def test_choose_disabled_drops_a_path_whose_picks_lose():
+    rows = _rows()
+    model = dataclasses.replace(CostModel.load(str(H200)), disabled_paths=())
+    # make fused look fast to the model but measure it 3x slower than paged everywhere
+    model = dataclasses.replace(model, fused_tflops=1e9)
+    slow = [(label, n, dict(m, fused=3 * m["paged"]), w) for label, n, m, w in rows]
+    assert any(x["pick"] == "fused" for x in cal.decisions(slow, model))
+    disabled = cal.choose_disabled(slow, model)
+    assert "fused" in disabled and "cascade" not in disabled
+    assert min(x["speedup_vs_paged"] for x in cal.decisions(slow, dataclasses.replace(
+        model, disabled_paths=disabled))) >= 0.97
+
+
+def test_refit_from_writes_a_loadable_model(tmp_path):
+    out = tmp_path / "model.json"
+    assert cal.refit_from(str(H200), str(out)) == 0
+    model = CostModel.load(str(out))
+    meta = json.loads(out.read_text())["calibration"]
+    assert meta["refit"]["from"] == H200.name and len(meta["cases"]) == len(cal.CASES)
+    assert min(x["speedup_vs_paged"] for x in meta["decisions_num_layers_32"]) >= 0.97
+    assert model.plan_us == CostModel.load(str(H200)).plan_us
+
+
+def test_rows_from_rejects_another_case_set():
+    cal_meta = json.loads(H200.read_text())["calibration"]
+    with pytest.raises(ValueError, match="not the same calibration set"):
+        cal.rows_from(dict(cal_meta, cases=cal_meta["cases"][:-1]))
