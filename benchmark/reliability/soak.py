@@ -528,6 +528,9 @@ def evaluate(result: Dict[str, Any]) -> List[Dict[str, Any]]:
         and cross["identical_pct"] >= base["identical_pct"],
         f"GraniKV vs baseline {cross.get('identical_pct')}% identical, baseline vs itself "
         f"{base.get('identical_pct')}%")
+    b = (result.get("servers") or {}).get("baseline") or {}
+    if "edge_inputs" in g or "edge_inputs" in b:
+        add("edge inputs handled as plain SGLang", *compare_edge(g.get("edge_inputs"), b.get("edge_inputs")))
     return checks
 
 
@@ -831,6 +834,98 @@ def generate_batch(host: str, port: int, prompts: Sequence[Sequence[int]], max_n
     res = json.loads(data)
     res = res if isinstance(res, list) else [res]
     return [list(r.get("output_ids") or []) if isinstance(r, dict) else None for r in res]
+
+
+# ---- edge inputs: what plain SGLang does with them, GraniKV must do too ------------------------
+
+EDGE_CASES = ("empty_prompt", "prompt_longer_than_context", "huge_max_new_tokens")
+EDGE_TOO_LONG = 140_000  # tokens: above the 131,072-token context of the shipped configs
+
+
+def _edge_request(host: str, port: int, case: str) -> Dict[str, Any]:
+    """One edge-input request; returns what the server did (status, error or outputs)."""
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ids = {"empty_prompt": [], "prompt_longer_than_context": [7] * EDGE_TOO_LONG}.get(case, [11] * 64)
+    if case != "huge_max_new_tokens":
+        try:
+            status, data = http_call(host, port, "POST", "/generate", {"input_ids": ids, "sampling_params": params},
+                                     timeout=120)
+        except (OSError, http.client.HTTPException) as e:
+            return dict(http_status=None, error=f"{type(e).__name__}: {e}"[:200])
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = None
+        rec: Dict[str, Any] = dict(http_status=status)
+        if status != 200 or not isinstance(body, dict) or "output_ids" not in body:
+            rec["error"] = data[:200].decode(errors="replace")
+        else:
+            rec["output_ids"] = list(body.get("output_ids") or [])
+            finish = (body.get("meta_info") or {}).get("finish_reason")
+            rec["finish"] = finish.get("type") if isinstance(finish, dict) else finish
+        return rec
+    # 10^9 new tokens: accepted or refused up front? If accepted, abort it after the first chunk.
+    rid = f"edge-{case}-{port}"
+    payload = {"input_ids": ids, "rid": rid, "stream": True,
+               "sampling_params": dict(params, max_new_tokens=10**9)}
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    try:
+        conn.request("POST", "/generate", body=json.dumps(payload).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        rec = dict(http_status=resp.status)
+        if resp.status != 200:
+            rec["error"] = resp.read()[:200].decode(errors="replace")
+            return rec
+        rec["first_chunk"], aborted = False, False
+        for raw in iter(resp.readline, b""):
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            msg = json.loads(line[5:].strip())
+            if "error" in msg:
+                rec["error"] = json.dumps(msg["error"])[:200]
+                break
+            if not aborted:
+                rec["first_chunk"] = True
+                http_call(host, port, "POST", "/abort_request", {"rid": rid}, timeout=30)
+                aborted = True
+            finish = (msg.get("meta_info") or {}).get("finish_reason")
+            if finish:
+                rec["finish"] = finish.get("type") if isinstance(finish, dict) else finish
+        return rec
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        return dict(http_status=None, error=f"{type(e).__name__}: {e}"[:200])
+    finally:
+        conn.close()
+
+
+def edge_inputs(server: "Server") -> Dict[str, Dict[str, Any]]:
+    """Every EDGE_CASES request against ``server``, then whether it is still healthy."""
+    out = {case: _edge_request(server.host, server.port, case) for case in EDGE_CASES}
+    out["_health_after"] = dict(alive=server.alive(), health=server.status("/health"))
+    return out
+
+
+def compare_edge(granikv: Optional[Dict[str, Any]], baseline: Optional[Dict[str, Any]]) -> Tuple[bool, str]:
+    """GraniKV handled every edge input as the baseline did: same HTTP status, refused (an
+    error) in the same cases, the same output ids where both served, and still healthy."""
+    if not granikv or not baseline:
+        return False, "not run on both servers"
+    bad = []
+    for case in EDGE_CASES:
+        g, b = granikv.get(case) or {}, baseline.get(case) or {}
+        if g.get("http_status") != b.get("http_status") or ("error" in g) != ("error" in b):
+            bad.append(f"{case}: GraniKV {g.get('http_status')}/{g.get('error', 'ok')!r:.60} vs "
+                       f"baseline {b.get('http_status')}/{b.get('error', 'ok')!r:.60}")
+        elif g.get("output_ids") != b.get("output_ids") or g.get("finish") != b.get("finish"):
+            bad.append(f"{case}: outputs or finish reason differ")
+    h = granikv.get("_health_after") or {}
+    if not (h.get("alive") and h.get("health") == 200):
+        bad.append(f"GraniKV server after the edge inputs: {h}")
+    summary = ", ".join(f"{c} -> {(granikv.get(c) or {}).get('http_status')}"
+                        f"{' refused' if 'error' in (granikv.get(c) or {}) else ''}" for c in EDGE_CASES)
+    return not bad, "; ".join(bad) if bad else f"as plain SGLang: {summary}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -1312,6 +1407,8 @@ def granikv_phase(args, plan: Plan, server: Server, result: Dict[str, Any], t_en
     rec["log"] = scan_server_log(server.log_path, server.ready_at, log_size(server.log_path),
                                  args.log_ignore)
     rec["peaks"] = _merge_peaks(monitor.peaks, rec["log"])
+    if not args.no_edge_inputs:  # after the log scan: refusing bad input may log an error
+        rec["edge_inputs"] = edge_inputs(server)
 
 
 def _merge_peaks(polled: Dict[str, float], scan: Dict[str, Any]) -> Dict[str, Any]:
@@ -1332,6 +1429,8 @@ def baseline_phase(args, plan: Plan, server: Server, result: Dict[str, Any]) -> 
     result["samples"]["baseline_b"] = run_sample(server, plan)["outputs"]
     rec["log"] = scan_server_log(server.log_path, server.ready_at, log_size(server.log_path),
                                  args.log_ignore)
+    if not args.no_edge_inputs:
+        rec["edge_inputs"] = edge_inputs(server)
 
 
 def identity(samples: Dict[str, List]) -> Dict[str, Any]:
@@ -1383,6 +1482,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--log-ignore", action="append", default=[], metavar="REGEX",
                    help="Server log lines matching this are not counted as errors (repeatable).")
     p.add_argument("--no-metrics", action="store_true", help="Do not pass --enable-metrics.")
+    p.add_argument("--no-edge-inputs", action="store_true",
+                   help="Skip the edge inputs (empty prompt, prompt over the context, 10^9 new tokens).")
     p.add_argument("--skip-baseline", action="store_true",
                    help="No baseline server (the identity check then fails).")
     p.add_argument("--out", default="docs/results/runs")

@@ -295,6 +295,30 @@ def test_evaluate_flags_each_failure(mutate, failing):
     assert bad == [failing]
 
 
+def _edge(**over):
+    e = {"empty_prompt": {"http_status": 400, "error": "empty"},
+         "prompt_longer_than_context": {"http_status": 400, "error": "too long"},
+         "huge_max_new_tokens": {"http_status": 200, "first_chunk": True, "finish": "abort"},
+         "_health_after": {"alive": True, "health": 200}}
+    e.update(over)
+    return e
+
+
+def test_edge_inputs_must_match_the_baseline():
+    ok, detail = soak.compare_edge(_edge(), _edge())
+    assert ok and "empty_prompt -> 400 refused" in detail
+    assert not soak.compare_edge(_edge(empty_prompt={"http_status": 500, "error": "x"}), _edge())[0]
+    assert not soak.compare_edge(_edge(huge_max_new_tokens={"http_status": 400, "error": "x"}), _edge())[0]
+    assert not soak.compare_edge(_edge(empty_prompt={"http_status": 200, "output_ids": [1], "finish": "length"}),
+                                 _edge(empty_prompt={"http_status": 200, "output_ids": [2], "finish": "length"}))[0]
+    assert not soak.compare_edge(_edge(_health_after={"alive": False}), _edge())[0]
+    assert not soak.compare_edge(_edge(), None)[0]
+    r = _result()
+    r["servers"]["granikv"]["edge_inputs"] = _edge()
+    r["servers"]["baseline"] = {"edge_inputs": _edge(prompt_longer_than_context={"http_status": 200, "output_ids": []})}
+    assert [c["name"] for c in soak.evaluate(r) if not c["ok"]] == ["edge inputs handled as plain SGLang"]
+
+
 def test_identity_pass_is_relative_to_the_baselines_own_agreement():
     r = _result(identity={"granikv_post_vs_baseline": {"identical_pct": 95.0},
                           "baseline_self": {"identical_pct": 95.0}})
