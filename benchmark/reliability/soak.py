@@ -77,7 +77,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
 
 import workloads as wl  # noqa: E402
-from run import counter_delta  # noqa: E402  (benchmark/multi_agent/run.py)
+from run import counter_delta, percentile  # noqa: E402  (benchmark/multi_agent/run.py)
 
 # ------------------------------------------------------------------------------------------
 # settings
@@ -464,16 +464,6 @@ def compare_outputs(a: Sequence[Optional[Sequence[int]]], b: Sequence[Optional[S
     return dict(n=n, identical=identical,
                 identical_pct=round(100.0 * identical / n, 2) if n else None,
                 token_agreement_pct=round(100.0 * same_tok / total_tok, 2) if total_tok else None)
-
-
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    s = sorted(values)
-    pos = q / 100.0 * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 # ------------------------------------------------------------------------------------------
