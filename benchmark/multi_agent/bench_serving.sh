@@ -109,8 +109,17 @@ for cfg in $CONFIGS; do
 done
 
 "$PY" - "$OUT" "$BACKEND" "$PREFIX" "$AGENTS" "$GSP_GROUPS" <<'EOF'
-import json, os, sys
+import json, os, subprocess, sys
+from datetime import datetime, timezone
 out, backend, prefix, agents, groups = sys.argv[1:6]
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30).stdout.strip().splitlines()[0]
+except Exception:
+    gpu = None
+date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+command = (f"BACKEND={backend} PREFIX={prefix} AGENTS={agents} GSP_GROUPS={groups} "
+           "bash benchmark/multi_agent/bench_serving.sh")
 keys = ["output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
         "completed", "total_output_tokens", "duration"]
 res = {}
@@ -123,12 +132,13 @@ b, g = res.get("baseline", {}), res.get("granikv", {})
 ratio = (g["output_throughput"] / b["output_throughput"]
          if b.get("output_throughput") and g.get("output_throughput") else None)
 summary = dict(backend=backend, prefix_len=int(prefix), agents=int(agents), groups=int(groups),
-               baseline=b or None, granikv=g or None, speedup=ratio,
-               command="bash benchmark/multi_agent/bench_serving.sh")
+               baseline=b or None, granikv=g or None, speedup=ratio, gpu=gpu, date=date, command=command)
 json.dump(summary, open(os.path.join(out, f"bench_serving_{backend}.json"), "w"), indent=1)
 f = lambda x, s="{:,.1f}": "–" if x is None else s.format(x)
 md = [f"# sglang.bench_serving, generated-shared-prefix: {groups} x {prefix}-token system prompt, "
       f"{agents} prompts per group, backend {backend}", "",
+      f"GPU: {gpu or 'unknown'}; date: {date}. Both servers launched in the same run, one after the other.", "",
+      f"Command: `{command}`", "",
       "| config | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
       "|---|---:|---:|---:|---:|---:|"]
 for cfg, r in (("baseline", b), ("granikv", g)):
