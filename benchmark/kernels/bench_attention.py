@@ -333,7 +333,7 @@ def sweep(args):
                 case.fill(ws)
                 out = torch.empty_like(case.q)
                 row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws,
-                                                                          sm_scale=SCALE))[0] * 1e3, 1)
+                                                                          sm_scale=SCALE, out=out))[0] * 1e3, 1)
                 ref = out.clone() if ref is None else ref
                 row["maxdiff"] = round((out.float() - ref.float()).abs().max().item(), 4)
                 from granikv.kernels.merge_state import merge_state
@@ -372,9 +372,9 @@ def main():
                     help="tile/launch tuning only: GraniKV cascade (graph) + its parts per config, no baselines")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.sweep:
         return sweep(args)
-    os.makedirs(args.out, exist_ok=True)
     bw, tf = ceilings()
     print(f"ceilings: copy {bw:.2f} TB/s, bf16 matmul {tf:.0f} TFLOP/s", flush=True)
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)

@@ -257,7 +257,7 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float,
     job = dict(engine_kwargs=cfg.engine_kwargs, backend=cfg.backend, config=cfg.config,
                model_config=str(model_config_path(args.model)), latency=args.latency,
                specs=[s.to_json() for s in specs], deadline=deadline,
-               agreement=not args.no_agreement, dp=args.dp, dp_routing=args.dp_routing)
+               agreement=not args.no_agreement, dp_routing=args.dp_routing)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cfg.backend == "flashinfer":
         env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
@@ -442,9 +442,11 @@ class Child:
     # ---- one row -----------------------------------------------------------------------
 
     def routes(self, w: wl.Workload) -> Optional[Tuple[int, ...]]:
-        """Each agent's DP rank (``routed_dp_rank``), or None to let SGLang route."""
-        dp = int(self.job.get("dp") or 1)
-        if dp > 1 and self.job.get("dp_routing", "prefix") == "prefix":
+        """Each agent's DP rank (``routed_dp_rank``), or None to let SGLang route. Only streamed
+        rows route: the batch mode sends one ``generate`` call, which SGLang routes itself."""
+        dp = int(self.job["engine_kwargs"].get("dp_size") or 1)  # what the engine really runs
+        streamed = self.job["latency"] == "stream"
+        if dp > 1 and streamed and self.job.get("dp_routing", "prefix") == "prefix":
             return wl.dp_routes(w, dp)
         return None
 

@@ -43,7 +43,7 @@ def _parse(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if not args.cpu and _gpu_available():
-        return _run_gpu_benchmark()
+        return _run_gpu_benchmark(args)
     return run_cpu_walkthrough(args)
 
 
@@ -59,18 +59,18 @@ def _gpu_available() -> bool:
         return False
 
 
-def _run_gpu_benchmark() -> int:
+def _run_gpu_benchmark(args: argparse.Namespace) -> int:
     import importlib.util
 
     if importlib.util.find_spec("sgl_kernel") is None:
         print("granikv-demo: a GPU is present but SGLang's GPU stack is not installed "
               "(`pip install 'granikv[serve]'` provides it); running the CPU walk-through.")
-        return run_cpu_walkthrough(_parse([]))
+        return run_cpu_walkthrough(args)
     script = _find_benchmark()
     if script is None:
         print("granikv-demo: a GPU is present, but benchmark/multi_agent/run.py was not found "
               "(run from a GraniKV checkout); falling back to the CPU walk-through.")
-        return run_cpu_walkthrough(_parse([]))
+        return run_cpu_walkthrough(args)
     out = Path("docs/results") if (script.parents[2] / "docs").is_dir() else Path("granikv-results")
     cmd = [sys.executable, str(script), "--quick", "--out", str(out)]
     print("granikv-demo: GPU found; running the short benchmark:", " ".join(cmd), flush=True)

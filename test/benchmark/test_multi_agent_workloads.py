@@ -291,9 +291,9 @@ class FakeEngine:
                 "max_total_num_tokens": 99}
 
 
-def _fake_child(latency="stream", **job):
+def _fake_child(latency="stream", dp=1, **job):
     child = run.Child.__new__(run.Child)
-    child.job = {"latency": latency, **job}
+    child.job = {"latency": latency, "engine_kwargs": {"dp_size": dp}, **job}
     child.engine = FakeEngine()
     child.loop = child.engine.loop
     child.incremental = False
@@ -470,6 +470,13 @@ def test_child_routes_agents_and_warms_each_rank_with_its_prefixes():
     for rank in (0, 1):
         want = {tuple(w.prefixes[g]) for g, r in zip(w.group, routes) if r == rank and g >= 0}
         assert warmed[rank] == want
+
+
+def test_child_batch_mode_leaves_routing_to_sglang():
+    child = _fake_child(latency="none", dp=2, dp_routing="prefix")
+    row = child.run(wl.WorkloadSpec("homogeneous", 4, 16, {"out": 3, "suffix": 2}))
+    assert row["dp_routes"] is None
+    assert [r for r, _ in child.engine.warm_calls] == [None, None]  # warm-up + the batch, unrouted
 
 
 def test_child_leaves_routing_to_sglang_when_asked():
