@@ -283,3 +283,21 @@ def test_eager_step_larger_than_the_graphs_uses_its_own_workspace():
     be.init_forward_metadata(fb)
     o = be.forward_decode(q, k, v, LAYER, fb)
     torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+
+
+def test_extend_batch_plans_nothing_and_fills_no_workspace():
+    """An extend batch goes to the stock backend as is: no plan, no workspace fill (even for
+    a graph-sized batch), the staged rows dropped, no decode step counted."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fills = []
+    be.workspace.fill = lambda *a, **kw: fills.append(a)
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    fb.forward_mode = ForwardMode.EXTEND
+    be.stage_batch(rows)
+    seen = []
+    be.inner.init_forward_metadata = lambda f: seen.append(f)
+    be.init_forward_metadata(fb)
+    assert seen == [fb] and not fills and be._staged is None
+    assert be.stats.planned == 0 and be.stats.steps == 0

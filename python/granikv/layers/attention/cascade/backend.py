@@ -145,10 +145,8 @@ class GraniKVAttnBackend(AttentionBackend):
     # ---- planning (host side, once per step) -----------------------------------------
 
     def _plan(self, fb, graph: bool):
-        """Returns (grouping, desc, decision) or None for the paged path."""
+        """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
         staged, self._staged = self._staged, None
-        if not fb.forward_mode.is_decode():
-            return None
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
             self.stats.unplanned += 1
@@ -185,11 +183,6 @@ class GraniKVAttnBackend(AttentionBackend):
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
                 single_prefix_chunk=decision.path is Path.BGEMM)
 
-    def _timed_plan(self, fb, t0: float) -> None:
-        """Host time of this decode step's planning (``_plan`` + workspace fill) into the stats."""
-        if fb.forward_mode.is_decode():
-            self.stats.record_plan_time(time.perf_counter() - t0)
-
     def _inner_view(self, fb):
         """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
         bs = fb.batch_size
@@ -203,17 +196,16 @@ class GraniKVAttnBackend(AttentionBackend):
     # ---- AttentionBackend metadata contract ---------------------------------------------
 
     def init_forward_metadata(self, forward_batch):
+        if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
+            self._staged, self._path = None, Path.PAGED
+            return self.inner.init_forward_metadata(forward_batch)
         t0 = time.perf_counter()
         plan = self._plan(forward_batch, graph=False)
         self._path = Path.PAGED if plan is None else plan[2].path
-        if plan is None:
-            if self._kernels_always_run(forward_batch.batch_size):
-                self._fill_workspace(None, forward_batch)  # the kernels run with bs = 0
-            self._timed_plan(forward_batch, t0)
-            return self.inner.init_forward_metadata(forward_batch)
-        self._fill_workspace(plan, forward_batch)
-        self._timed_plan(forward_batch, t0)
-        self.inner.init_forward_metadata(self._inner_view(forward_batch))
+        if plan is not None or self._kernels_always_run(forward_batch.batch_size):
+            self._fill_workspace(plan, forward_batch)  # no plan: the kernels run with bs = 0
+        self.stats.record_plan_time(time.perf_counter() - t0)
+        self.inner.init_forward_metadata(forward_batch if plan is None else self._inner_view(forward_batch))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if not (self._graph_mode and forward_batch.forward_mode.is_decode()):
@@ -221,9 +213,10 @@ class GraniKVAttnBackend(AttentionBackend):
         t0 = time.perf_counter()
         plan = None if in_capture else self._plan(forward_batch, graph=True)
         self._path = Path.PAGED if plan is None else plan[2].path  # cascade: all a graph holds
-        self._fill_workspace(plan, forward_batch)
+        if plan is not None or self._kernels_always_run(forward_batch.batch_size):
+            self._fill_workspace(plan, forward_batch)  # graphs too small to hold a group have no kernels
         if not in_capture:
-            self._timed_plan(forward_batch, t0)
+            self.stats.record_plan_time(time.perf_counter() - t0)
         view = forward_batch if plan is None else self._inner_view(forward_batch)
         self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
 

@@ -18,7 +18,6 @@ class StepStats:
     max_compare_diff: float = 0.0  # debug compare mode: worst |chosen - paged| seen
     plan_seconds: float = 0.0  # host time of decode-step planning (group, choose, workspace fill)
     plan_max_seconds: float = 0.0
-    planned: int = 0  # decode steps timed
 
     def record(self, decision, grouping) -> None:
         self.steps += 1
@@ -32,7 +31,11 @@ class StepStats:
     def record_plan_time(self, seconds: float) -> None:
         self.plan_seconds += seconds
         self.plan_max_seconds = max(self.plan_max_seconds, seconds)
-        self.planned += 1
+
+    @property
+    def planned(self) -> int:
+        """Decode steps planned (and timed): each either recorded a path or went unplanned."""
+        return self.steps + self.unplanned
 
     def snapshot(self) -> dict:
         return {
