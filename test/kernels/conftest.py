@@ -11,7 +11,6 @@ Batch order interleaves group members and ungrouped requests; request-pool rows 
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
 from granikv.kernels.work_list import KernelConfig
@@ -81,8 +80,3 @@ def make_batch(*, groups=((37, 1), (37, 2), (37, 5)), n_ungrouped=3, suffix=17, 
 def fill(ws, b, **kw):
     return ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, b.seq_lens,
                    b.req_pool_indices, **kw)  # fmt: skip
-
-
-@pytest.fixture
-def batch_factory():
-    return make_batch

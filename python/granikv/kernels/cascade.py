@@ -35,8 +35,9 @@ __all__ = [
 def _out(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     if out is None:
         return torch.empty_like(q)
-    if out.dtype != q.dtype or out.shape[1:] != q.shape[1:] or out.shape[0] < q.shape[0]:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)} {q.dtype}")
+    if out.dtype != q.dtype or out.shape[1:] != q.shape[1:] or out.shape[0] < q.shape[0] or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} strides {out.stride()} does not fit q "
+                         f"{tuple(q.shape)} {q.dtype} (the last dim must be contiguous)")
     return out
 
 
@@ -74,7 +75,8 @@ class PrefixState(NamedTuple):
 
 
 def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group_start, group_len,
-                           group_req_indptr, group_req_idx, *, sm_scale: float) -> PrefixState:
+                           group_req_indptr, group_req_idx, *, sm_scale: float,
+                           idx: Optional[torch.Tensor] = None) -> PrefixState:
     """Compute-optimal prefix path: per group, [Hkv, n*ratio, D] stacked queries against the dense
     extent view [Hkv, len, D] through torch flash attention (CUDA) or fp32 matmul/softmax (CPU).
 
@@ -87,7 +89,8 @@ def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     nnz = len(group_req_idx)
     o_all = torch.empty(nnz, hq, d, dtype=torch.float32, device=q.device)
     lse_all = torch.empty(nnz, hq, dtype=torch.float32, device=q.device)
-    idx = torch.as_tensor(np.asarray(group_req_idx, dtype=np.int64)).to(q.device, non_blocking=True)
+    if idx is None:  # group_req_idx as an int64 device tensor (the workspace keeps one per fill)
+        idx = torch.as_tensor(np.asarray(group_req_idx, dtype=np.int64)).to(q.device, non_blocking=True)
     for g in range(len(group_start)):
         lo, hi = int(group_req_indptr[g]), int(group_req_indptr[g + 1])
         s, n = int(group_start[g]), int(group_len[g])
@@ -123,9 +126,9 @@ def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     out = _out(q, out)
     g_start, g_len, g_ptr, g_idx = ws.bgemm_groups
     if len(g_idx):
-        st = bgemm_prefix_attention(q, k_buffer, v_buffer, g_start, g_len, g_ptr, g_idx, sm_scale=sm_scale)
-        rows = torch.as_tensor(ws.work_list.part_indptr[np.asarray(g_idx)].astype(np.int64)).to(q.device)
-        ws.part_o.index_copy_(0, rows, st.o)
-        ws.part_lse.index_copy_(0, rows, st.lse)
+        st = bgemm_prefix_attention(q, k_buffer, v_buffer, g_start, g_len, g_ptr, g_idx, sm_scale=sm_scale,
+                                    idx=ws.bgemm_idx)
+        ws.part_o.index_copy_(0, ws.bgemm_rows, st.o)  # no per-layer host-to-device copy
+        ws.part_lse.index_copy_(0, ws.bgemm_rows, st.lse)
     suffix_attention(q, k_buffer, v_buffer, req_to_token, ws, sm_scale=sm_scale)
     return merge_state(ws, out)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .prefix_attention import LOG2E, _prefix_item, input_precision
-from .suffix_attention import _suffix_item, block_h
+from .suffix_attention import _suffix_item
 
 __all__ = ["fused_cascade"]
 
@@ -113,8 +113,8 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
         out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,
-        RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=block_h(ws.ratio * ws.suffix_heads),
-        SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.num_kv_heads // ws.suffix_heads, SFX_BLOCK_N=cfg.suffix_block_n,
+        RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=ws.suffix_block_h,
+        SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

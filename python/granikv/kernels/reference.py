@@ -47,12 +47,8 @@ def _stack(states) -> AttentionState:
 
 def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale) -> AttentionState:
     """Plain paged decode: request i attends to slots req_to_token[rpi[i], :seq_lens[i]]."""
-    r2t = req_to_token.long()
-    states = []
-    for i in range(q.shape[0]):
-        slots = r2t[int(req_pool_indices[i]), : int(seq_lens[i])]
-        states.append(attend_ref(q[i], k_buffer[slots], v_buffer[slots], sm_scale))
-    return _stack(states)
+    return suffix_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                                [0] * q.shape[0], sm_scale)
 
 
 def prefix_attention_ref(q, k_buffer, v_buffer, group_start, group_len, group_req_indptr, group_req_idx,

@@ -86,11 +86,6 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
                      RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
 
 
-def block_h(rows: int) -> int:
-    """Rows of a suffix tile: its q-heads (ratio x kv heads of the program), padded for tl.dot (>= 16)."""
-    return max(16, triton.next_power_of_2(rows))
-
-
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                      workspace, *, sm_scale: float) -> None:
     """Paged suffix attention of a filled ``CascadeWorkspace``'s suffix items (one launch).
@@ -108,14 +103,13 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError(f"req_to_token must be int32 with unit column stride, got {req_to_token.dtype} "
                          f"strides {req_to_token.stride()}")
     cfg = ws.config
-    heads = ws.suffix_heads
-    grid = (ws.grid_items("suffix"), ws.num_kv_heads // heads)
+    grid = (ws.grid_items("suffix"), ws.suffix_groups)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.suffix_cap,
         sm_scale * LOG2E,
-        RATIO=ws.ratio, HEADS=heads, HEAD_DIM=ws.head_dim, BLOCK_H=block_h(ws.ratio * heads),
+        RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype),
         num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip

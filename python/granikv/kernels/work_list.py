@@ -75,16 +75,33 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be a power of two >= 16")
 
 
+def suffix_tile_rows(ratio: int) -> int:
+    """Rows of a suffix tile: ``max(16, next_pow2(ratio))`` (tl.dot needs >= 16); its q-heads
+    (``suffix_heads`` kv heads x ratio) always fit."""
+    return max(16, 1 << (ratio - 1).bit_length())
+
+
 def suffix_heads(ratio: int, num_kv_heads: int, config: KernelConfig) -> int:
     """KV heads per suffix program: the largest power of two h dividing num_kv_heads with
-    h * ratio <= max(16, next_pow2(ratio)) (the rows a tl.dot tile has anyway); 1 if disabled."""
+    h * ratio <= suffix_tile_rows(ratio) (the rows a tl.dot tile has anyway); 1 if disabled."""
     if not config.suffix_head_group:
         return 1
-    rows = max(16, 1 << (ratio - 1).bit_length())
+    rows = suffix_tile_rows(ratio)
     h = 1
     while num_kv_heads % (2 * h) == 0 and 2 * h * ratio <= rows:
         h *= 2
     return h
+
+
+def prefix_target(config: KernelConfig, sm_count: int, num_kv_heads: int) -> int:
+    """Prefix items a launch aims at: ``prefix_waves * sm_count`` programs over Hkv grid rows."""
+    return max(1, int(config.prefix_waves * sm_count) // num_kv_heads)
+
+
+def suffix_target(config: KernelConfig, sm_count: int, num_kv_heads: int, ratio: int) -> int:
+    """Suffix items a launch aims at: ``suffix_waves * sm_count`` programs over the
+    ``Hkv / suffix_heads`` kv-head groups of the grid."""
+    return max(1, int(config.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, config)))
 
 
 def default_config(head_dim: int) -> KernelConfig:
@@ -112,7 +129,6 @@ class WorkList(NamedTuple):
     sfx_hi: np.ndarray  # [Ns] one past the last token position (> sfx_lo)
     sfx_row: np.ndarray  # [Ns] partial row written
     part_indptr: np.ndarray  # [bs+1] CSR of partial rows per request
-    n_prefix_parts: np.ndarray  # [bs] prefix chunks of each request's group (0 = ungrouped)
 
     @property
     def num_prefix_items(self) -> int:
@@ -172,7 +188,7 @@ def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, 
         if single_prefix_chunk:
             chunk = int(g_len.max())
         else:
-            target = max(1, int(config.prefix_waves * sm_count) // num_kv_heads)
+            target = prefix_target(config, sm_count, num_kv_heads)
             work = int((tiles * g_len).sum())
             chunk = max(_cdiv(work, target), config.min_prefix_chunk, _cdiv(int(g_len.max()), max_splits))
             chunk = _round_up(chunk, config.block_n)
@@ -231,8 +247,7 @@ def build_work_list(
     # ---- partial rows per request: its group's prefix chunks, then its suffix chunks
     sfx_len = np.maximum(seq_lens - prefix_len, 0)
     if bs:
-        head_groups = num_kv_heads // suffix_heads(ratio, num_kv_heads, config)  # suffix grid axis 1
-        target = max(1, int(config.suffix_waves * sm_count) // head_groups)
+        target = suffix_target(config, sm_count, num_kv_heads, ratio)
         s_chunk = max(_cdiv(int(sfx_len.sum()), target), config.min_suffix_chunk, _cdiv(int(sfx_len.max()), max_splits))
         s_chunk = _round_up(s_chunk, config.suffix_block_n)
     else:
@@ -262,7 +277,6 @@ def build_work_list(
         sfx_hi=s_hi,
         sfx_row=s_row,
         part_indptr=part_indptr,
-        n_prefix_parts=p.n_pre,
     )
 
 
@@ -318,9 +332,11 @@ class CascadeWorkspace:
         self.max_splits, self.sm_count = max_splits, sm_count
         cfg = self.config
         rpt = cfg.block_m // self.ratio
-        target_p = max(1, int(cfg.prefix_waves * sm_count) // num_kv_heads)
+        target_p = prefix_target(cfg, sm_count, num_kv_heads)
+        target_s = suffix_target(cfg, sm_count, num_kv_heads, self.ratio)
         self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
-        target_s = max(1, int(cfg.suffix_waves * sm_count) // (num_kv_heads // self.suffix_heads))
+        self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
+        self.suffix_block_h = suffix_tile_rows(self.ratio)
         self.prefix_cap = target_p + _cdiv(max_bs, rpt) + self.max_groups
         self.suffix_cap = target_s + max_bs
         self.partial_cap = rpt * target_p + max_bs + self.suffix_cap
@@ -349,6 +365,7 @@ class CascadeWorkspace:
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self.work_list: Optional[WorkList] = None
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
+        self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
 
     # ------------------------------------------------------------------ fill
@@ -392,6 +409,9 @@ class CascadeWorkspace:
         self._upload(wl, req_pool_indices)
         self.work_list = wl
         self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
+        if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
+            gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
+            self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
         return wl
 
     def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
