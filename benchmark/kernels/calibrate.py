@@ -234,7 +234,7 @@ def plan_us(case: Case, dispatcher: Dispatcher, iters: int = 200) -> float:
     def step():
         g = group_requests(desc, min_group_size=2)
         dispatcher.choose(g, desc)
-        ws.fill_grouping(g, desc.seq_lens, case.rpi)
+        ws.fill_grouping(g, desc.seq_lens, desc.req_pool_indices)  # host rows, as the backend passes them
 
     for _ in range(10):
         step()
@@ -277,7 +277,7 @@ def main():
     fallback = CostModel.load(None, None)
     dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
                             kv_dtype_bytes=torch.finfo(dtype).bits // 8)  # fmt: skip
-    samples, rows = [], []
+    rows = []
     for groups, suffix, ungrouped in CASES:
         case = Case(groups, suffix, ungrouped, heads, dtype, l2)
         w = dispatcher.workload(case.grouping, case.desc)
@@ -286,7 +286,6 @@ def main():
             measured.update(granikv_paths(case))
         except Exception as e:  # noqa: BLE001 - report and fit what was measured
             print(f"# {case.label}: GraniKV kernels failed: {type(e).__name__}: {e}", file=sys.stderr)
-        samples += [(p, w, t) for p, t in measured.items()]
         rows.append((case.label, case.layers, measured, w))
         print(f"{case.label:<42} L={case.layers:<2} " + " ".join(f"{p} {t:8.1f}us" for p, t in measured.items()),
               flush=True)  # fmt: skip
@@ -295,12 +294,7 @@ def main():
     big = Case([(16384, 128)], 256, 0, heads, dtype, l2)
     t_plan = plan_us(big, dispatcher)
     del big
-    model, rel_err = CostModel.fit(samples, plan_us=t_plan, fallback=fallback)
-    model = dataclasses.replace(model, disabled_paths=choose_disabled(rows, model))
-    report(samples, rel_err, model)
-    decisions = check_decisions(rows, model)
-
-    out = args.out or calibrated_path(gpu)
+    model, fitted = fit_and_choose(rows, t_plan)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
@@ -308,15 +302,10 @@ def main():
         "heads": list(heads), "dtype": args.dtype,
         "cases": [{"case": label, "layers": L, "us": {p: round(t, 2) for p, t in m.items()}}
                   for label, L, m, _ in rows],
-        "decisions_num_layers_32": decisions,
-        "max_abs_rel_err": {p: round(float(max((abs(e) for (q, _, _), e in zip(samples, rel_err) if q == p),
-                                                default=0.0)), 3) for p in PATHS},
+        **fitted,
         "elapsed_s": round(time.time() - t_start, 1),
     }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(model.to_mapping(gpu, calibration=meta), f, indent=2)
-        f.write("\n")
+    out = write_model(model, gpu, meta, args.out)
     print(f"# wrote {out} in {meta['elapsed_s']} s")
 
 
@@ -333,16 +322,40 @@ def pick_paged(choice: str):
     return "sglang decode_attention_fwd (best of 8/16/32 splits)", paged_triton
 
 
-def report(samples, rel_err, model: CostModel):
+def fit_and_choose(rows, plan: float):
+    """Fit the coefficients to every measured sample of ``rows``, choose the disabled paths,
+    print the fit and the decisions. Returns ``(model, calibration fields)``."""
+    samples = [(p, w, t) for _, _, m, w in rows for p, t in m.items()]
+    model, rel_err = CostModel.fit(samples, plan_us=plan, fallback=CostModel.load(None, None))
+    model = dataclasses.replace(model, disabled_paths=choose_disabled(rows, model))
+    max_err = report(samples, rel_err, model)
+    return model, {"decisions_num_layers_32": check_decisions(rows, model), "max_abs_rel_err": max_err}
+
+
+def write_model(model: CostModel, gpu: str, meta: dict, out: Optional[str]) -> str:
+    """The cost-model JSON (``data/cost_model_<gpu>.json`` unless ``out``); returns its path."""
+    out = out or calibrated_path(gpu)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(model.to_mapping(gpu, calibration=meta), f, indent=2)
+        f.write("\n")
+    return out
+
+
+def report(samples, rel_err, model: CostModel) -> dict:
+    """Prints the fit (per-path relative errors, coefficients); returns max |error| per path."""
     print(f"\n{'path':<8} {'n':>3} {'max |err|':>9} {'mean |err|':>10}")
+    max_err = {}
     for p in PATHS:
         e = [abs(x) for (q, _, _), x in zip(samples, rel_err) if q == p]
+        max_err[p] = round(float(max(e, default=0.0)), 3)
         if e:
             print(f"{p:<8} {len(e):>3} {max(e):>9.2f} {sum(e) / len(e):>10.2f}")
     print()
     for name in CostModel.coefficient_names():
         print(f"  {name:<18} {getattr(model, name):10.2f}")
     print(f"  disabled_paths     {', '.join(model.disabled_paths) or '-'} (choose_disabled)")
+    return max_err
 
 
 def decisions(rows, model: CostModel, num_layers: int = 32):
@@ -362,16 +375,20 @@ def decisions(rows, model: CostModel, num_layers: int = 32):
     return out
 
 
-def choose_disabled(rows, model: CostModel, floor: float = 0.97) -> tuple:
+PICK_FLOOR = 0.97  # a calibrated model's picks must stay at >= this x the stock paged kernel
+
+
+def choose_disabled(rows, model: CostModel, floor: float = PICK_FLOOR) -> tuple:
     """The set of GraniKV paths to disable, chosen on the measured cases: every subset of the
-    paths that won some case is tried (paths that never won are always disabled); the winner
-    keeps every pick >= ``floor`` x paged if any subset can, then has the best geometric mean
-    of measured(best) / measured(pick); ties go to the larger set (fewer paths, simpler).
+    graph paths (cascade, fused) that won some case is tried; paths that never won, and bgemm
+    (eager only, so never judged by these CUDA-graph decisions), are always disabled. The
+    winner keeps every pick >= ``floor`` x paged if any subset can, then has the best geometric
+    mean of measured(best) / measured(pick); ties go to the larger set (fewer paths, simpler).
 
     A path whose time the model predicts badly (its picks lose to another path) is dropped
     this way, not by a fixed threshold on its error.
     """
-    always = set(never_fastest(m for _, _, m, _ in rows))
+    always = set(never_fastest(m for _, _, m, _ in rows)) | {"bgemm"}
     optional = [p for p in DISABLEABLE_PATHS if p not in always]
     best_key, best_set = None, None
     for k in range(len(optional) + 1):
@@ -393,7 +410,7 @@ def check_decisions(rows, model: CostModel, num_layers: int = 32):
     for x in out:
         print(f"{x['case'][:44]:<44} {x['pick']:>8} {x['best']:>8} {x['speedup_vs_paged']:>8.2f}x "
               f"{x['vs_best']:>7.2f}x")
-    print(f"# worst pick vs paged: {min(x['speedup_vs_paged'] for x in out):.2f}x (target >= 0.97x)")
+    print(f"# worst pick vs paged: {min(x['speedup_vs_paged'] for x in out):.2f}x (target >= {PICK_FLOOR}x)")
     return out
 
 
@@ -423,19 +440,11 @@ def refit_from(path: str, out: Optional[str]) -> int:
     cal = old["calibration"]
     heads = tuple(cal.get("heads", (32, 8, 128)))
     rows = rows_from(cal, heads, 2)  # calibrations are bf16 or fp16 (--dtype)
-    samples = [(p, w, t) for _, _, m, w in rows for p, t in m.items()]
-    plan = CostModel.load(path).plan_us
-    model, rel_err = CostModel.fit(samples, plan_us=plan, fallback=CostModel.load(None, None))
-    model = dataclasses.replace(model, disabled_paths=choose_disabled(rows, model))
-    report(samples, rel_err, model)
-    decided = check_decisions(rows, model)
-    meta = dict(cal, decisions_num_layers_32=decided,
+    model, fitted = fit_and_choose(rows, float(old["coefficients"]["plan_us"]))
+    meta = dict(cal, **fitted,
                 refit={"from": os.path.basename(path), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "command": " ".join(sys.argv)})  # fmt: skip
-    out = out or calibrated_path(old["gpu_name"])
-    with open(out, "w") as f:
-        json.dump(model.to_mapping(old["gpu_name"], calibration=meta), f, indent=2)
-        f.write("\n")
+    out = write_model(model, old["gpu_name"], meta, out)
     print(f"# wrote {out} (refit from {path}, no GPU)")
     return 0
 
