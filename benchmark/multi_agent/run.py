@@ -247,6 +247,23 @@ def print_plan(args, configs: Sequence[EngineConfig], specs: Sequence[wl.Workloa
 # ------------------------------------------------------------------------------------------
 
 
+def engine_env(backend: str) -> Dict[str, str]:
+    """Environment of an engine / server process for ``backend``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if backend == "flashinfer":
+        env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
+    return env
+
+
+def server_flags(kwargs: Dict[str, Any]) -> List[str]:
+    """Engine kwargs as ``launch_server`` flags: ``True`` -> ``--key``, other values ``--key value``."""
+    flags: List[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
 def run_child(cfg: EngineConfig, args, specs, timeout: float,
               on_record: Callable[[Dict[str, Any]], None], *,
               deadline: Optional[float] = None) -> None:
@@ -258,9 +275,7 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float,
                model_config=str(model_config_path(args.model)), latency=args.latency,
                specs=[s.to_json() for s in specs], deadline=deadline,
                agreement=not args.no_agreement, dp_routing=args.dp_routing)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cfg.backend == "flashinfer":
-        env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
+    env = engine_env(cfg.backend)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     errors = 0

@@ -77,7 +77,17 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
 
 import workloads as wl  # noqa: E402
-from run import counter_delta, percentile  # noqa: E402  (benchmark/multi_agent/run.py)
+from run import (  # noqa: E402  (benchmark/multi_agent/run.py)
+    BASE_ENGINE_KWARGS,
+    counter_delta,
+    engine_env,
+    latency_stats,
+    model_config_path,
+    server_flags,
+    write_model_dir,
+)
+
+from granikv.config import GraniKVConfig  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
 # settings
@@ -97,13 +107,10 @@ ABORT_KINDS = ("before_first_token", "mid_stream", "endpoint")
 SAMPLE_OUT = 32  # tokens per sample request (identity check)
 SAMPLE_SHARE = {"shared": (0.625, 6), "agent_loop": (0.21, 5)}  # (share of sample, per family)
 
-# Engine settings of the offline GPU host recipe (benchmark/multi_agent/run.py BASE_ENGINE_KWARGS
-# and bench_serving.sh), as launch_server flags.
-BASE_SERVER_FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--sampling-backend",
-                     "pytorch", "--grammar-backend", "none", "--mem-fraction-static", "0.85",
-                     "--max-running-requests", "256", "--disable-prefill-cuda-graph",
-                     "--cuda-graph-max-bs-decode", "256"]
-GRANIKV_DEFAULT_HOT_FRACTION = 0.25  # python/granikv/config.py
+# Engine settings of the offline GPU host recipe (run.py's BASE_ENGINE_KWARGS), as launch_server
+# flags; the log level is the soak's own (--log-level).
+BASE_SERVER_FLAGS = server_flags({k: v for k, v in BASE_ENGINE_KWARGS.items() if k != "log_level"})
+GRANIKV_DEFAULT_HOT_FRACTION = GraniKVConfig().hot_fraction
 
 RESERVE_S = 160.0  # kept after the load phase: drain, checks, baseline start + sample, stops
 READY_TIMEOUT_S = 240.0
@@ -701,6 +708,12 @@ def _hard_close(conn: http.client.HTTPConnection, sock: Optional[socket.socket])
     conn.close()
 
 
+def _finish_type(meta: Optional[Dict[str, Any]]) -> Optional[str]:
+    """``meta_info.finish_reason`` as its type string (SGLang sends a dict or a string)."""
+    finish = (meta or {}).get("finish_reason")
+    return finish.get("type") if isinstance(finish, dict) else finish
+
+
 def stream_generate(host: str, port: int, req: SoakRequest, prompt: Sequence[int], rid: str, *,
                     incremental: bool, timeout: float = READ_TIMEOUT_S) -> Outcome:
     """One streamed ``/generate``; aborts it as ``req.abort`` says; validates a served one."""
@@ -756,8 +769,7 @@ def stream_generate(host: str, port: int, req: SoakRequest, prompt: Sequence[int
             if req.abort == "endpoint" and not abort_sent and out.chunks >= req.abort_after:
                 abort_sent = _abort_endpoint(host, port, rid, out)
         out.latency_s = time.perf_counter() - t0
-        finish = ((last or {}).get("meta_info") or {}).get("finish_reason")
-        out.finish = finish.get("type") if isinstance(finish, dict) else finish
+        out.finish = _finish_type((last or {}).get("meta_info"))
         if req.abort == "endpoint":
             _finish_endpoint_abort(out, last, done, req.max_new_tokens)
         else:  # mid_stream here: the stream ended before its k-th chunk (chunks coalesced)
@@ -829,13 +841,15 @@ def generate_batch(host: str, port: int, prompts: Sequence[Sequence[int]], max_n
 # ---- edge inputs: what plain SGLang does with them, GraniKV must do too ------------------------
 
 EDGE_CASES = ("empty_prompt", "prompt_longer_than_context", "huge_max_new_tokens")
-EDGE_TOO_LONG = 140_000  # tokens: above the 131,072-token context of the shipped configs
+def context_tokens(model: str) -> int:
+    """The model's context (``max_position_embeddings`` of its config)."""
+    return int(json.loads(model_config_path(model).read_text())["max_position_embeddings"])
 
 
-def _edge_request(host: str, port: int, case: str) -> Dict[str, Any]:
+def _edge_request(host: str, port: int, case: str, context: int) -> Dict[str, Any]:
     """One edge-input request; returns what the server did (status, error or outputs)."""
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    ids = {"empty_prompt": [], "prompt_longer_than_context": [7] * EDGE_TOO_LONG}.get(case, [11] * 64)
+    ids = {"empty_prompt": [], "prompt_longer_than_context": [7] * (context + 16)}.get(case, [11] * 64)
     if case != "huge_max_new_tokens":
         try:
             status, data = http_call(host, port, "POST", "/generate", {"input_ids": ids, "sampling_params": params},
@@ -851,8 +865,7 @@ def _edge_request(host: str, port: int, case: str) -> Dict[str, Any]:
             rec["error"] = data[:200].decode(errors="replace")
         else:
             rec["output_ids"] = list(body.get("output_ids") or [])
-            finish = (body.get("meta_info") or {}).get("finish_reason")
-            rec["finish"] = finish.get("type") if isinstance(finish, dict) else finish
+            rec["finish"] = _finish_type(body.get("meta_info"))
         return rec
     # 10^9 new tokens: accepted or refused up front? If accepted, abort it after the first chunk.
     rid = f"edge-{case}-{port}"
@@ -880,9 +893,8 @@ def _edge_request(host: str, port: int, case: str) -> Dict[str, Any]:
                 rec["first_chunk"] = True
                 http_call(host, port, "POST", "/abort_request", {"rid": rid}, timeout=30)
                 aborted = True
-            finish = (msg.get("meta_info") or {}).get("finish_reason")
-            if finish:
-                rec["finish"] = finish.get("type") if isinstance(finish, dict) else finish
+            if _finish_type(msg.get("meta_info")):
+                rec["finish"] = _finish_type(msg.get("meta_info"))
         return rec
     except (OSError, ValueError, http.client.HTTPException) as e:
         return dict(http_status=None, error=f"{type(e).__name__}: {e}"[:200])
@@ -890,9 +902,10 @@ def _edge_request(host: str, port: int, case: str) -> Dict[str, Any]:
         conn.close()
 
 
-def edge_inputs(server: "Server") -> Dict[str, Dict[str, Any]]:
-    """Every EDGE_CASES request against ``server``, then whether it is still healthy."""
-    out = {case: _edge_request(server.host, server.port, case) for case in EDGE_CASES}
+def edge_inputs(server: "Server", context: int) -> Dict[str, Dict[str, Any]]:
+    """Every EDGE_CASES request against ``server`` (``context``: the model's context length),
+    then whether it is still healthy."""
+    out = {case: _edge_request(server.host, server.port, case, context) for case in EDGE_CASES}
     out["_health_after"] = dict(alive=server.alive(), health=server.status("/health"))
     return out
 
@@ -1240,7 +1253,7 @@ class Soak:
         failed = [o for o in outs.values() if o.status == "error"]
         errors = [o for o in failed if o.abort is None]
         by_kind = {k: sum(o.abort == k for o in aborted) for k in ABORT_KINDS}
-        ttft = [o.ttft_s * 1e3 for o in served if o.ttft_s is not None]
+        ttft = [o.ttft_s for o in served if o.ttft_s is not None]
         out_tok = sum(len(o.output_ids) for o in served)
         return dict(
             sent=len(outs), served=len(served), aborted=len(aborted), aborted_by_kind=by_kind,
@@ -1251,11 +1264,7 @@ class Soak:
             not_sent=len(self.plan.requests) - len(outs), stopped_by_budget=self.stopped_by_deadline,
             seconds=round(seconds, 1), requests_per_s=round(len(outs) / seconds, 2) if seconds else None,
             out_tokens=out_tok, out_tok_per_s=round(out_tok / seconds, 1) if seconds else None,
-            ttft_p50_ms=_r(percentile(ttft, 50)), ttft_p99_ms=_r(percentile(ttft, 99)))
-
-
-def _r(x: Optional[float], nd: int = 1) -> Optional[float]:
-    return None if x is None else round(x, nd)
+            **latency_stats("ttft", ttft))
 
 
 def wait_idle(server: Server, timeout: float = IDLE_TIMEOUT_S) -> Optional[Dict[str, Any]]:
@@ -1322,17 +1331,10 @@ def metric_delta(after: Dict[str, float], before: Dict[str, float]) -> Dict[str,
 # ------------------------------------------------------------------------------------------
 
 
-def server_env(backend: str) -> Dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if backend == "flashinfer":
-        env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
-    return env
-
-
 def granikv_phase(args, plan: Plan, server: Server, result: Dict[str, Any], t_end: float) -> None:
     """Start, warm, sample (pre), soak, checks, sample (post), stop. Fills result in place."""
     rec: Dict[str, Any] = result["servers"].setdefault("granikv", {})
-    start_server(server, server_env(args.backend))
+    start_server(server, engine_env(args.backend))
     print(f"== granikv: {shlex.join(server.cmd)}", flush=True)
     rec["ready_s"] = wait_ready(server, READY_TIMEOUT_S)
     print(f"== granikv: ready in {rec['ready_s']} s", flush=True)
@@ -1398,7 +1400,7 @@ def granikv_phase(args, plan: Plan, server: Server, result: Dict[str, Any], t_en
                                  args.log_ignore)
     rec["peaks"] = _merge_peaks(monitor.peaks, rec["log"])
     if not args.no_edge_inputs:  # after the log scan: refusing bad input may log an error
-        rec["edge_inputs"] = edge_inputs(server)
+        rec["edge_inputs"] = edge_inputs(server, context_tokens(args.model))
 
 
 def _merge_peaks(polled: Dict[str, float], scan: Dict[str, Any]) -> Dict[str, Any]:
@@ -1411,7 +1413,7 @@ def _merge_peaks(polled: Dict[str, float], scan: Dict[str, Any]) -> Dict[str, An
 
 def baseline_phase(args, plan: Plan, server: Server, result: Dict[str, Any]) -> None:
     rec: Dict[str, Any] = result["servers"].setdefault("baseline", {})
-    start_server(server, server_env(args.backend))
+    start_server(server, engine_env(args.backend))
     print(f"== baseline: {shlex.join(server.cmd)}", flush=True)
     rec["ready_s"] = wait_ready(server, READY_TIMEOUT_S)
     warm_up(server)
@@ -1420,7 +1422,7 @@ def baseline_phase(args, plan: Plan, server: Server, result: Dict[str, Any]) -> 
     rec["log"] = scan_server_log(server.log_path, server.ready_at, log_size(server.log_path),
                                  args.log_ignore)
     if not args.no_edge_inputs:
-        rec["edge_inputs"] = edge_inputs(server)
+        rec["edge_inputs"] = edge_inputs(server, context_tokens(args.model))
 
 
 def identity(samples: Dict[str, List]) -> Dict[str, Any]:
@@ -1559,8 +1561,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(reserve after the load phase {RESERVE_S:.0f} s), out {args.out}", flush=True)
     if args.dry_run:
         return 0
-
-    from run import write_model_dir  # benchmark/multi_agent/run.py (sys.path above)
 
     write_model_dir(args.model, model_dir)
     out = Path(args.out)
