@@ -29,7 +29,7 @@ def check_cache(cache: "GraniKVRadixCache", *, strict: bool) -> None:
     if strict:
         owned += [_private_slots(cache, r) for r in cache._live.values()]
     _check_cold_ownership(alloc, owned, exact=strict)
-    _check_live(cache, strict=strict)
+    _check_live(cache, nodes, strict=strict)
 
 
 def _check_tree(cache: "GraniKVRadixCache") -> list:
@@ -124,7 +124,7 @@ def _private_slots(cache: "GraniKVRadixCache", req) -> torch.Tensor:
     return row[req.cache_protected_len : end]
 
 
-def _check_live(cache: "GraniKVRadixCache", *, strict: bool) -> None:
+def _check_live(cache: "GraniKVRadixCache", nodes: list, *, strict: bool) -> None:
     table, r2t = cache.hot_prefix_table, cache.req_to_token_pool.req_to_token
     for idx, req in cache._live.items():
         if req.req_pool_idx != idx:
@@ -139,18 +139,15 @@ def _check_live(cache: "GraniKVRadixCache", *, strict: bool) -> None:
     if stray:
         raise IntegrityError(f"table rows {stray[:8]} have a HOT run but no live request")
     if strict:
-        _check_lock_counts(cache)
+        _check_lock_counts(cache, nodes)
 
 
-def _check_lock_counts(cache: "GraniKVRadixCache") -> None:
+def _check_lock_counts(cache: "GraniKVRadixCache", nodes: list) -> None:
     holders: Dict[TreeNode, int] = {}
     for req in cache._live.values():
         for node in cache._path(req.last_node):
             holders[node] = holders.get(node, 0) + 1
-    stack = list(cache.root_node.children.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
+    for node in nodes:  # every tree node (``_check_tree``)
         if node.lock_ref != holders.get(node, 0):
             raise IntegrityError(f"node {node.id}: lock_ref {node.lock_ref} but "
                                  f"{holders.get(node, 0)} live requests hold it")

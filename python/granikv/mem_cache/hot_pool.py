@@ -106,13 +106,7 @@ class HotPool:
         if best is None:
             return None
         start = self._free_starts[best]
-        if self._free_lens[best] == n:
-            del self._free_starts[best], self._free_lens[best]
-        else:
-            self._free_starts[best] += n
-            self._free_lens[best] -= n
-        self._extents[start] = n
-        self._used += n
+        self.alloc_at(start, n)  # the front of the best hole
         return start
 
     def alloc_at(self, start: int, n: int) -> bool:

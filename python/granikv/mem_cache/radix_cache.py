@@ -127,11 +127,9 @@ class GraniKVRadixCache(RadixCache):
     # ---- SGLang API overrides --------------------------------------------------------------
 
     def reset(self):
-        extents = self.hot_pool.extents()  # the allocator may have been cleared first
-        for node in self._hot_start:
-            ext = self._extent(node)
-            if extents.get(ext.start) == ext.size:
-                self.hot_pool.free(ext.start, ext.size)
+        # every HOT extent belongs to a node (check_integrity), so all of them go, whether or
+        # not the allocator was cleared first
+        self.hot_pool.reset(self.hot_pool.base, self.hot_pool.capacity)
         self._hot_start.clear()
         self._head.clear()
         self._pending.clear()
@@ -503,8 +501,7 @@ class GraniKVRadixCache(RadixCache):
             depth += len(n.key)
         return _Run(start, length, head)
 
-    def _publish(self, reqs, runs=None) -> None:
-        runs = runs if runs is not None else [self._run(r) for r in reqs]
+    def _publish(self, reqs, runs) -> None:
         self.hot_prefix_table.set_many([r.req_pool_idx for r in reqs],
                                        [run.start for run in runs], [run.length for run in runs])
 
