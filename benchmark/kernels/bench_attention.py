@@ -296,23 +296,16 @@ def print_table(rows, bw, tf):
     print("(cells: ms and effective TB/s of unique bytes; floor = max(bytes/copy BW, FLOPs/matmul rate))")
 
 
-SWEEP = {  # the variants measured on the H200 are in docs/results/runs/kernels_sweep_*.json
-    "default": {},
-    "nogroup": dict(suffix_head_group=False),
-    "st2": dict(prefix_stages=2),
-    "st4": dict(prefix_stages=4),
-    "m128w8": dict(block_m=128, prefix_warps=8),
-    "n32": dict(block_n=32),
-    "sb16": dict(suffix_block_n=16),
-    "swv2": dict(suffix_waves=2.0),
-    "pw1": dict(prefix_waves=1.0),
-    "pw3": dict(prefix_waves=3.0),
-    # TMA prefix loads (not measured yet)
-    "tma": dict(prefix_tma=True),
-    "tma_st2": dict(prefix_tma=True, prefix_stages=2),
-    "tma_st4": dict(prefix_tma=True, prefix_stages=4),
-    "tma_m128w8": dict(prefix_tma=True, block_m=128, prefix_warps=8),
-    "tma_n128w8": dict(prefix_tma=True, block_n=128, prefix_warps=8),
+SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweeps 1-4 tried tile sizes,
+    # stages 2/4, block_m 128/256, suffix blocks/waves, prefix waves 1/3; sweep 5 TMA prefix loads
+    # (10-18x slower, removed) and the overlapped suffix launch: see docs/results/kernels.md)
+    "default": {},  # overlap_suffix, prefix_waves 1.5 (sweep 5)
+    "serial": dict(overlap_suffix=False, prefix_waves=2.0),  # the defaults before sweep 5
+    "pw1.25": dict(prefix_waves=1.25),
+    "pw1.75": dict(prefix_waves=1.75),
+    "pw1.5_swv3": dict(suffix_waves=3.0),
+    "pw1.5_swv6": dict(suffix_waves=6.0),
+    "pw1.5_sb64": dict(suffix_block_n=64),
 }
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                ([(4096, 8)], 256)]
@@ -370,8 +363,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="key points only (tuning variants: --sweep)")
     ap.add_argument("--sweep", action="store_true",
                     help="tile/launch tuning only: GraniKV cascade (graph) + its parts per config, no baselines")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated SWEEP names also timed (with the baselines) as gkv_cascade@NAME")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    unknown = [n for n in filter(None, args.variants.split(",")) if n not in SWEEP]
+    if unknown:
+        ap.error(f"--variants {','.join(unknown)}: not in SWEEP ({', '.join(SWEEP)})")
     os.makedirs(args.out, exist_ok=True)
     if args.sweep:
         return sweep(args)
@@ -380,7 +378,7 @@ def main():
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
     base = default_config(D)
     if args.quick:
-        configs = {"default": base}  # tile/launch variants: --sweep
+        configs = {"default": base}  # tile/launch variants: --sweep (or name some with --variants)
         cases = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                  ([(4096, 8)], 256)]
     else:
@@ -392,6 +390,8 @@ def main():
                     cases.append(([(lp, n)], sfx))
         for G in (4, 16):
             cases.append(([(32768 >> (i % 4), 4 + 4 * (i % 3)) for i in range(G)], 256))
+    for name in filter(None, args.variants.split(",")):
+        configs[name] = dataclasses.replace(base, **SWEEP[name])  # timed beside the default as gkv_*@name
     rows = []
     for groups, sfx in cases:
         t = time.time()

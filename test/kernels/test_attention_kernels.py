@@ -24,10 +24,9 @@ SUFFIX_HEADS = {(4, 2): 2, (1, 2): 2, (5, 2): 2, (4, 4): 4}  # (GQA ratio, kv he
 SHAPES = list(SUFFIX_HEADS)
 
 
-def _setup(dtype, ratio, hkv, seed, suffix_head_group=True, even_split=False, prefix_tma=False, **kw):
+def _setup(dtype, ratio, hkv, seed, suffix_head_group=True, even_split=False, **kw):
     b = make_batch(num_q_heads=ratio * hkv, num_kv_heads=hkv, dtype=dtype, seed=seed, **kw)
-    cfg = dataclasses.replace(SMALL_CONFIG, suffix_head_group=suffix_head_group, even_split=even_split,
-                              prefix_tma=prefix_tma)
+    cfg = dataclasses.replace(SMALL_CONFIG, suffix_head_group=suffix_head_group, even_split=even_split)
     ws = CascadeWorkspace(b.bs + 2, ratio * hkv, hkv, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
     wl = fill(ws, b)
     ws.part_o.fill_(float("nan"))
@@ -44,9 +43,9 @@ def _check_rows(ws, expected, rows, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("ratio,hkv", SHAPES)
-@pytest.mark.parametrize("loads", ["pointers", "even_split", "tma"])
+@pytest.mark.parametrize("loads", ["pointers", "even_split"])
 def test_prefix_attention(dtype, ratio, hkv, loads):
-    b, ws, wl = _setup(dtype, ratio, hkv, seed=ratio, even_split=loads == "even_split", prefix_tma=loads == "tma")
+    b, ws, wl = _setup(dtype, ratio, hkv, seed=ratio, even_split=loads == "even_split")
     assert wl.pfx_split.max() >= 1 and wl.prefix_chunk % SMALL_CONFIG.block_n == 0  # several kv chunks
     assert (wl.pfx_n_kv % SMALL_CONFIG.block_n != 0).any()  # a masked tail
     prefix_attention(b.q, b.k, b.v, ws, sm_scale=b.sm_scale)

@@ -2,7 +2,8 @@
 
 Plan once per step (``CascadeWorkspace.fill``), then per layer:
 
-    cascade_attention        prefix launch + suffix launch + merge launch   (memory-optimal)
+    cascade_attention        prefix launch + suffix launch + merge launch   (memory-optimal;
+                             with KernelConfig.overlap_suffix the first two run concurrently)
     fused_cascade_attention  the same work in one launch                     (small fan-out)
     bgemm_cascade_attention  torch flash attention per group for the prefix  (large fan-out, eager)
                              + suffix launch + merge launch
@@ -51,8 +52,17 @@ def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
     (allocated if None). Returns out.
     """
     out = _out(q, out)
-    prefix_attention(q, k_buffer, v_buffer, workspace, sm_scale=sm_scale)
-    suffix_attention(q, k_buffer, v_buffer, req_to_token, workspace, sm_scale=sm_scale)
+    side = workspace.side_stream
+    if side is None:
+        prefix_attention(q, k_buffer, v_buffer, workspace, sm_scale=sm_scale)
+        suffix_attention(q, k_buffer, v_buffer, req_to_token, workspace, sm_scale=sm_scale)
+    else:  # fork: suffix on the side stream while the prefix runs here; join before the merge
+        cur = torch.cuda.current_stream(q.device)
+        side.wait_stream(cur)
+        prefix_attention(q, k_buffer, v_buffer, workspace, sm_scale=sm_scale)
+        with torch.cuda.stream(side):
+            suffix_attention(q, k_buffer, v_buffer, req_to_token, workspace, sm_scale=sm_scale)
+        cur.wait_stream(side)  # also orders any later reuse of q's memory after the side work
     return merge_state(workspace, out)
 
 

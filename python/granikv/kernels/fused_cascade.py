@@ -79,10 +79,10 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
     n_all = n_pfx + tl.load(Counts + 2)
     w = tl.program_id(0)
     if w < n_pfx:
-        b, qh, row_ok = _prefix_item(w, h, Q, K, V, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+        b, qh, row_ok = _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, False)
+                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads

@@ -46,18 +46,12 @@ def _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_
 
 
 @triton.jit
-def _prefix_item(w, h, Q, K, V, KDesc, VDesc, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                  stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, USE_TMA: tl.constexpr):
-    """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid).
-
-    USE_TMA: full K/V tiles come through the tensor descriptors ``KDesc`` / ``VDesc`` (the
-    buffers as [slots, Hkv*D], block [BLOCK_N, HEAD_DIM]; TMA on Hopper), the masked tail
-    through pointers (a descriptor only zero-fills outside the whole buffer, not outside the
-    chunk). Otherwise the descriptors are unused.
-    """
+                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
+    """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
     m_lo = tl.load(PfxItems + w)
     m_hi = tl.load(PfxItems + pfx_cap + w)
     slot_lo = tl.load(PfxItems + 2 * pfx_cap + w).to(tl.int64)
@@ -78,17 +72,11 @@ def _prefix_item(w, h, Q, K, V, KDesc, VDesc, PartO, PartLse, PfxItems, GroupReq
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if EVEN_SPLIT or USE_TMA:  # unmasked full tiles, then one masked tail
+    if EVEN_SPLIT:  # unmasked full tiles, then one masked tail
         n_full = n_kv // BLOCK_N
-        kv_row = slot_lo.to(tl.int32)
         for _ in range(0, n_full):
-            if USE_TMA:
-                k = KDesc.load([kv_row, h * HEAD_DIM])
-                v = VDesc.load([kv_row, h * HEAD_DIM])
-                kv_row += BLOCK_N
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION)
             k_ptrs += BLOCK_N * stride_kb
             v_ptrs += BLOCK_N * stride_vb
@@ -115,41 +103,19 @@ def _prefix_item(w, h, Q, K, V, KDesc, VDesc, PartO, PartLse, PfxItems, GroupReq
 
 
 @triton.jit
-def _prefix_kernel(Q, K, V, KDesc, VDesc, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
+def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, USE_TMA: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 1)
     w = tl.program_id(0)
     if w < n_items:  # grid fixed at capacity; the live count is read from device memory
-        _prefix_item(w, h, Q, K, V, KDesc, VDesc, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+        _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, USE_TMA)
-
-
-def tma_supported(buf: torch.Tensor) -> bool:
-    """A [slots, Hkv, D] KV buffer can be read through a TMA descriptor: Hopper or newer (or the
-    CPU interpreter), contiguous heads x dims, 16-byte aligned base and row stride."""
-    if buf.stride(2) != 1 or buf.stride(1) != buf.shape[2]:
-        return False
-    if buf.data_ptr() % 16 or (buf.stride(0) * buf.element_size()) % 16:
-        return False
-    return not buf.is_cuda or torch.cuda.get_device_capability(buf.device) >= (9, 0)
-
-
-def kv_descriptor(buf: torch.Tensor, block_n: int):
-    """Host TMA descriptor of a KV buffer seen as [slots, Hkv*D] with [block_n, D] blocks.
-
-    Passed by value to the kernel, so a captured CUDA graph replays with it (the buffer of a
-    layer never moves)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    slots, hkv, d = buf.shape
-    flat = buf.as_strided((slots, hkv * d), (buf.stride(0), 1))
-    return TensorDescriptor(flat, shape=[slots, hkv * d], strides=[buf.stride(0), 1], block_shape=[block_n, d])
+                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -171,15 +137,12 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ws = workspace
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
-    use_tma = cfg.prefix_tma and tma_supported(k_buffer) and tma_supported(v_buffer)
-    k_desc = kv_descriptor(k_buffer, cfg.block_n) if use_tma else k_buffer
-    v_desc = kv_descriptor(v_buffer, cfg.block_n) if use_tma else v_buffer
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)
     _prefix_kernel[grid](
-        q, k_buffer, v_buffer, k_desc, v_desc, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
+        q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, USE_TMA=use_tma,
+        INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
         num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip

@@ -52,8 +52,9 @@ class KernelConfig:
     """Suffix keys (gathered slots) per inner step."""
     suffix_warps: int = 4
     suffix_stages: int = 2
-    prefix_waves: float = 2.0
-    """Prefix launch aims at prefix_waves * sm_count programs."""
+    prefix_waves: float = 1.5
+    """Prefix launch aims at prefix_waves * sm_count programs (1.5 with overlap_suffix: the SMs
+    the prefix leaves run suffix programs; 2.0 was best without overlap, docs/results/kernels.md)."""
     suffix_waves: float = 4.0
     """Suffix launch aims at suffix_waves * sm_count programs."""
     min_prefix_chunk: int = 256
@@ -61,9 +62,11 @@ class KernelConfig:
     min_suffix_chunk: int = 64
     even_split: bool = False
     """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False)."""
-    prefix_tma: bool = False
-    """Prefix full tiles through TMA tensor descriptors (Hopper+; implies the even-split loop).
-    Off by default: NOT measured on the GPU yet (written after the session-2 device time ran out)."""
+    overlap_suffix: bool = True
+    """Run the suffix launch on a side CUDA stream, concurrently with the prefix launch (they
+    write disjoint partial rows; the merge waits for both). Tensor-core-bound prefix tiles and
+    latency-bound suffix gathers then share the SMs instead of running back to back. Captured
+    into CUDA graphs as a fork/join. No effect on CPU."""
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
@@ -367,6 +370,9 @@ class CascadeWorkspace:
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
+        # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
+        self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
+                            else None)
 
     # ------------------------------------------------------------------ fill
     def fill(
