@@ -9,6 +9,13 @@ Llama-3.1-8B heads (32q/8kv/128, bf16 KV). Target (issue 3): group + choose < 50
 Columns: ``group`` = plan.group_requests, ``choose`` = Dispatcher.choose, ``plan`` = both;
 ``work_list`` = granikv.kernels.work_list.build_work_list (the cascade kernels' host-side
 metadata, when that module imports), ``total`` = plan + work_list.
+
+``step full`` / ``step steady``: what the attention backend does on the host per decode step,
+for successive steps of one batch (every ``seq_len`` + 1 per step): ``BatchDescription``, grouping,
+``Dispatcher.choose`` and ``CascadeWorkspace.fill`` into a CPU workspace (the metadata copy is
+a host memcpy here; on a GPU it is one pinned non-blocking copy). ``full`` rebuilds everything
+each step (the behaviour before the reuse); ``steady`` uses ``GroupingMemo`` and the workspace's
+work-list reuse (``KernelConfig.reuse_chunk_factor``), periodic rebuilds included.
 """
 
 import argparse
@@ -21,7 +28,7 @@ import numpy as np
 
 from granikv.layers.attention.cascade.cost_model import CostModel
 from granikv.layers.attention.cascade.dispatcher import Dispatcher
-from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, group_requests
 
 BATCH_SIZES = (1, 2, 8, 17, 64, 128, 256)
 GROUPS = (1, 2, 4, 16)
@@ -69,6 +76,30 @@ def work_list_fn(desc: BatchDescription):
     return fn
 
 
+def step_fn(desc: BatchDescription, dispatcher, *, steady: bool):
+    """One decode step's host work in the backend, for successive steps of the same batch."""
+    import dataclasses
+
+    from granikv.kernels.work_list import CascadeWorkspace, default_config
+
+    cfg = default_config(128)
+    if not steady:
+        cfg = dataclasses.replace(cfg, reuse_chunk_factor=0.0)
+    ws = CascadeWorkspace(len(desc.seq_lens), 32, 8, 128, "cpu", sm_count=132, config=cfg)
+    memo = GroupingMemo()
+    step = [0]
+
+    def fn():
+        step[0] += 1
+        d = BatchDescription(desc.req_pool_indices, desc.seq_lens + step[0], desc.hot_start, desc.hot_len)
+        g = memo.group(d, min_group_size=2) if steady else group_requests(d, min_group_size=2)
+        dispatcher.choose(g, d)
+        ws.fill(g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len, d.seq_lens,
+                d.req_pool_indices)  # fmt: skip
+
+    return fn
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=2000)
@@ -89,9 +120,9 @@ def main():
     while time.perf_counter() < t_end:
         dispatcher.choose(group_requests(warm, min_group_size=2), warm)
     header = f"{'bs':>4} {'G':>3} {'grp':>4} {'group':>8} {'choose':>8} {'plan':>8}"
-    header += "" if args.no_work_list else f" {'work_list':>10} {'total':>8}"
+    header += "" if args.no_work_list else f" {'work_list':>10} {'total':>8} {'step full':>10} {'step steady':>12}"
     print(header)
-    worst = 0.0
+    worst = worst_step = 0.0
     for bs in BATCH_SIZES:
         for groups in GROUPS:
             if groups > bs:
@@ -110,8 +141,14 @@ def main():
             if wl is not None:
                 t_wl = per_call_us(lambda: wl(g), args.iters // 4 or 1, args.repeats)
                 line += f" {t_wl:>10.1f} {t_plan + t_wl:>8.1f}"
+                t_full = per_call_us(step_fn(desc, dispatcher, steady=False), args.iters // 4 or 1, args.repeats)
+                t_steady = per_call_us(step_fn(desc, dispatcher, steady=True), args.iters // 4 or 1, args.repeats)
+                worst_step = max(worst_step, t_steady)
+                line += f" {t_full:>10.1f} {t_steady:>12.1f}"
             print(line, flush=True)
     print(f"# worst plan (group + choose): {worst:.1f} us (target < 50 us)")
+    if worst_step:
+        print(f"# worst steady decode step (plan + workspace fill, reuse on): {worst_step:.1f} us")
 
 
 if __name__ == "__main__":

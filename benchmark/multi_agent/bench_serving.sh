@@ -93,7 +93,7 @@ for cfg in $CONFIGS; do
     --attention-backend "$BACKEND" --sampling-backend pytorch --grammar-backend none \
     --mem-fraction-static 0.85 --max-running-requests 256 --disable-prefill-cuda-graph \
     --cuda-graph-max-bs-decode 256 --tp-size "$TP" --host 127.0.0.1 --port "$PORT" \
-    --log-level warning $flag $EXTRA_SERVER_ARGS >"$OUT/server_$name.log" 2>&1 &
+    --log-level warning --enable-metrics $flag $EXTRA_SERVER_ARGS >"$OUT/server_$name.log" 2>&1 &
   server_pid=$!
   wait_ready
   echo "== $name: bench_serving"
@@ -105,6 +105,10 @@ for cfg in $CONFIGS; do
     --gsp-question-len "$SUFFIX" --gsp-output-len "$OUT_LEN" --gsp-range-ratio 1 \
     --num-prompts $((GSP_GROUPS * AGENTS)) --request-rate inf --seed 1 \
     --output-file "$OUT/bench_serving_$name.jsonl" 2>&1 | tee "$OUT/bench_serving_$name.log"
+  # What the server did (GraniKV: decode steps per attention path, promotions, HOT hits; both:
+  # SGLang's counters), so that a figure can be explained after the run.
+  "$PY" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())" \
+    "http://127.0.0.1:$PORT/metrics" | grep -E '^(granikv|sglang):' >"$OUT/metrics_$name.txt" || true
   stop_server
 done
 
@@ -144,6 +148,10 @@ md = [f"# sglang.bench_serving, generated-shared-prefix: {groups} x {prefix}-tok
 for cfg, r in (("baseline", b), ("granikv", g)):
     md.append(f"| {cfg} | " + " | ".join(f(r.get(k)) for k in keys[:5]) + " |")
 md += ["", f"Speedup (output tok/s): {f(ratio, '{:.2f}x')}"]
+mp = os.path.join(out, f"metrics_{backend}_granikv.txt")
+gk = [ln for ln in open(mp).read().splitlines() if ln.startswith("granikv:")] if os.path.exists(mp) else []
+if gk:  # GraniKV's own counters at the end of the run (decode steps per path, promotions, HOT hits)
+    md += ["", "GraniKV counters at the end of the run (`/metrics`, `granikv:*`):", "", "```"] + gk + ["```"]
 open(os.path.join(out, f"bench_serving_{backend}.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 EOF

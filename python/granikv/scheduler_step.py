@@ -71,7 +71,7 @@ def _maybe_report(scheduler, cache, backend, log_interval: int) -> None:
         return
     cache.refresh_gauges()
     if log_interval:
-        attn = backend.stats.snapshot() if backend is not None else {}
+        attn = backend.stats_snapshot() if backend is not None else {}
         logger.info("%s | attention %s", cache.metrics.format(), attn)
     exporter = _exporter(scheduler)
     if exporter is not None:
@@ -103,5 +103,5 @@ def metrics_snapshot(scheduler, *, refresh: bool = True) -> dict:
     out = dict(cache.metrics.snapshot())
     backend = _granikv_backend(scheduler)
     if backend is not None:
-        out["attention"] = backend.stats.snapshot()
+        out["attention"] = backend.stats_snapshot()
     return out

@@ -146,6 +146,38 @@ def test_eager_shared_prefix_matches_paged(path):
     assert be.stats.planned == 1 and 0 < snap["plan_us_mean"] <= snap["plan_us_max"] < 1e6
 
 
+def test_steady_decode_steps_reuse_the_plan_and_stay_exact():
+    """Successive decode steps of one batch (each request one token longer per step): the
+    backend reuses its grouping and work list (stats_snapshot counters) and every step still
+    matches paged attention over the whole sequence."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    rt = runner.req_to_token_pool.req_to_token
+    used = rt[torch.tensor(rows)]
+    next_slot = int(used[used < HOT_BASE].max()) + 1  # past every COLD slot in use
+    assert next_slot + 6 * len(rows) < HOT_BASE
+    for step in range(6):
+        if step:  # the next token of every request: a fresh COLD slot at position seq_len
+            seq = fb.seq_lens + 1
+            for i, row in enumerate(rows):
+                rt[row, seq[i] - 1] = next_slot
+                next_slot += 1
+            fb = SimpleNamespace(**{**vars(fb), "seq_lens": seq, "seq_lens_cpu": seq.clone(),
+                                    "seq_lens_sum": int(seq.sum()),
+                                    "out_cache_loc": rt[torch.tensor(rows), seq - 1].long()})
+        q, k, v = _qkv(fb.batch_size, 10 + step)
+        be.stage_batch(rows)
+        be.init_forward_metadata(fb)
+        o = be.forward_decode(q, k, v, LAYER, fb)
+        torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+    snap = be.stats_snapshot()
+    assert snap["steps_per_path"] == {"cascade": 6}
+    assert snap["grouping_reuses"] == 5
+    assert snap["work_list_builds"] >= 1 and snap["work_list_reuses"] >= 1
+    assert snap["work_list_builds"] + snap["work_list_reuses"] == 6
+
+
 def test_no_group_goes_to_the_stock_backend_untouched():
     runner = _runner()
     be = _backend(runner, "cascade")

@@ -67,6 +67,13 @@ class KernelConfig:
     write disjoint partial rows; the merge waits for both). Tensor-core-bound prefix tiles and
     latency-bound suffix gathers then share the SMs instead of running back to back. Captured
     into CUDA graphs as a fork/join. No effect on CPU."""
+    reuse_chunk_factor: float = 1.5
+    """``fill`` reuses the previous step's work list, with each request's last suffix chunk
+    extended to its new ``seq_len``, while the grouping (hence the prefix items) is unchanged and
+    every last suffix chunk stays within ``reuse_chunk_factor * suffix_chunk`` tokens: the steady
+    decode steps of one batch then cost a few numpy calls instead of a full build. After a full
+    build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
+    ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
@@ -283,6 +290,14 @@ def build_work_list(
     )
 
 
+def _last_suffix_item(wl: WorkList) -> np.ndarray:
+    """Index of each request's last suffix item (-1 if it has none); items are in request order."""
+    n = np.bincount(wl.sfx_req, minlength=wl.bs)
+    last = np.cumsum(n) - 1
+    last[n == 0] = -1
+    return last
+
+
 class CascadeWorkspace:
     """Fixed-capacity device metadata + partial states for the cascade kernels.
 
@@ -370,6 +385,8 @@ class CascadeWorkspace:
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
+        self._reuse_base = None  # (PrefixItems, last suffix item per request) of the last full build
+        self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
                             else None)
@@ -399,13 +416,20 @@ class CascadeWorkspace:
             raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
         if len(group_len) > self.max_groups:
             raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
-        wl = build_work_list(
-            group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
-            ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
-            sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
-            prefix_items=self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx,
-                                            bs, single_prefix_chunk),
-        )  # fmt: skip
+        items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        wl = self._advance(items, seq_lens)
+        if wl is None:
+            wl = build_work_list(
+                group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
+                ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
+                sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
+                prefix_items=items,
+            )  # fmt: skip
+            self.fills_built += 1
+            self._reuse_base = (items, _last_suffix_item(wl)) if self.config.reuse_chunk_factor > 0 else None
+        else:
+            self.fills_reused += 1
         np_, ns = wl.num_prefix_items, wl.num_suffix_items
         if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
             raise ValueError(
@@ -419,6 +443,29 @@ class CascadeWorkspace:
             gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
             self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
         return wl
+
+    def _advance(self, items: PrefixItems, seq_lens: np.ndarray) -> Optional[WorkList]:
+        """The previous work list with each request's last suffix chunk ending at its new
+        ``seq_len``, or None when a full build is needed (see ``KernelConfig.reuse_chunk_factor``).
+
+        Correct for any batch with the same prefix items (same grouping and batch size, hence
+        the same ``prefix_len`` per position): every chunk but a request's last is full and
+        starts at ``prefix_len + k * suffix_chunk``, so ``[lo_last, seq_len)`` completes an exact
+        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``.
+        """
+        prev, base = self.work_list, self._reuse_base
+        if prev is None or base is None or base[0] is not items or prev.bs != len(seq_lens):
+            return None
+        last = base[1]
+        if prev.bs == 0 or (last < 0).any():  # a request without suffix chunks: rebuild
+            return None
+        lo = prev.sfx_lo[last]
+        grow = seq_lens - lo
+        if grow.min() <= 0 or grow.max() > self.config.reuse_chunk_factor * prev.suffix_chunk:
+            return None
+        hi = prev.sfx_hi.copy()
+        hi[last] = seq_lens
+        return prev._replace(sfx_hi=hi)
 
     def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
                       single_prefix_chunk: bool) -> PrefixItems:

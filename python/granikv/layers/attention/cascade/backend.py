@@ -34,7 +34,7 @@ import torch
 from granikv.layers.attention.cascade.dispatcher import Path
 from granikv.layers.attention.cascade.plan import (
     BatchDescription,
-    group_requests,
+    GroupingMemo,
     verify_same_slots,
 )
 from granikv.layers.attention.cascade.step_stats import StepStats
@@ -88,6 +88,7 @@ class GraniKVAttnBackend(AttentionBackend):
         self._eager_workspace = None  # eager steps larger than the graph workspace
         self._ws = None  # the workspace of the current step
         self.stats = StepStats()
+        self._grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self._staged: Optional[np.ndarray] = None
         self._path = Path.PAGED  # path of the current step
         self._graph_mode = False  # True once CUDA-graph state exists
@@ -112,6 +113,15 @@ class GraniKVAttnBackend(AttentionBackend):
     @property
     def hot_prefix_table(self):
         return self.model_runner.token_to_kv_pool_allocator.hot_prefix_table
+
+    def stats_snapshot(self) -> dict:
+        """``StepStats.snapshot()`` plus how often steady steps reused the previous plan."""
+        out = self.stats.snapshot()
+        wss = [w for w in (self.workspace, self._eager_workspace) if w is not None]
+        out["work_list_builds"] = sum(w.fills_built for w in wss)
+        out["work_list_reuses"] = sum(w.fills_reused for w in wss)
+        out["grouping_reuses"] = self._grouping_memo.hits
+        return out
 
     def stage_batch(self, req_pool_indices: np.ndarray) -> None:
         """The next decode batch's ``req_pool_idx`` per request, in batch order (host ints)."""
@@ -156,7 +166,7 @@ class GraniKVAttnBackend(AttentionBackend):
             staged, fb.seq_lens_cpu[:bs].numpy().astype(np.int64), table.start_np,
             table.length_np,
         )
-        grouping = group_requests(desc, min_group_size=self.cfg.min_group_size)
+        grouping = self._grouping_memo.group(desc, min_group_size=self.cfg.min_group_size)
         if self.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(
             grouping, desc, self.model_runner.req_to_token_pool.req_to_token
         ):

@@ -197,6 +197,33 @@ def group_requests(
     )
 
 
+class GroupingMemo:
+    """``group_requests`` of the previous step, reused while the batch's HOT runs are unchanged.
+
+    Successive decode steps of one batch keep their HOT runs while ``seq_lens`` grow. Whenever
+    every ``hot_len <= seq_lens`` (always true in decode: the new token is never HOT), the
+    grouping depends only on ``(hot_start, hot_len, min_group_size)``, which is the memo key.
+    """
+
+    def __init__(self):
+        self._key = None
+        self._grouping = None
+        self.hits = self.misses = 0
+
+    def group(self, desc: BatchDescription, *, min_group_size: int) -> "Grouping":
+        if not (desc.hot_len <= desc.seq_lens).all():
+            self.misses += 1
+            return group_requests(desc, min_group_size=min_group_size)
+        key = (min_group_size, desc.hot_start.tobytes(), desc.hot_len.tobytes())
+        if key == self._key:
+            self.hits += 1
+            return self._grouping
+        self.misses += 1
+        self._grouping = group_requests(desc, min_group_size=min_group_size)
+        self._key = key
+        return self._grouping
+
+
 def _single_group(members: np.ndarray, start: np.ndarray, length, bs: int) -> Grouping:
     """Every candidate (ascending batch positions ``members``) shares one start."""
     prefix_len = np.zeros(bs, dtype=np.int64)

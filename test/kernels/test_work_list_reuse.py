@@ -1,0 +1,142 @@
+"""Steady decode steps reuse the previous work list (``CascadeWorkspace._advance``) and the
+previous grouping (``plan.GroupingMemo``): the reused plan must be as correct as a full build.
+
+The coverage checks are exact (integer token ranges); the kernel check compares with the
+float64 decode reference at the fp16 tolerances of test_cascade.py.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_CONFIG, fill, make_batch
+
+from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
+from granikv.kernels.reference import decode_attention_ref
+from granikv.kernels.work_list import CascadeWorkspace, build_work_list
+from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, group_requests
+
+
+def _workspace(b, config=SMALL_CONFIG, extra=4):
+    return CascadeWorkspace(b.bs + extra, 8, 2, 64, "cpu", config=config, sm_count=32, max_splits=4)
+
+
+def _check_cover(wl, prefix_len, seq_lens, chunk_limit):
+    """Every request's suffix items tile [prefix_len, seq_len) exactly, none empty, none longer
+    than chunk_limit; partial rows are written exactly once (check_integrity does that)."""
+    for i in range(wl.bs):
+        sel = np.flatnonzero(wl.sfx_req == i)
+        lo, hi = wl.sfx_lo[sel], wl.sfx_hi[sel]
+        assert (hi > lo).all() and (hi - lo <= chunk_limit).all()
+        assert lo[0] == prefix_len[i] and hi[-1] == seq_lens[i]
+        assert (lo[1:] == hi[:-1]).all(), f"request {i}: items do not tile its suffix"
+
+
+def _advance_steps(ws, b, steps, grow=1):
+    """Fill at seq_lens - steps * grow (at least one suffix token, as in decode), then advance
+    ``grow`` tokens per step up to b.seq_lens."""
+    kinds = []
+    for s in range(steps, -1, -1):
+        before = ws.fills_reused
+        seq = np.maximum(b.seq_lens - s * grow, b.prefix_len + 1)
+        wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                     b.req_pool_indices)  # fmt: skip
+        ws.check_integrity()
+        _check_cover(wl, b.prefix_len, seq, max(ws.config.reuse_chunk_factor, 1.0) * wl.suffix_chunk)
+        kinds.append("reused" if ws.fills_reused > before else "built")
+    return kinds
+
+
+def test_steady_steps_reuse_and_stay_exact():
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = _workspace(b)
+    kinds = _advance_steps(ws, b, steps=30)
+    assert kinds[0] == "built" and kinds.count("reused") >= 20, kinds
+    # a rebuild happens once some last chunk would exceed the factor, and then reuse resumes
+    assert ws.fills_built + ws.fills_reused == 31
+
+
+@pytest.mark.parametrize("path", [cascade_attention, fused_cascade_attention])
+def test_kernels_on_a_reused_work_list_match_the_reference(path):
+    b = make_batch(suffix=40, ungrouped_len=70, seed=3)
+    ws = _workspace(b)
+    kinds = _advance_steps(ws, b, steps=5)
+    assert kinds[-1] == "reused"  # the plan the kernels run below
+    out = torch.full_like(b.q, float("nan"))
+    path(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+    torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
+
+
+def test_reused_list_equals_a_fresh_build_in_coverage_and_rows():
+    b = make_batch(suffix=40, ungrouped_len=70, seed=5)
+    ws = _workspace(b)
+    _advance_steps(ws, b, steps=3)
+    fresh = build_work_list(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                            b.seq_lens, ratio=4, num_kv_heads=2, config=SMALL_CONFIG, sm_count=32,
+                            max_splits=4)  # fmt: skip
+    wl = ws.work_list
+    # same prefix items; the suffix may be cut differently, but both cover the same tokens
+    for f in ("pfx_m_lo", "pfx_m_hi", "pfx_slot_lo", "pfx_n_kv", "pfx_split", "group_req_idx"):
+        assert np.array_equal(getattr(wl, f), getattr(fresh, f)), f
+    _check_cover(fresh, b.prefix_len, b.seq_lens, fresh.suffix_chunk)
+
+
+def test_rebuild_when_the_plan_cannot_be_extended():
+    b = make_batch(suffix=40, ungrouped_len=70, seed=7)
+    ws = _workspace(b)
+    fill(ws, b)
+    assert (ws.fills_built, ws.fills_reused) == (1, 0)
+    # growth beyond reuse_chunk_factor * suffix_chunk in one go
+    far = b.seq_lens + int(SMALL_CONFIG.reuse_chunk_factor * ws.work_list.suffix_chunk) + 1
+    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, far,
+            b.req_pool_indices)  # fmt: skip
+    assert ws.fills_built == 2
+    # a position whose sequence is now shorter than its last chunk's start (a new request)
+    short = far.copy()
+    short[np.flatnonzero(b.prefix_len == 0)[0]] = 1
+    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, short,
+            b.req_pool_indices)  # fmt: skip
+    assert ws.fills_built == 3
+    # another grouping (a group's prefix shorter) -> other prefix items
+    g_len = b.group_len.copy()
+    g_len[0] -= 1
+    p_len = b.prefix_len.copy()
+    p_len[b.group_req_idx[b.group_req_indptr[0]:b.group_req_indptr[1]]] = g_len[0]
+    ws.fill(b.group_start, g_len, b.group_req_indptr, b.group_req_idx, p_len, short + 1, b.req_pool_indices)
+    assert ws.fills_built == 4
+    ws.check_integrity()
+    _check_cover(ws.work_list, p_len, short + 1, ws.work_list.suffix_chunk)
+
+
+def test_reuse_can_be_disabled():
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = _workspace(b, config=dataclasses.replace(SMALL_CONFIG, reuse_chunk_factor=0.0))
+    assert _advance_steps(ws, b, steps=4) == ["built"] * 5
+
+
+def test_grouping_memo_hits_only_while_hot_runs_are_unchanged():
+    rng = np.random.default_rng(0)
+    bs = 24
+    rpi = np.arange(bs, dtype=np.int64)
+    hot_start = np.where(rng.random(bs) < 0.7, rng.choice([100, 900, 5000], bs), 0).astype(np.int64)
+    hot_len = np.where(hot_start > 0, rng.integers(200, 400, bs), 0).astype(np.int64)
+    seq = hot_len + rng.integers(1, 50, bs)
+    memo = GroupingMemo()
+    for step in range(5):
+        desc = BatchDescription(rpi, seq + step, hot_start, hot_len)
+        g = memo.group(desc, min_group_size=2)
+        ref = group_requests(desc, min_group_size=2)
+        for f in ("group_start", "group_len", "group_req_indptr", "group_req_idx", "prefix_len"):
+            assert np.array_equal(getattr(g, f), getattr(ref, f)), f
+    assert (memo.hits, memo.misses) == (4, 1)
+    hot_len2 = hot_len.copy()
+    hot_len2[np.flatnonzero(hot_len)[0]] += 7  # a promotion / extension changed one run
+    desc = BatchDescription(rpi, seq + 10, hot_start, hot_len2)
+    g = memo.group(desc, min_group_size=2)
+    assert memo.misses == 2 and np.array_equal(g.prefix_len, group_requests(desc, min_group_size=2).prefix_len)
+    # hot_len > seq_len somewhere (never in decode): no memo, plain grouping
+    desc = BatchDescription(rpi, np.ones(bs, np.int64), hot_start, hot_len2)
+    g = memo.group(desc, min_group_size=2)
+    assert memo.misses == 3 and g.num_groups == group_requests(desc, min_group_size=2).num_groups
