@@ -43,6 +43,15 @@ HQ, HKV, D = 32, 8, 128
 SCALE = D**-0.5
 
 
+MAX_BS = [0]  # --max-bs: the workspace's capacity (0 = the case's request count)
+
+
+def ws_max_bs(n_req: int) -> int:
+    """Workspace capacity for a case: serving sizes its graph workspace for the largest CUDA-graph
+    batch (--cuda-graph-max-bs, 256 in the benchmarks), and the kernels' grids follow it."""
+    return max(n_req, 8, MAX_BS[0])
+
+
 def bench(fn, graph=True):
     """Median ms of fn, as CUDA-graph replays when capturable (else eager); returns (ms, mode)."""
     fn()
@@ -146,7 +155,7 @@ class Case:
 
 def run_graniKV(case, row, outs, configs):
     for name, cfg in configs.items():
-        ws = CascadeWorkspace(max(case.n_req, 8), HQ, HKV, D, DEV, config=cfg)
+        ws = CascadeWorkspace(ws_max_bs(case.n_req), HQ, HKV, D, DEV, config=cfg)
         sfx = "" if name == "default" else f"@{name}"
         case.fill(ws)
         for path, fn in (("gkv_cascade", cascade_attention), ("gkv_fused", fused_cascade_attention)):
@@ -306,6 +315,7 @@ SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweep
     "pw1.5_swv3": dict(suffix_waves=3.0),
     "pw1.5_swv6": dict(suffix_waves=6.0),
     "pw1.5_sb64": dict(suffix_block_n=64),
+    "compact": dict(compact_grid=True),  # grid-stride launches (not measured yet)
 }
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                ([(4096, 8)], 256)]
@@ -322,7 +332,7 @@ def sweep(args):
             row = dict(groups=groups, suffix=sfx, config=name)
             try:
                 cfg = dataclasses.replace(base, **kw)
-                ws = CascadeWorkspace(max(case.n_req, 8), HQ, HKV, D, DEV, config=cfg)
+                ws = CascadeWorkspace(ws_max_bs(case.n_req), HQ, HKV, D, DEV, config=cfg)
                 case.fill(ws)
                 out = torch.empty_like(case.q)
                 row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws,
@@ -350,7 +360,7 @@ def sweep(args):
         del case
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, base=dataclasses.asdict(base),
+        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=MAX_BS[0], base=dataclasses.asdict(base),
                        variants=SWEEP, rows=rows), f, indent=1)
     for r in rows:
         print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
@@ -365,12 +375,16 @@ def main():
                     help="tile/launch tuning only: GraniKV cascade (graph) + its parts per config, no baselines")
     ap.add_argument("--variants", default="",
                     help="comma-separated SWEEP names also timed (with the baselines) as gkv_cascade@NAME")
+    ap.add_argument("--max-bs", type=int, default=0,
+                    help="GraniKV workspace capacity (grids scale with it); serving uses the largest CUDA-graph "
+                         "batch, e.g. 256. 0 (default, as in the recorded runs): the case's request count")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     unknown = [n for n in filter(None, args.variants.split(",")) if n not in SWEEP]
     if unknown:
         ap.error(f"--variants {','.join(unknown)}: not in SWEEP ({', '.join(SWEEP)})")
     os.makedirs(args.out, exist_ok=True)
+    MAX_BS[0] = args.max_bs
     if args.sweep:
         return sweep(args)
     bw, tf = ceilings()
@@ -403,7 +417,7 @@ def main():
         r["case_s"] = round(time.time() - t, 1)
         rows.append(r)
         print("ROW", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, max_bs=MAX_BS[0],
                 copy_TBps=bw, matmul_TFLOPs=tf, shapes=dict(hq=HQ, hkv=HKV, d=D, dtype="bf16"),
                 configs={k: dataclasses.asdict(v) for k, v in configs.items()})
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
