@@ -426,17 +426,17 @@ class CascadeWorkspace:
         items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         wl = self._advance(items, seq_lens)
-        if wl is None:
+        reused = wl is not None
+        if not reused:
             wl = build_work_list(
                 group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
                 ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
                 sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
                 prefix_items=items,
             )  # fmt: skip
-            self.fills_built += 1
-            self._reuse_base = (items, _last_suffix_item(wl)) if self.config.reuse_chunk_factor > 0 else None
+            base = (items, _last_suffix_item(wl)) if self.config.reuse_chunk_factor > 0 else None
         else:
-            self.fills_reused += 1
+            base = self._reuse_base
         np_, ns = wl.num_prefix_items, wl.num_suffix_items
         if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
             raise ValueError(
@@ -444,7 +444,11 @@ class CascadeWorkspace:
                 f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
             )
         self._upload(wl, req_pool_indices)
-        self.work_list = wl
+        self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
+        if reused:
+            self.fills_reused += 1
+        else:
+            self.fills_built += 1
         self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
         if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
             gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
