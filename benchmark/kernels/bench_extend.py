@@ -1,0 +1,141 @@
+"""Prefill (extend) attention against a shared HOT prefix: is there a faster kernel than SGLang's?
+
+The end-to-end rows are bound by the prefill (docs/results/multi_agent.md, "How far the targets
+are ..."): when N agents join a cached 16K prefix, each of their new tokens attends to the whole
+prefix, ~4.4 TFLOP per layer at 64 x 256 tokens. SGLang's flashinfer backend computes that
+part per request with its paged prefill wrapper (page size 1, FA2 on the host) and merges it
+with the new tokens' own causal attention. Because the prefix is a contiguous HOT extent, the
+same result can come from ONE dense call over the stacked new tokens of the whole group. This
+script times, for one layer (bf16, 32q/8kv/128), the prefix part only (non-causal, with LSE,
+as a merge needs):
+
+    fi_paged_fa2      SGLang's way: BatchPrefillWithPagedKVCacheWrapper, per request, kv = prefix slots
+    fi_paged_fa3      the same wrapper with backend="fa3"
+    fi_ragged_fa3     BatchPrefillWithRaggedKVCacheWrapper over the stacked tokens, K/V = the extent view
+    fi_ragged_fa2     the same with backend="fa2"
+    sdpa_flash        torch flash attention, q heads of a kv head stacked as rows (as the bgemm path)
+
+Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
+with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
+
+    bash .offline-gpu/setup.sh python3 benchmark/kernels/bench_extend.py --out $OUT     # GPU host
+
+Writes OUT/extend.json. This is a measurement to decide whether to build a shared-prefix extend
+path in the backend; nothing in the serving path uses it.
+"""
+
+import argparse
+import json
+import os
+import traceback
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+DEV = "cuda"
+CASES = [(16384, 64, 256), (16384, 128, 256), (16384, 8, 256), (4096, 64, 256), (16384, 64, 1024)]
+
+
+def bench_ms(fn) -> float:
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
+    n_tok = agents * new
+    start = 1
+    slots = start + prefix + 8
+    k = torch.randn(slots, HKV, D, device=DEV, dtype=DT)
+    v = torch.randn(slots, HKV, D, device=DEV, dtype=DT)
+    q = torch.randn(n_tok, HQ, D, device=DEV, dtype=DT)
+    scale = D**-0.5
+    i32 = lambda *a: torch.tensor(a, dtype=torch.int32, device=DEV)  # noqa: E731
+    row = dict(prefix=prefix, agents=agents, new_tokens=new, GFLOP=round(4 * n_tok * prefix * HQ * D / 1e9, 1))
+    outs = {}
+
+    def record(name, fn):
+        try:
+            o, lse = fn()
+            outs[name] = (o.float(), lse.float())
+            ms = bench_ms(fn)
+            row[name + "_ms"] = round(ms, 4)
+            row[name + "_TFLOPs"] = round(4 * n_tok * prefix * HQ * D / ms / 1e9, 1)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row[name + "_error"] = repr(e)[:300]
+            traceback.print_exc()
+
+    import flashinfer
+
+    qo_req = torch.arange(0, n_tok + 1, new, dtype=torch.int32, device=DEV)
+    kv_req = torch.arange(0, agents * prefix + 1, prefix, dtype=torch.int32, device=DEV)
+    kv_idx = torch.arange(start, start + prefix, dtype=torch.int32, device=DEV).repeat(agents)
+    last = torch.ones(agents, dtype=torch.int32, device=DEV)
+    paged = (k.view(-1, 1, HKV, D), v.view(-1, 1, HKV, D))
+    for be in ("fa2", "fa3"):
+        def paged_fn(be=be):
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+            w.plan(qo_req, kv_req, kv_idx, last, HQ, HKV, D, 1, causal=False, q_data_type=DT, kv_data_type=DT)
+            return lambda: w.run(q, paged, return_lse=True)
+        try:
+            record(f"fi_paged_{be}", paged_fn())
+        except Exception as e:  # noqa: BLE001
+            row[f"fi_paged_{be}_error"] = repr(e)[:300]
+    ext_k, ext_v = k[start : start + prefix], v[start : start + prefix]  # the contiguous HOT extent
+    for be in ("fa3", "fa2"):
+        def ragged_fn(be=be):
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+            w.plan(i32(0, n_tok), i32(0, prefix), HQ, HKV, D, causal=False, q_data_type=DT, kv_data_type=DT)
+            return lambda: w.run(q, ext_k, ext_v, return_lse=True)
+        try:
+            record(f"fi_ragged_{be}", ragged_fn())
+        except Exception as e:  # noqa: BLE001
+            row[f"fi_ragged_{be}_error"] = repr(e)[:300]
+
+    ratio = HQ // HKV
+
+    def sdpa():
+        qs = q.view(n_tok, HKV, ratio, D).permute(1, 0, 2, 3).reshape(1, HKV, n_tok * ratio, D)
+        kk = ext_k.transpose(0, 1).unsqueeze(0)
+        vv = ext_v.transpose(0, 1).unsqueeze(0)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qs, kk, vv, scale=scale)[:2]
+        o = o.view(HKV, n_tok, ratio, D).permute(1, 0, 2, 3).reshape(n_tok, HQ, D)
+        return o, lse.view(HKV, n_tok, ratio).permute(1, 0, 2).reshape(n_tok, HQ)
+
+    record("sdpa_flash", sdpa)
+    ref = outs.get("fi_paged_fa2")
+    if ref is not None:
+        for name, (o, lse) in outs.items():
+            row[name + "_maxdiff_o"] = round((o - ref[0]).abs().max().item(), 4)
+            # FlashInfer returns base-2 LSE; torch natural log: compare what each reports
+            row[name + "_lse_scale_vs_fi"] = round(float((lse / ref[1]).median().item()), 4)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
+    rows = []
+    for prefix, agents, new in CASES:
+        r = run_case(prefix, agents, new, ws_bytes)
+        rows.append(r)
+        print("ROW", json.dumps(r), flush=True)
+        torch.cuda.empty_cache()
+    names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash")
+    print(f"\n{torch.cuda.get_device_name()}  prefix part of extend attention, one layer, ms (TFLOP/s)")
+    print(f"{'prefix x agents x new':<24}{'GFLOP':>8}" + "".join(f"{n:>20}" for n in names))
+    for r in rows:
+        cells = [f"{r[n + '_ms']:.3f} ({r[n + '_TFLOPs']:.0f})" if n + "_ms" in r else "error" for n in names]
+        print(f"{r['prefix']}x{r['agents']}x{r['new_tokens']:<14}{r['GFLOP']:>8}" + "".join(f"{c:>20}" for c in cells))
+    with open(os.path.join(args.out, "extend.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
