@@ -140,3 +140,35 @@ def test_grouping_memo_hits_only_while_hot_runs_are_unchanged():
     desc = BatchDescription(rpi, np.ones(bs, np.int64), hot_start, hot_len2)
     g = memo.group(desc, min_group_size=2)
     assert memo.misses == 3 and g.num_groups == group_requests(desc, min_group_size=2).num_groups
+
+
+def test_random_step_sequences_always_cover_every_suffix_exactly():
+    """Property: whatever happens between fills (tokens added, a position taken by a new request
+    of another length, the grouping changed, a paged step with an empty fill), the uploaded work
+    list tiles every request's [prefix_len, seq_len) exactly, and reuse does happen."""
+    rng = np.random.default_rng(42)
+    b = make_batch(suffix=40, ungrouped_len=70, seed=9)
+    ws = _workspace(b)
+    seq = b.seq_lens.copy()
+    empty = (np.zeros(0, np.int64),) * 2 + (np.zeros(1, np.int64),) + (np.zeros(0, np.int64),) * 3
+    g_len, p_len = b.group_len.copy(), b.prefix_len.copy()
+    for step in range(300):
+        event = rng.random()
+        if event < 0.70:  # a decode step: every request one token longer
+            seq = seq + 1
+        elif event < 0.85:  # a position is taken by a new request with another suffix length
+            i = int(rng.integers(b.bs))
+            seq[i] = p_len[i] + int(rng.integers(1, 120))
+        elif event < 0.93:  # the grouping changes (a group's shared prefix gets shorter or longer)
+            g = int(rng.integers(len(g_len)))
+            g_len[g] = max(16, g_len[g] + int(rng.integers(-5, 6)))
+            members = b.group_req_idx[b.group_req_indptr[g] : b.group_req_indptr[g + 1]]
+            p_len[members] = g_len[g]
+            seq = np.maximum(seq, p_len + 1)
+        else:  # a paged step in between (the backend fills an empty work list)
+            ws.fill(*empty, np.zeros(0, np.int64))
+            continue
+        wl = ws.fill(b.group_start, g_len, b.group_req_indptr, b.group_req_idx, p_len, seq, b.req_pool_indices)
+        ws.check_integrity()
+        _check_cover(wl, p_len, seq, max(SMALL_CONFIG.reuse_chunk_factor, 1.0) * wl.suffix_chunk)
+    assert ws.fills_reused > 50 and ws.fills_built > 10, (ws.fills_reused, ws.fills_built)
