@@ -159,3 +159,19 @@ def test_disabled_paths_are_never_chosen():
                             np.full(n, 16384))
     g = group_requests(desc, min_group_size=2)
     assert d.choose(g, desc, graph_safe_only=False).path is Path.PAGED
+
+
+@pytest.mark.parametrize("hq,hkv,layers", [(32, 8, 32), (20, 4, 48), (10, 2, 64)])
+def test_h200_model_at_per_rank_heads_of_the_multi_gpu_runs(hq, hkv, layers):
+    """The checked-in H200 model (calibrated at 32q/8kv) at the per-rank heads of the planned
+    multi-GPU runs (Llama-3.1-8B TP=1, Qwen2.5-14B TP=2, Qwen2.5-32B TP=4; docs/multi_gpu.md):
+    a 16K prefix shared by 64 requests goes to cascade, a batch without a group stays paged."""
+    d = Dispatcher(CostModel.load(None, "NVIDIA H200"), num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                   kv_dtype_bytes=2, num_layers=layers)
+    bs = 64
+    rpi = np.arange(1, bs + 1, dtype=np.int64)
+    seq = np.full(bs, 16384 + 256, dtype=np.int64)
+    shared = BatchDescription(rpi, seq, np.full(bs, 1000, np.int64), np.full(bs, 16384, np.int64))
+    assert d.choose(group_requests(shared, min_group_size=2), shared).path is Path.CASCADE
+    alone = BatchDescription(rpi, seq, np.zeros(bs, np.int64), np.zeros(bs, np.int64))
+    assert d.choose(group_requests(alone, min_group_size=2), alone).path is Path.PAGED
