@@ -35,7 +35,10 @@ import torch
 import triton
 
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
-from granikv.kernels.work_list import CascadeWorkspace, KernelConfig, default_config
+from granikv.kernels.merge_state import merge_state
+from granikv.kernels.prefix_attention import prefix_attention
+from granikv.kernels.suffix_attention import suffix_attention
+from granikv.kernels.work_list import CascadeWorkspace, default_config
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -43,13 +46,11 @@ HQ, HKV, D = 32, 8, 128
 SCALE = D**-0.5
 
 
-MAX_BS = [0]  # --max-bs: the workspace's capacity (0 = the case's request count)
-
-
-def ws_max_bs(n_req: int) -> int:
-    """Workspace capacity for a case: serving sizes its graph workspace for the largest CUDA-graph
-    batch (--cuda-graph-max-bs, 256 in the benchmarks), and the kernels' grids follow it."""
-    return max(n_req, 8, MAX_BS[0])
+def ws_max_bs(n_req: int, max_bs: int) -> int:
+    """Workspace capacity for a case (``max_bs``: --max-bs, 0 = the case's request count).
+    Serving sizes its graph workspace for the largest CUDA-graph batch (--cuda-graph-max-bs,
+    256 in the benchmarks), and the kernels' grids follow it."""
+    return max(n_req, 8, max_bs)
 
 
 def bench(fn, graph=True):
@@ -153,9 +154,9 @@ class Case:
         return ws.fill(**self.g, seq_lens=self.seq_lens, req_pool_indices=self.rpi, **kw)
 
 
-def run_graniKV(case, row, outs, configs):
+def run_graniKV(case, row, outs, configs, max_bs):
     for name, cfg in configs.items():
-        ws = CascadeWorkspace(ws_max_bs(case.n_req), HQ, HKV, D, DEV, config=cfg)
+        ws = CascadeWorkspace(ws_max_bs(case.n_req, max_bs), HQ, HKV, D, DEV, config=cfg)
         sfx = "" if name == "default" else f"@{name}"
         case.fill(ws)
         for path, fn in (("gkv_cascade", cascade_attention), ("gkv_fused", fused_cascade_attention)):
@@ -170,10 +171,6 @@ def run_graniKV(case, row, outs, configs):
                 row[path + sfx + "_error"] = repr(e)[:300]
                 traceback.print_exc()
         if name == "default":
-            from granikv.kernels.merge_state import merge_state
-            from granikv.kernels.prefix_attention import prefix_attention
-            from granikv.kernels.suffix_attention import suffix_attention
-
             out = torch.empty_like(case.q)
             for part, f in (
                 ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)),
@@ -262,7 +259,7 @@ def run_baselines(case, row, outs, ws_bytes):
         traceback.print_exc()
 
 
-def run_case(groups, suffix, configs, bw, tf, ws_bytes, n_ungrouped=0, ungrouped_len=0):
+def run_case(groups, suffix, configs, bw, tf, ws_bytes, max_bs, n_ungrouped=0, ungrouped_len=0):
     case = Case(groups, suffix, n_ungrouped, ungrouped_len)
     row = dict(groups=groups, suffix=suffix, n_ungrouped=n_ungrouped, requests=case.n_req,
                unique_MB=round(case.bytes / 1e6, 1), paged_MB=round(case.paged_bytes / 1e6, 1),
@@ -270,7 +267,7 @@ def run_case(groups, suffix, configs, bw, tf, ws_bytes, n_ungrouped=0, ungrouped
     row["floor_ms"] = max(case.bytes / bw / 1e9, case.flops / tf / 1e9)
     outs = {}
     run_baselines(case, row, outs, ws_bytes)
-    run_graniKV(case, row, outs, configs)
+    run_graniKV(case, row, outs, configs, max_bs)
     ref = outs.get("fi_decode_tc", outs.get("sgl_triton"))
     if ref is not None:
         for k, v in outs.items():
@@ -332,17 +329,13 @@ def sweep(args):
             row = dict(groups=groups, suffix=sfx, config=name)
             try:
                 cfg = dataclasses.replace(base, **kw)
-                ws = CascadeWorkspace(ws_max_bs(case.n_req), HQ, HKV, D, DEV, config=cfg)
+                ws = CascadeWorkspace(ws_max_bs(case.n_req, args.max_bs), HQ, HKV, D, DEV, config=cfg)
                 case.fill(ws)
                 out = torch.empty_like(case.q)
                 row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws,
                                                                           sm_scale=SCALE, out=out))[0] * 1e3, 1)
                 ref = out.clone() if ref is None else ref
                 row["maxdiff"] = round((out.float() - ref.float()).abs().max().item(), 4)
-                from granikv.kernels.merge_state import merge_state
-                from granikv.kernels.prefix_attention import prefix_attention
-                from granikv.kernels.suffix_attention import suffix_attention
-
                 for part, f in (
                     ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)),
                     ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE)),
@@ -360,7 +353,7 @@ def sweep(args):
         del case
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=MAX_BS[0], base=dataclasses.asdict(base),
+        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs, base=dataclasses.asdict(base),
                        variants=SWEEP, rows=rows), f, indent=1)
     for r in rows:
         print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
@@ -384,7 +377,6 @@ def main():
     if unknown:
         ap.error(f"--variants {','.join(unknown)}: not in SWEEP ({', '.join(SWEEP)})")
     os.makedirs(args.out, exist_ok=True)
-    MAX_BS[0] = args.max_bs
     if args.sweep:
         return sweep(args)
     bw, tf = ceilings()
@@ -410,14 +402,14 @@ def main():
     for groups, sfx in cases:
         t = time.time()
         try:
-            r = run_case(groups, sfx, configs, bw, tf, ws_bytes)
+            r = run_case(groups, sfx, configs, bw, tf, ws_bytes, args.max_bs)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r = dict(groups=groups, suffix=sfx, requests=sum(n for _, n in groups), floor_ms=0, error=repr(e)[:300])
         r["case_s"] = round(time.time() - t, 1)
         rows.append(r)
         print("ROW", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, max_bs=MAX_BS[0],
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, max_bs=args.max_bs,
                 copy_TBps=bw, matmul_TFLOPs=tf, shapes=dict(hq=HQ, hkv=HKV, d=D, dtype="bf16"),
                 configs={k: dataclasses.asdict(v) for k, v in configs.items()})
     with open(os.path.join(args.out, "kernels.json"), "w") as f:

@@ -19,6 +19,7 @@ work-list reuse (``KernelConfig.reuse_chunk_factor``), periodic rebuilds include
 """
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -78,8 +79,6 @@ def work_list_fn(desc: BatchDescription):
 
 def step_fn(desc: BatchDescription, dispatcher, *, steady: bool):
     """One decode step's host work in the backend, for successive steps of the same batch."""
-    import dataclasses
-
     from granikv.kernels.work_list import CascadeWorkspace, default_config
 
     cfg = default_config(128)

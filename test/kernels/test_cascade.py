@@ -4,6 +4,8 @@ Tolerances as test_attention_kernels.py (fp16: softmax probabilities rounded to 
 P.V dot, plus one fp16 rounding of the output; fp32: full fp32 math).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import SMALL_CONFIG, fill, make_batch
@@ -52,8 +54,6 @@ def test_compact_grid_loops_over_items(dtype, sm_count):
     """compact_grid launches 2 x the target programs (at most the capacity); with 2 SMs there
     are more live items than programs, so programs loop (grid-stride); with 32 the grid covers
     them in one pass."""
-    import dataclasses
-
     cfg = dataclasses.replace(SMALL_CONFIG, compact_grid=True)
     b = make_batch(dtype=dtype, seed=11, suffix=40)
     ws = CascadeWorkspace(b.bs + 8, 8, 2, 64, "cpu", config=cfg, sm_count=sm_count, max_splits=4)

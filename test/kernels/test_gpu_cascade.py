@@ -30,6 +30,20 @@ def _batch(hq, groups=((16384, 64),), n_ungrouped=4, seed=0):
     return b
 
 
+def _capture(fn):
+    """``fn`` warmed up on a side stream (as torch requires before capture), then captured into a
+    CUDA graph, which is returned."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def _ref(b):
     return decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
 
@@ -90,14 +104,7 @@ def test_overlapped_suffix_eager_and_graph():
         fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)  # noqa: E731
         fn()
         eager = out.clone()  # no synchronize: the current stream must already be ordered after the side stream
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g = _capture(fn)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
@@ -131,14 +138,7 @@ def test_cuda_graph_replay_after_refill(path):
     load(a)
     fill(ws, a)
     fn = lambda: PATHS[path](q_s, k_s, v_s, r2t_s, ws, sm_scale=a.sm_scale, out=out_s)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = _capture(fn)  # compiles and warms up outside the capture
     g.replay()
     assert _rel_err(out_s, _ref(a)) < 1e-2
     load(bb)
