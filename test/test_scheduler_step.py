@@ -2,10 +2,12 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.layers.attention.cascade.extend_plan import plan_extend
 from granikv.scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch
 
@@ -39,7 +41,14 @@ def test_extend_batch_registers_then_promotes_in_the_same_step(caplog):
     assert sim.cache.metrics.promotions == 1
     for r in reqs:
         assert sim.cache.hot_prefix_table.get(r.req_pool_idx)[1] == len(prefix)
-    assert backend._staged is None  # only decode batches are planned
+    # staged for the prefix part over HOT extents, after the promotion: the whole cached prefix
+    # of every request is one HOT extent, so the extend batch is one dense call
+    assert list(backend._staged) == [r.req_pool_idx for r in reqs]
+    table = sim.cache.hot_prefix_table
+    plan, reason = plan_extend(backend._staged, np.full(3, len(prefix)), np.full(3, 2), table.start_np,
+                               table.length_np)
+    assert reason == "" and len(plan.groups) == 1 and plan.covers_all_tokens
+    backend._staged = None
     for r in reqs:
         sim.prefill_end(r)
         sim.decode(r, 7)

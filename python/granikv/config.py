@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Mapping, Optional, get_args
 
 AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
+ExtendPath = Literal["hot", "paged"]
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
@@ -48,6 +49,13 @@ class GraniKVConfig:
         "Decode attention path: auto = per-step cost model; cascade/fused/bgemm force a path "
         "(falling back to paged where it cannot serve a batch); paged = stock backend only.",
         choices=get_args(AttentionPath),
+    )
+    extend_path: ExtendPath = _opt(
+        "hot",
+        "Prefill (extend) attention over a cached prefix: hot = when every cached prefix in the "
+        "batch is one HOT extent, its part runs as one dense call per extent (flashinfer backend "
+        "only); paged = the stock backend's paged prefill.",
+        choices=get_args(ExtendPath),
     )
     min_group_size: int = _opt(
         2,

@@ -59,6 +59,10 @@ class PrometheusExporter:
         self._reuse = Gauge("granikv:work_list_fills_total",
                             "Decode-step workspace fills: 'built' from scratch or 'reused' from the previous step.",
                             labelnames=names + ["kind"], multiprocess_mode="mostrecent", registry=reg)
+        self._extend = Gauge("granikv:extend_batches_total",
+                             "Extend (prefill) batches with a cached prefix: prefix part 'hot' (dense "
+                             "call over HOT extents) or 'stock' (the wrapped backend's paged prefill).",
+                             labelnames=names + ["path"], multiprocess_mode="mostrecent", registry=reg)
 
     def update(self, snapshot: Mapping[str, object]) -> None:
         for key, gauge in self._storage.items():
@@ -72,3 +76,6 @@ class PrometheusExporter:
             self._plan.labels(**self.labels).set(float(attention.get("plan_us_mean", 0.0)))
             for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses")):
                 self._reuse.labels(**self.labels, kind=kind).set(float(attention.get(key, 0)))
+            hot = float(attention.get("extend_hot_batches", 0))
+            self._extend.labels(**self.labels, path="hot").set(hot)
+            self._extend.labels(**self.labels, path="stock").set(float(attention.get("extend_batches", 0)) - hot)

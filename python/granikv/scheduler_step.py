@@ -10,7 +10,8 @@ not been launched, which makes it the safe point to:
    be running on the forward stream and reading ``req_to_token``; the schedule stream waits for
    it first (a device-side wait, no host sync), and the next forward waits for the schedule
    stream as SGLang already arranges;
-2. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan;
+2. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan (decode:
+   grouping and path; extend: the prefix part over HOT extents);
 3. optionally check integrity, and log metrics at the configured cadence.
 """
 
@@ -36,7 +37,7 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     if backend is not None:
         rows = np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64,
                            count=len(batch.reqs))
-        backend.stage_batch(rows if mode.is_decode() else None)
+        backend.stage_batch(rows if mode.is_decode() or mode.is_extend() else None)
     if cfg.debug_integrity:
         cache.check_integrity()  # pools, table and tree
     if mode.is_decode():

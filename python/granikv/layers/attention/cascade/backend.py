@@ -18,6 +18,11 @@ before every replay), and the wrapped backend's metadata is refilled from a view
 cascade kernels are captured (the dispatcher's ``graph_safe_only`` choice is paged or cascade);
 fused and bgemm run on eager steps.
 
+Extend batches with a cached prefix (``extend_plan`` / ``hot_extend``): when every cached prefix
+in the batch is one HOT extent and the wrapped backend is flashinfer (ragged + paged prefill),
+the paged prefill wrapper in the batch's metadata is replaced by a ``PrefixPartProxy``, so the
+prefix part runs as one dense call per extent; SGLang's code does the rest of the extend.
+
 The per-step host input is staged by the scheduler hook (``stage_batch``: the batch's
 ``req_pool_idx`` values, known on the host without a device sync); HOT runs come from the
 ``HotPrefixTable`` numpy mirror.
@@ -32,6 +37,13 @@ import numpy as np
 import torch
 
 from granikv.layers.attention.cascade.dispatcher import Path
+from granikv.layers.attention.cascade.extend_plan import plan_extend
+from granikv.layers.attention.cascade.hot_extend import (
+    FlashInferDense,
+    HotExtendAttention,
+    PrefixPartProxy,
+    TorchDense,
+)
 from granikv.layers.attention.cascade.plan import (
     BatchDescription,
     GroupingMemo,
@@ -93,6 +105,7 @@ class GraniKVAttnBackend(AttentionBackend):
         self._path = Path.PAGED  # path of the current step
         self._graph_mode = False  # True once CUDA-graph state exists
         self._ones = None
+        self._hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
 
     def __getattr__(self, name):
         # Only called for attributes not found normally: delegate to the wrapped backend.
@@ -124,7 +137,8 @@ class GraniKVAttnBackend(AttentionBackend):
         return out
 
     def stage_batch(self, req_pool_indices: np.ndarray) -> None:
-        """The next decode batch's ``req_pool_idx`` per request, in batch order (host ints)."""
+        """The next decode or extend batch's ``req_pool_idx`` per request, in batch order
+        (host ints)."""
         self._staged = req_pool_indices
 
     def _new_workspace(self, max_bs: int):
@@ -207,8 +221,10 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch):
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
-            self._staged, self._path = None, Path.PAGED
-            return self.inner.init_forward_metadata(forward_batch)
+            staged, self._staged, self._path = self._staged, None, Path.PAGED
+            self.inner.init_forward_metadata(forward_batch)
+            self._plan_extend(forward_batch, staged)
+            return
         t0 = time.perf_counter()
         plan = self._plan(forward_batch, graph=False)
         self._path = Path.PAGED if plan is None else plan[2].path
@@ -245,6 +261,70 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def on_after_cuda_graph_warmup(self):
         return self.inner.on_after_cuda_graph_warmup()
+
+    # ---- extend (prefill) over HOT prefixes ------------------------------------------------
+
+    def _plan_extend(self, fb, staged) -> None:
+        """After the wrapped backend planned an extend batch: if its prefix part can run over
+        HOT extents, swap the batch's paged prefill wrappers for proxies (see ``hot_extend``)."""
+        if self._hot_extend is not None:
+            self._hot_extend.end()
+        if self.cfg.extend_path != "hot" or getattr(fb.forward_mode, "name", "") != "EXTEND":
+            return
+        md = getattr(self.inner, "forward_metadata", None)
+        if not getattr(md, "use_ragged", False) or not hasattr(md, "prefill_wrappers"):
+            reason = "wrapped backend has no ragged + paged prefill (flashinfer only)"
+        elif getattr(md, "extend_no_prefix", True):
+            return  # no cached prefix anywhere: the stock ragged call is the whole attention
+        elif getattr(self.inner, "prefill_uses_dequant_workspace", False) or (
+                getattr(md, "multi_item_params", None) is not None and md.multi_item_params.is_enabled()):
+            reason = "dequantising or multi-item prefill"
+        elif staged is None or len(staged) != fb.batch_size:
+            reason = "batch not staged"
+        else:
+            table = self.hot_prefix_table
+            plan, reason = plan_extend(
+                staged, np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64),
+                np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64), table.start_np, table.length_np)
+            if plan is not None:
+                self.stats.record_extend(plan, "")
+                attn = self._extend_attention()
+                attn.begin(plan)
+                compare = self._extend_compare_callback(plan)
+                md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare)
+                                       for w in md.prefill_wrappers]  # a new list: SGLang's stays
+                return
+        self.stats.record_extend(None, reason)
+
+    def _extend_attention(self):
+        if self._hot_extend is None:
+            if self.device.type == "cuda":
+                ws = getattr(self.inner, "workspace_buffer", None)
+                if ws is None:
+                    ws = torch.empty(128 << 20, dtype=torch.uint8, device=self.device)
+                runner = FlashInferDense(ws)
+            else:
+                runner = TorchDense()  # CPU (tests): the float32 reference
+            self._hot_extend = HotExtendAttention(runner, self.device)
+        return self._hot_extend
+
+    def _extend_compare_callback(self, plan):
+        """Debug compare mode: every N-th HOT extend batch, layer 0's dense prefix part against
+        the stock paged one (same batch, same KV), logged and kept in the stats."""
+        n = self.cfg.debug_compare_every
+        if not n or (self.stats.extend_hot_batches - 1) % n:
+            return None
+
+        def compare(ours, stock):
+            rows = torch.from_numpy(np.concatenate([g.token_idx for g in plan.groups])).to(ours[0].device)
+            d_o = (ours[0].index_select(0, rows).float() - stock[0].index_select(0, rows).float()).abs().max()
+            d_l = (ours[1].index_select(0, rows) - stock[1].index_select(0, rows)).abs().max()
+            diff = max(float(d_o), float(d_l))
+            self.stats.max_extend_compare_diff = max(self.stats.max_extend_compare_diff, diff)
+            logger.info("GraniKV debug compare (extend batch %d, %d HOT tokens, %d groups): max |diff| "
+                        "vs paged prefill: o %.3e, lse %.3e", self.stats.extend_hot_batches,
+                        plan.hot_tokens, len(plan.groups), float(d_o), float(d_l))
+        return compare
 
     # ---- compute --------------------------------------------------------------------------
 

@@ -18,6 +18,11 @@ class StepStats:
     max_compare_diff: float = 0.0  # debug compare mode: worst |chosen - paged| seen
     plan_seconds: float = 0.0  # host time of decode-step planning (group, choose, workspace fill)
     plan_max_seconds: float = 0.0
+    extend_batches: int = 0  # extend batches planned (prefill with a cached prefix considered)
+    extend_hot_batches: int = 0  # ... whose prefix part ran as dense calls over HOT extents
+    extend_hot_tokens: int = 0  # new tokens served that way
+    extend_fallbacks: Counter = field(default_factory=Counter)  # reason -> extend batches left stock
+    max_extend_compare_diff: float = 0.0  # debug compare mode: worst |dense - paged| prefix output
 
     def record(self, decision, grouping) -> None:
         self.steps += 1
@@ -31,6 +36,14 @@ class StepStats:
     def record_plan_time(self, seconds: float) -> None:
         self.plan_seconds += seconds
         self.plan_max_seconds = max(self.plan_max_seconds, seconds)
+
+    def record_extend(self, plan, reason: str) -> None:
+        self.extend_batches += 1
+        if plan is None:
+            self.extend_fallbacks[reason] += 1
+        else:
+            self.extend_hot_batches += 1
+            self.extend_hot_tokens += plan.hot_tokens
 
     @property
     def planned(self) -> int:
@@ -48,4 +61,9 @@ class StepStats:
             "max_compare_diff": self.max_compare_diff,
             "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
             "plan_us_max": 1e6 * self.plan_max_seconds,
+            "extend_batches": self.extend_batches,
+            "extend_hot_batches": self.extend_hot_batches,
+            "extend_hot_tokens": self.extend_hot_tokens,
+            "extend_fallbacks": dict(self.extend_fallbacks),
+            "max_extend_compare_diff": self.max_extend_compare_diff,
         }

@@ -1,0 +1,94 @@
+"""plan_extend: which extend batches can take their prefix part from HOT extents, and how the
+new tokens are grouped (synthetic batches; host numpy only)."""
+
+import numpy as np
+import pytest
+
+from granikv.layers.attention.cascade.extend_plan import MAX_EXTEND_GROUPS, plan_extend
+
+I64 = np.int64
+
+
+def _table(runs, rows=16):
+    start, length = np.zeros(rows, I64), np.zeros(rows, I64)
+    for row, (s, n) in runs.items():
+        start[row], length[row] = s, n
+    return start, length
+
+
+def _plan(rows, prefix, new, runs, **kw):
+    start, length = _table(runs)
+    return plan_extend(np.array(rows, I64), np.array(prefix, I64), np.array(new, I64), start, length, **kw)
+
+
+def test_docstring_example_groups_by_extent_and_length():
+    # batch order: rows 3, 5, 7, 2, 9 (the module docstring's example)
+    plan, reason = _plan([3, 5, 7, 2, 9], [512, 512, 0, 512, 300], [7, 5, 9, 4, 6],
+                         {3: (100, 512), 5: (100, 512), 2: (100, 512), 9: (900, 300)})
+    assert reason == "" and plan.num_tokens == 31
+    g0, g1 = plan.groups
+    assert (g0.start, g0.length, g0.num_requests) == (100, 512, 3)
+    assert g0.token_idx.tolist() == list(range(0, 12)) + list(range(21, 25)) and not g0.contiguous
+    assert (g1.start, g1.length, g1.num_requests) == (900, 300, 1)
+    assert g1.token_idx.tolist() == list(range(25, 31)) and g1.contiguous and g1.token_range == (25, 31)
+    assert plan.hot_tokens == 22 and not plan.covers_all_tokens
+    assert plan.prefix_pairs == 16 * 512 + 6 * 300
+
+
+def test_one_shared_prefix_is_one_contiguous_call():
+    plan, _ = _plan([1, 2, 3], [4096] * 3, [256, 256, 100], {r: (7, 4096) for r in (1, 2, 3)})
+    (g,) = plan.groups
+    assert g.contiguous and g.token_range == (0, 612) and plan.covers_all_tokens
+
+
+def test_same_extent_different_lengths_are_different_groups():
+    # a HOT node extended in place: one request matched A (len 100), another A+B (len 300)
+    plan, _ = _plan([1, 2], [100, 300], [3, 4], {1: (50, 100), 2: (50, 300)})
+    assert [(g.start, g.length) for g in plan.groups] == [(50, 100), (50, 300)]
+
+
+@pytest.mark.parametrize("prefix, run, why", [
+    (512, (100, 256), "cached prefix not entirely HOT"),
+    (512, (0, 0), "cached prefix is COLD"),
+])
+def test_any_prefix_not_entirely_hot_sends_the_batch_to_the_stock_path(prefix, run, why):
+    plan, reason = _plan([1, 2], [512, prefix], [8, 8], {1: (100, 512), 2: run})
+    assert plan is None and reason == why
+
+
+def test_no_cached_prefix_and_no_new_tokens():
+    assert _plan([1, 2], [0, 0], [5, 5], {}) == (None, "no cached prefix")
+    assert _plan([1], [64], [0], {1: (10, 64)}) == (None, "no new tokens")
+
+
+def test_too_many_extents():
+    n = MAX_EXTEND_GROUPS + 1
+    runs = {r: (1000 * r, 64) for r in range(1, n + 1)}
+    plan, reason = _plan(list(runs), [64] * n, [2] * n, runs)
+    assert plan is None and f"limit {MAX_EXTEND_GROUPS}" in reason
+    plan, _ = _plan(list(runs), [64] * n, [2] * n, runs, max_groups=n)
+    assert len(plan.groups) == n
+
+
+def test_random_batches_cover_each_prefixed_token_once():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        bs = int(rng.integers(1, 12))
+        rows = rng.permutation(np.arange(1, 16))[:bs]
+        ext = rng.integers(0, 3, bs) * 1000 + 5
+        prefix = rng.choice([0, 40, 80], bs)
+        new = rng.integers(0, 6, bs)
+        runs = {int(r): (int(e), int(p)) for r, e, p in zip(rows, ext, prefix) if p}
+        plan, reason = _plan(rows, prefix, new, runs)
+        if plan is None:
+            assert reason in ("no cached prefix", "no new tokens")
+            continue
+        begin = np.concatenate([[0], np.cumsum(new)])
+        want = {}
+        for i in range(bs):
+            if prefix[i]:
+                for t in range(begin[i], begin[i + 1]):
+                    want[t] = (ext[i], prefix[i])
+        got = {int(t): (g.start, g.length) for g in plan.groups for t in g.token_idx}
+        assert got == want
+        assert sum(g.num_tokens for g in plan.groups) == len(want)  # no token twice

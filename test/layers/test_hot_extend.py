@@ -1,0 +1,310 @@
+"""The extend (prefill) prefix part over HOT extents, on CPU.
+
+``HotExtendAttention`` with the float32 ``TorchDense`` runner against a float64 reference, and
+``GraniKVAttnBackend`` around a stand-in of SGLang's flashinfer extend (ragged causal part +
+paged prefix part + LSE merge, as ``FlashInferAttnBackend.forward_extend`` does it) with real
+SGLang pools and the real HotPrefixTable: the whole extend output must equal full causal
+attention over each request's ``req_to_token`` row, with the paged prefix wrapper bypassed.
+FlashInfer's runner (``FlashInferDense``) is checked on the GPU host (test/kernels/test_gpu_hot_extend.py).
+
+Tolerances: fp16 operands, float32 math; outputs are softmax-weighted means of N(0, 1) values,
+compared in fp16: atol = rtol = 2e-3; LSE (float32, base 2): atol 1e-4.
+"""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from granikv.config import GraniKVConfig
+from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.layers.attention.cascade.extend_plan import plan_extend
+from granikv.layers.attention.cascade.hot_extend import HotExtendAttention, PrefixPartProxy, TorchDense
+from granikv.mem_cache.hot_prefix_table import HotPrefixTable
+
+HQ, HKV, D = 8, 2, 64
+SLOTS, HOT_A, HOT_B = 600, 400, 500
+DTYPE = torch.float16
+ATOL = RTOL = 2e-3
+SCALE = D ** -0.5
+LN2 = math.log(2.0)
+
+
+def _attend(q, k, v, scale):
+    """float64 attention of q [n, HQ, D] over k, v [L, HKV, D]: (o [n, HQ, D], lse2 [n, HQ])."""
+    r = HQ // HKV
+    kk = k.double().repeat_interleave(r, 1)
+    vv = v.double().repeat_interleave(r, 1)
+    s = torch.einsum("nhd,lhd->nhl", q.double(), kk) * scale
+    return torch.einsum("nhl,lhd->nhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1) / LN2
+
+
+def _causal_attend(q, k, v, first_pos, scale):
+    """new token j of q (position first_pos + j) over k/v positions [0, first_pos + j]."""
+    r = HQ // HKV
+    kk = k.double().repeat_interleave(r, 1)
+    vv = v.double().repeat_interleave(r, 1)
+    s = torch.einsum("nhd,lhd->nhl", q.double(), kk) * scale
+    pos = torch.arange(k.shape[0])
+    mask = pos[None, :] > (first_pos + torch.arange(q.shape[0]))[:, None]
+    s = s.masked_fill(mask[:, None, :], float("-inf"))
+    return torch.einsum("nhl,lhd->nhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1) / LN2
+
+
+def _merge(o1, s1, o2, s2):
+    m = torch.maximum(s1, s2)
+    w1, w2 = torch.exp2(s1 - m), torch.exp2(s2 - m)
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+
+
+# ---- a batch: requests over two HOT extents, one private prompt, one fresh request ----------
+
+PREFIX = {"A": (HOT_A, 37), "B": (HOT_B, 23)}
+
+
+def _setup(kinds, new, seed=0):
+    """``kinds[i]``: "A"/"B" (cached prefix = that HOT extent), "cold" (a private cached prompt of
+    11 COLD tokens), "none" (no cached prefix). Returns runner, fb, rows, q, k, v."""
+    g = torch.Generator().manual_seed(seed)
+    rt_pool = ReqToTokenPool(size=len(kinds) + 1, max_context_len=128, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV, head_dim=D, layer_num=1,
+                          device="cpu", enable_memory_saver=False)
+    for buf in (kv.k_buffer[0], kv.v_buffer[0]):
+        buf.copy_(torch.randn(buf.shape, generator=g).to(DTYPE))
+    table = HotPrefixTable(len(kinds) + 2, "cpu")
+    rt = rt_pool.req_to_token
+    rows, prefix_lens, out_loc, nxt = [], [], [], 1
+    for i, (kind, n) in enumerate(zip(kinds, new)):
+        row = i + 1
+        if kind in PREFIX:
+            s, p = PREFIX[kind]
+            pre = list(range(s, s + p))
+            table.set(row, s, p)
+        elif kind == "cold":
+            pre, nxt = list(range(nxt, nxt + 11)), nxt + 11
+        else:
+            pre = []
+        loc = list(range(nxt, nxt + n))
+        nxt += n
+        rt[row, : len(pre) + n] = torch.tensor(pre + loc, dtype=torch.int32)
+        rows.append(row)
+        prefix_lens.append(len(pre))
+        out_loc += loc
+    assert nxt < HOT_A
+    n_tok = sum(new)
+    q = torch.randn(n_tok, HQ * D, generator=g).to(DTYPE)
+    k = torch.randn(n_tok, HKV * D, generator=g).to(DTYPE)
+    v = torch.randn(n_tok, HKV * D, generator=g).to(DTYPE)
+    seq = torch.tensor([p + n for p, n in zip(prefix_lens, new)])
+    fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(rows),
+                         req_pool_indices=torch.tensor(rows), seq_lens=seq, seq_lens_cpu=seq.clone(),
+                         extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=list(new),
+                         out_cache_loc=torch.tensor(out_loc))
+    mc = SimpleNamespace(num_attention_heads=HQ, head_dim=D, num_hidden_layers=1,
+                         get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
+    runner = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device="cpu",
+                             kv_cache_dtype=DTYPE, server_args=SimpleNamespace(speculative_algorithm=None),
+                             req_to_token_pool=rt_pool, token_to_kv_pool=kv,
+                             token_to_kv_pool_allocator=SimpleNamespace(hot_prefix_table=table))
+    return runner, fb, np.array(rows, dtype=np.int64), q, k, v
+
+
+def _expected(runner, fb, q, k, v):
+    """Full causal attention of each request's new tokens over its row (after the KV write)."""
+    kb, vb = runner.token_to_kv_pool.k_buffer[0].clone(), runner.token_to_kv_pool.v_buffer[0].clone()
+    kb[fb.out_cache_loc] = k.view(-1, HKV, D)
+    vb[fb.out_cache_loc] = v.view(-1, HKV, D)
+    rt = runner.req_to_token_pool.req_to_token
+    outs, t = [], 0
+    for row, p, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+        slots = rt[row, : p + n].long()
+        o, _ = _causal_attend(q.view(-1, HQ, D)[t: t + n], kb[slots], vb[slots], p, SCALE)
+        outs.append(o)
+        t += n
+    return torch.cat(outs).to(DTYPE).view(-1, HQ * D)
+
+
+class PagedPrefixWrapperStandIn:
+    """SGLang's paged prefill wrapper, planned for the batch: the prefix part per request."""
+
+    def __init__(self, runner):
+        self.runner, self.calls, self.fb = runner, 0, None
+
+    def forward_return_lse(self, q, kv_cache, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=None):
+        assert not causal
+        self.calls += 1
+        kb, vb = kv_cache
+        rt = self.runner.req_to_token_pool.req_to_token
+        o = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        t = 0
+        for row, p, n in zip(self.fb.req_pool_indices.tolist(), self.fb.extend_prefix_lens_cpu,
+                             self.fb.extend_seq_lens_cpu):
+            if p:
+                slots = rt[row, :p].long()
+                o[t: t + n], lse[t: t + n] = _attend(q[t: t + n], kb[slots], vb[slots], sm_scale)
+            t += n
+        return o.to(q.dtype), lse.float()
+
+
+class FlashInferExtendStandIn:
+    """The ragged branch of ``FlashInferAttnBackend.forward_extend`` (flashinfer_backend.py:1324-1392
+    in SGLang 0.5.17): ragged causal over the new tokens, ``prefill_wrappers[0]`` for the prefix,
+    LSE merge, KV write."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.paged = PagedPrefixWrapperStandIn(runner)
+        self.prefill_wrappers_paged = [self.paged]  # the backend's persistent list
+
+    def init_forward_metadata(self, fb):
+        self.fb = self.paged.fb = fb
+        self.forward_metadata = SimpleNamespace(prefill_wrappers=self.prefill_wrappers_paged, use_ragged=True,
+                                                extend_no_prefix=not any(fb.extend_prefix_lens_cpu),
+                                                multi_item_params=None)
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+        q3, k3, v3 = q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D)
+        o1, s1 = [], []
+        t = 0
+        for n in fb.extend_seq_lens_cpu:
+            o, s = _causal_attend(q3[t: t + n], k3[t: t + n], v3[t: t + n], 0, layer.scaling)
+            o1.append(o)
+            s1.append(s)
+            t += n
+        o1, s1 = torch.cat(o1), torch.cat(s1)
+        pool = self.runner.token_to_kv_pool
+        if self.forward_metadata.extend_no_prefix:
+            o = o1
+        else:
+            o2, s2 = self.forward_metadata.prefill_wrappers[0].forward_return_lse(
+                q3, (pool.k_buffer[0], pool.v_buffer[0]), causal=False, sm_scale=layer.scaling)
+            o = _merge(o1, s1, o2.double(), s2.double())
+        if save_kv_cache:
+            pool.k_buffer[0][fb.out_cache_loc] = k3
+            pool.v_buffer[0][fb.out_cache_loc] = v3
+        return o.to(q.dtype).view(-1, HQ * D)
+
+
+LAYER = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, head_dim=D)
+
+
+def _backend(runner, **cfg):
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, **cfg), backend_name="stand-in")
+    be.inner = FlashInferExtendStandIn(runner)
+    return be
+
+
+def _run_extend(be, fb, rows, q, k, v):
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    return be.forward_extend(q, k, v, LAYER, fb)
+
+
+# ---- HotExtendAttention -------------------------------------------------------------------
+
+
+def test_prefix_part_matches_reference_and_leaves_unprefixed_tokens_out():
+    kinds, new = ["A", "none", "B", "A", "A"], [5, 4, 3, 6, 2]
+    runner, fb, rows, q, _, _ = _setup(kinds, new)
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    plan, reason = plan_extend(rows, np.array(fb.extend_prefix_lens_cpu), np.array(new), table.start_np,
+                               table.length_np)
+    assert reason == "" and len(plan.groups) == 2 and not plan.groups[0].contiguous
+    attn = HotExtendAttention(TorchDense(), "cpu")
+    attn.begin(plan)
+    q3 = q.view(-1, HQ, D)
+    kb, vb = runner.token_to_kv_pool.k_buffer[0], runner.token_to_kv_pool.v_buffer[0]
+    o, lse = attn.prefix_part(q3, kb, vb, SCALE)
+    t = 0
+    for kind, n in zip(kinds, new):
+        if kind == "none":
+            assert (o[t: t + n] == 0).all() and torch.isneginf(lse[t: t + n]).all()
+        else:
+            s, p = PREFIX[kind]
+            ro, rl = _attend(q3[t: t + n], kb[s: s + p], vb[s: s + p], SCALE)
+            torch.testing.assert_close(o[t: t + n], ro.to(DTYPE), atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(lse[t: t + n], rl.float(), atol=1e-4, rtol=0)
+        t += n
+    with pytest.raises(RuntimeError, match="query tokens"):
+        attn.prefix_part(q3[:-1], kb, vb, SCALE)
+
+
+def test_proxy_sends_what_it_does_not_serve_to_the_original_wrapper():
+    calls = []
+    orig = SimpleNamespace(forward_return_lse=lambda *a, **kw: calls.append(kw) or "orig", some_attr=7)
+    proxy = PrefixPartProxy(HotExtendAttention(TorchDense(), "cpu"), orig)
+    assert proxy.forward_return_lse(torch.zeros(1, HQ, D), (None, None), causal=True) == "orig"
+    assert proxy.forward_return_lse(torch.zeros(1, HQ, D), (None, None), window_left=128) == "orig"
+    assert proxy.forward_return_lse(torch.zeros(1, HQ, D), torch.zeros(3)) == "orig"
+    assert len(calls) == 3 and proxy.some_attr == 7
+
+
+# ---- the backend around a flashinfer-like extend ----------------------------------------------
+
+
+@pytest.mark.parametrize("kinds, new", [
+    (["A", "A", "A"], [5, 7, 3]),  # agents joining one shared prefix: one contiguous call
+    (["A", "none", "B", "A", "A"], [5, 4, 3, 6, 2]),  # two extents, a fresh request in between
+])
+def test_hot_extend_equals_full_causal_attention_and_skips_the_paged_wrapper(kinds, new):
+    runner, fb, rows, q, k, v = _setup(kinds, new)
+    be = _backend(runner)
+    out = _run_extend(be, fb, rows, q, k, v)
+    torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 0  # the dense calls served the whole prefix part
+    assert be.inner.prefill_wrappers_paged == [be.inner.paged]  # SGLang's own list untouched
+    snap = be.stats_snapshot()
+    assert snap["extend_hot_batches"] == snap["extend_batches"] == 1
+    assert snap["extend_hot_tokens"] == sum(n for kd, n in zip(kinds, new) if kd != "none")
+    assert snap["decode_steps"] == 0
+
+
+@pytest.mark.parametrize("kinds, reason", [
+    (["A", "cold", "A"], "cached prefix is COLD"),
+])
+def test_a_cold_prefix_keeps_the_batch_on_the_stock_path(kinds, reason):
+    runner, fb, rows, q, k, v = _setup(kinds, [4, 4, 4])
+    be = _backend(runner)
+    out = _run_extend(be, fb, rows, q, k, v)
+    torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 1
+    assert be.stats_snapshot()["extend_fallbacks"] == {reason: 1}
+
+
+def test_extend_path_paged_and_unstaged_batches_stay_stock():
+    runner, fb, rows, q, k, v = _setup(["A", "A"], [3, 3])
+    be = _backend(runner, extend_path="paged")
+    _run_extend(be, fb, rows, q, k, v)
+    assert be.inner.paged.calls == 1 and be.stats.extend_batches == 0
+    be = _backend(runner)
+    be.init_forward_metadata(fb)  # nothing staged
+    be.forward_extend(q, k, v, LAYER, fb)
+    assert be.inner.paged.calls == 1 and be.stats.extend_fallbacks == {"batch not staged": 1}
+
+
+def test_no_cached_prefix_is_left_to_the_ragged_call():
+    runner, fb, rows, q, k, v = _setup(["none", "none"], [3, 5])
+    be = _backend(runner)
+    out = _run_extend(be, fb, rows, q, k, v)
+    torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.stats.extend_batches == 0 and be.inner.paged.calls == 0
+
+
+def test_next_batch_gets_fresh_metadata_and_debug_compare_logs(caplog):
+    runner, fb, rows, q, k, v = _setup(["A", "B", "A"], [4, 4, 4])
+    be = _backend(runner, debug_compare_every=1)
+    with caplog.at_level("INFO", logger="granikv"):
+        _run_extend(be, fb, rows, q, k, v)
+    assert "vs paged prefill" in caplog.text and be.inner.paged.calls == 1  # the compare's stock call
+    assert 0 < be.stats.max_extend_compare_diff < 5e-3
+    runner2, fb2, rows2, q2, k2, v2 = _setup(["A", "cold"], [2, 2], seed=1)
+    be.model_runner = runner2
+    be.inner = FlashInferExtendStandIn(runner2)
+    out = _run_extend(be, fb2, rows2, q2, k2, v2)  # falls back: no proxy left from the last batch
+    torch.testing.assert_close(out, _expected(runner2, fb2, q2, k2, v2), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 1 and be._hot_extend.plan is None
