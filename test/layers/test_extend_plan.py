@@ -2,7 +2,6 @@
 new tokens are grouped (synthetic batches; host numpy only)."""
 
 import numpy as np
-import pytest
 
 from granikv.layers.attention.cascade.extend_plan import MAX_EXTEND_GROUPS, plan_extend
 
@@ -47,13 +46,24 @@ def test_same_extent_different_lengths_are_different_groups():
     assert [(g.start, g.length) for g in plan.groups] == [(50, 100), (50, 300)]
 
 
-@pytest.mark.parametrize("prefix, run, why", [
-    (512, (100, 256), "cached prefix not entirely HOT"),
-    (512, (0, 0), "cached prefix is COLD"),
-])
-def test_any_prefix_not_entirely_hot_sends_the_batch_to_the_stock_path(prefix, run, why):
-    plan, reason = _plan([1, 2], [512, prefix], [8, 8], {1: (100, 512), 2: run})
-    assert plan is None and reason == why
+def test_cold_prefix_parts_become_the_paged_remainder():
+    # row 1: all HOT; row 2: HOT head (256) + 256 COLD tokens (an earlier turn); row 3: all COLD
+    plan, reason = _plan([1, 2, 3], [512, 512, 300], [8, 4, 2], {1: (100, 512), 2: (100, 256)})
+    assert reason == ""
+    assert [(g.start, g.length, g.token_idx.tolist()) for g in plan.groups] == [
+        (100, 512, list(range(8))), (100, 256, list(range(8, 12)))]
+    rem = plan.paged
+    assert rem.rows.tolist() == [2, 3] and rem.lo.tolist() == [256, 0] and rem.hi.tolist() == [512, 300]
+    assert rem.token_idx.tolist() == list(range(8, 14)) and rem.qo_indptr.tolist() == [0, 4, 6]
+    assert rem.kv_indptr.tolist() == [0, 256, 556]
+    rows, cols = rem.slot_coords()
+    assert rows.tolist() == [2] * 256 + [3] * 300
+    assert cols.tolist() == list(range(256, 512)) + list(range(300))
+    assert plan.hot_tokens == 12 and not plan.covers_all_tokens
+
+
+def test_a_batch_with_no_hot_run_stays_stock():
+    assert _plan([1, 2], [512, 40], [8, 8], {}) == (None, "no HOT prefix in the batch")
 
 
 def test_no_cached_prefix_and_no_new_tokens():
@@ -79,16 +89,27 @@ def test_random_batches_cover_each_prefixed_token_once():
         prefix = rng.choice([0, 40, 80], bs)
         new = rng.integers(0, 6, bs)
         runs = {int(r): (int(e), int(p)) for r, e, p in zip(rows, ext, prefix) if p}
+        runs = {r: run for r, run in runs.items() if rng.random() < 0.8}  # some prefixes COLD
         plan, reason = _plan(rows, prefix, new, runs)
         if plan is None:
-            assert reason in ("no cached prefix", "no new tokens")
+            assert reason in ("no cached prefix", "no new tokens", "no HOT prefix in the batch")
             continue
         begin = np.concatenate([[0], np.cumsum(new)])
-        want = {}
+        want, want_rem = {}, {}
         for i in range(bs):
-            if prefix[i]:
+            if prefix[i] and int(rows[i]) in runs:
                 for t in range(begin[i], begin[i + 1]):
                     want[t] = (ext[i], prefix[i])
+            elif prefix[i]:
+                for t in range(begin[i], begin[i + 1]):
+                    want_rem[t] = (int(rows[i]), 0, int(prefix[i]))
         got = {int(t): (g.start, g.length) for g in plan.groups for t in g.token_idx}
         assert got == want
         assert sum(g.num_tokens for g in plan.groups) == len(want)  # no token twice
+        got_rem = {}
+        if plan.paged is not None:
+            rem = plan.paged
+            for j in range(rem.num_requests):
+                for t in rem.token_idx[rem.qo_indptr[j]: rem.qo_indptr[j + 1]]:
+                    got_rem[int(t)] = (int(rem.rows[j]), int(rem.lo[j]), int(rem.hi[j]))
+        assert got_rem == want_rem

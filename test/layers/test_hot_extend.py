@@ -67,8 +67,9 @@ PREFIX = {"A": (HOT_A, 37), "B": (HOT_B, 23)}
 
 
 def _setup(kinds, new, seed=0):
-    """``kinds[i]``: "A"/"B" (cached prefix = that HOT extent), "cold" (a private cached prompt of
-    11 COLD tokens), "none" (no cached prefix). Returns runner, fb, rows, q, k, v."""
+    """``kinds[i]``: "A"/"B" (cached prefix = that HOT extent), "A+" (extent A then 6 COLD cached
+    tokens, like an agent's earlier turn), "cold" (a private cached prompt of 11 COLD tokens),
+    "none" (no cached prefix). Returns runner, fb, rows, q, k, v."""
     g = torch.Generator().manual_seed(seed)
     rt_pool = ReqToTokenPool(size=len(kinds) + 1, max_context_len=128, device="cpu", enable_memory_saver=False)
     kv = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV, head_dim=D, layer_num=1,
@@ -83,6 +84,10 @@ def _setup(kinds, new, seed=0):
         if kind in PREFIX:
             s, p = PREFIX[kind]
             pre = list(range(s, s + p))
+            table.set(row, s, p)
+        elif kind == "A+":
+            s, p = PREFIX["A"]
+            pre, nxt = list(range(s, s + p)) + list(range(nxt, nxt + 6)), nxt + 6
             table.set(row, s, p)
         elif kind == "cold":
             pre, nxt = list(range(nxt, nxt + 11)), nxt + 11
@@ -250,6 +255,7 @@ def test_proxy_sends_what_it_does_not_serve_to_the_original_wrapper():
 @pytest.mark.parametrize("kinds, new", [
     (["A", "A", "A"], [5, 7, 3]),  # agents joining one shared prefix: one contiguous call
     (["A", "none", "B", "A", "A"], [5, 4, 3, 6, 2]),  # two extents, a fresh request in between
+    (["A", "cold", "A+", "none", "B", "A+"], [3, 4, 5, 2, 3, 1]),  # + COLD remainders (paged call)
 ])
 def test_hot_extend_equals_full_causal_attention_and_skips_the_paged_wrapper(kinds, new):
     runner, fb, rows, q, k, v = _setup(kinds, new)
@@ -260,14 +266,14 @@ def test_hot_extend_equals_full_causal_attention_and_skips_the_paged_wrapper(kin
     assert be.inner.prefill_wrappers_paged == [be.inner.paged]  # SGLang's own list untouched
     snap = be.stats_snapshot()
     assert snap["extend_hot_batches"] == snap["extend_batches"] == 1
-    assert snap["extend_hot_tokens"] == sum(n for kd, n in zip(kinds, new) if kd != "none")
+    assert snap["extend_hot_tokens"] == sum(n for kd, n in zip(kinds, new) if kd in ("A", "A+", "B"))
     assert snap["decode_steps"] == 0
 
 
 @pytest.mark.parametrize("kinds, reason", [
-    (["A", "cold", "A"], "cached prefix is COLD"),
+    (["cold", "none", "cold"], "no HOT prefix in the batch"),
 ])
-def test_a_cold_prefix_keeps_the_batch_on_the_stock_path(kinds, reason):
+def test_a_batch_without_hot_runs_stays_on_the_stock_path(kinds, reason):
     runner, fb, rows, q, k, v = _setup(kinds, [4, 4, 4])
     be = _backend(runner)
     out = _run_extend(be, fb, rows, q, k, v)
@@ -302,7 +308,7 @@ def test_next_batch_gets_fresh_metadata_and_debug_compare_logs(caplog):
         _run_extend(be, fb, rows, q, k, v)
     assert "vs paged prefill" in caplog.text and be.inner.paged.calls == 1  # the compare's stock call
     assert 0 < be.stats.max_extend_compare_diff < 5e-3
-    runner2, fb2, rows2, q2, k2, v2 = _setup(["A", "cold"], [2, 2], seed=1)
+    runner2, fb2, rows2, q2, k2, v2 = _setup(["cold", "cold"], [2, 2], seed=1)
     be.model_runner = runner2
     be.inner = FlashInferExtendStandIn(runner2)
     out = _run_extend(be, fb2, rows2, q2, k2, v2)  # falls back: no proxy left from the last batch

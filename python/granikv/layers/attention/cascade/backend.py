@@ -18,10 +18,11 @@ before every replay), and the wrapped backend's metadata is refilled from a view
 cascade kernels are captured (the dispatcher's ``graph_safe_only`` choice is paged or cascade);
 fused and bgemm run on eager steps.
 
-Extend batches with a cached prefix (``extend_plan`` / ``hot_extend``): when every cached prefix
-in the batch is one HOT extent and the wrapped backend is flashinfer (ragged + paged prefill),
-the paged prefill wrapper in the batch's metadata is replaced by a ``PrefixPartProxy``, so the
-prefix part runs as one dense call per extent; SGLang's code does the rest of the extend.
+Extend batches with a cached prefix (``extend_plan`` / ``hot_extend``): when some cached prefix
+in the batch starts with a HOT run and the wrapped backend is flashinfer (ragged + paged
+prefill), the paged prefill wrapper in the batch's metadata is replaced by a
+``PrefixPartProxy``: the prefix part runs as one dense call per HOT extent, plus one paged call
+for the COLD remainder; SGLang's code does the rest of the extend.
 
 The per-step host input is staged by the scheduler hook (``stage_batch``: the batch's
 ``req_pool_idx`` values, known on the host without a device sync); HOT runs come from the
@@ -289,7 +290,7 @@ class GraniKVAttnBackend(AttentionBackend):
             if plan is not None:
                 self.stats.record_extend(plan, "")
                 attn = self._extend_attention()
-                attn.begin(plan)
+                attn.begin(plan, self.model_runner.req_to_token_pool.req_to_token)
                 compare = self._extend_compare_callback(plan)
                 md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare)
                                        for w in md.prefill_wrappers]  # a new list: SGLang's stays
@@ -316,7 +317,8 @@ class GraniKVAttnBackend(AttentionBackend):
             return None
 
         def compare(ours, stock):
-            rows = torch.from_numpy(np.concatenate([g.token_idx for g in plan.groups])).to(ours[0].device)
+            parts = [g.token_idx for g in plan.groups] + ([plan.paged.token_idx] if plan.paged else [])
+            rows = torch.from_numpy(np.unique(np.concatenate(parts))).to(ours[0].device)
             d_o = (ours[0].index_select(0, rows).float() - stock[0].index_select(0, rows).float()).abs().max()
             d_l = (ours[1].index_select(0, rows) - stock[1].index_select(0, rows)).abs().max()
             diff = max(float(d_o), float(d_l))

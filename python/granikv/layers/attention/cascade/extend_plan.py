@@ -1,11 +1,11 @@
 r"""Host-side planning of one extend (prefill) batch: which new tokens can attend their cached
-prefix as one dense call over a HOT extent.
+prefix (or its HOT head) as one dense call over a HOT extent.
 
 When agents join a cached shared prefix, each new token attends to the whole prefix. SGLang's
 flashinfer backend computes that part with its paged prefill wrapper, request by request
-(page size 1, FA2). If a request's cached prefix is exactly one HOT run, the prefix is a
+(page size 1, FA2). If a request's cached prefix starts with a HOT run, that run is a
 contiguous slice of the KV buffer, and all requests that start at the same slot with the same
-prefix length can be served by ONE ragged (dense) call: their new tokens stacked as queries,
+HOT length can be served by ONE ragged (dense) call: their new tokens stacked as queries,
 the extent as K/V, no mask (docs/design.md, "Prefill over a HOT prefix")::
 
     batch position:        0      1      2      3      4
@@ -16,10 +16,11 @@ the extent as K/V, no mask (docs/design.md, "Prefill over a HOT prefix")::
     group 1: extent [900, 1200), requests [4]       -> tokens [25,31)
     request 2 has no cached prefix: its tokens get no prefix part (LSE -inf)
 
-A batch is eligible only if EVERY request with a cached prefix has it entirely HOT
-(``hot_len == prefix_len``): the stock paged part is then not needed at all. Otherwise
-(a COLD part in some prefix: chunked prefill of an unshared prompt, an agent's earlier turns)
-the whole batch goes to the stock path, and ``reason`` says why.
+Cached prefix tokens that are not in a HOT run (a request whose prefix is COLD: an unshared
+prompt, a prefix with one sharer; or a HOT run followed by COLD tokens: an agent's earlier
+turns) form the paged remainder: ``req_to_token[row, hot_len:prefix_len]`` per request, served
+by one paged call and merged by LSE with the request's dense part. A batch is planned when at
+least one request has a HOT run (else the stock path is as good: ``reason`` says why).
 """
 
 from dataclasses import dataclass
@@ -59,22 +60,56 @@ class ExtendGroup:
 
 
 @dataclass(frozen=True, eq=False)
+class PagedRemainder:
+    """Prefix tokens outside the HOT runs: request j (of ``n``) attends slots
+    ``req_to_token[rows[j], lo[j]:hi[j]]`` with its ``qo_lens[j]`` new tokens, which are
+    ``token_idx[qo_indptr[j]:qo_indptr[j+1]]`` of the batch's stacked tokens (int64 arrays)."""
+
+    rows: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    qo_lens: np.ndarray
+    token_idx: np.ndarray
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def qo_indptr(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.qo_lens)]).astype(np.int64)
+
+    @property
+    def kv_indptr(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.hi - self.lo)]).astype(np.int64)
+
+    def slot_coords(self):
+        """``(rows, cols)`` int64 of every remainder slot in ``req_to_token``, request by request."""
+        n = self.hi - self.lo
+        rows = np.repeat(self.rows, n)
+        cols = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(self.kv_indptr[:-1] - self.lo, n)
+        return rows, cols
+
+
+@dataclass(frozen=True, eq=False)
 class ExtendPlan:
     groups: Tuple[ExtendGroup, ...]
+    paged: Optional[PagedRemainder]  # None: every cached prefix token is in a HOT run
     num_tokens: int  # all new tokens of the batch
 
     @property
     def hot_tokens(self) -> int:
-        """New tokens whose prefix part the dense calls serve."""
+        """New tokens with a dense part (their prefix starts with a HOT run)."""
         return sum(g.num_tokens for g in self.groups)
 
     @property
     def covers_all_tokens(self) -> bool:
+        """Every new token has a dense part (so the dense calls write every output row)."""
         return self.hot_tokens == self.num_tokens
 
     @property
     def prefix_pairs(self) -> int:
-        """(new token, prefix token) pairs computed: sum of tokens x extent length."""
+        """(new token, prefix token) pairs of the dense calls: sum of tokens x extent length."""
         return sum(g.num_tokens * g.length for g in self.groups)
 
 
@@ -87,7 +122,7 @@ def plan_extend(
     *,
     max_groups: int = MAX_EXTEND_GROUPS,
 ) -> Tuple[Optional[ExtendPlan], str]:
-    """``(plan, "")`` when the batch is eligible, else ``(None, reason)``.
+    """``(plan, "")`` when the batch is planned, else ``(None, reason)``.
 
     All inputs are int64 numpy arrays ``[bs]`` in batch order, except ``table_start`` /
     ``table_length`` (``HotPrefixTable.start_np`` / ``length_np``, indexed by
@@ -98,33 +133,34 @@ def plan_extend(
     if prefix_lens.shape != (bs,) or extend_lens.shape != (bs,):
         raise ValueError(f"plan_extend: prefix_lens {prefix_lens.shape} and extend_lens "
                          f"{extend_lens.shape} must both be ({bs},)")
-    has_prefix = prefix_lens > 0
-    if not has_prefix.any():
-        return None, "no cached prefix"
-    hot_len = table_length[req_pool_indices]
-    partial = has_prefix & (hot_len != prefix_lens)
-    if partial.any():
-        i = int(np.flatnonzero(partial)[0])
-        return None, ("cached prefix not entirely HOT" if hot_len[i] else "cached prefix is COLD")
-    members = np.flatnonzero(has_prefix & (extend_lens > 0))
+    active = (prefix_lens > 0) & (extend_lens > 0)
+    if not active.any():
+        return None, "no cached prefix" if not (prefix_lens > 0).any() else "no new tokens"
+    hot_len = np.where(active, np.minimum(table_length[req_pool_indices], prefix_lens), 0)
+    members = np.flatnonzero(hot_len > 0)
     if members.shape[0] == 0:
-        return None, "no new tokens"
-    starts = table_start[req_pool_indices[members]]
-    lens = prefix_lens[members]
-    keys = np.stack([starts, lens], axis=1)
+        return None, "no HOT prefix in the batch"
+    keys = np.stack([table_start[req_pool_indices[members]], hot_len[members]], axis=1)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     if uniq.shape[0] > max_groups:
         return None, f"{uniq.shape[0]} HOT extents in one batch (limit {max_groups})"
     tok_begin = np.zeros(bs + 1, dtype=np.int64)
     np.cumsum(extend_lens, out=tok_begin[1:])
-    groups = []
-    for g in range(uniq.shape[0]):
-        reqs = members[inverse == g]  # ascending batch positions
-        counts = extend_lens[reqs]
-        # tokens of reqs, stacked: request r's range [tok_begin[r], tok_begin[r] + counts[r])
-        offset = np.repeat(tok_begin[reqs] - (np.cumsum(counts) - counts), counts)
-        token_idx = offset + np.arange(int(counts.sum()), dtype=np.int64)
-        groups.append(ExtendGroup(int(uniq[g, 0]), int(uniq[g, 1]), token_idx, int(reqs.shape[0])))
+    groups = [ExtendGroup(int(uniq[g, 0]), int(uniq[g, 1]), _tokens_of(members[inverse == g], tok_begin),
+                          int((inverse == g).sum())) for g in range(uniq.shape[0])]
     groups.sort(key=lambda gr: int(gr.token_idx[0]))
-    return ExtendPlan(tuple(groups), int(tok_begin[-1])), ""
+    rem = np.flatnonzero(active & (prefix_lens > hot_len))
+    paged = None
+    if rem.shape[0]:
+        paged = PagedRemainder(rows=req_pool_indices[rem].astype(np.int64), lo=hot_len[rem].astype(np.int64),
+                               hi=prefix_lens[rem].astype(np.int64), qo_lens=extend_lens[rem].astype(np.int64),
+                               token_idx=_tokens_of(rem, tok_begin))
+    return ExtendPlan(tuple(groups), paged, int(tok_begin[-1])), ""
+
+
+def _tokens_of(reqs: np.ndarray, tok_begin: np.ndarray) -> np.ndarray:
+    """Stacked token positions of the (ascending) batch positions ``reqs``."""
+    counts = tok_begin[reqs + 1] - tok_begin[reqs]
+    offset = np.repeat(tok_begin[reqs] - (np.cumsum(counts) - counts), counts)
+    return offset + np.arange(int(counts.sum()), dtype=np.int64)

@@ -11,8 +11,10 @@ still writes the new K/V, runs the ragged part and merges; only the prefix part 
 Runners: ``FlashInferDense`` (FlashInfer's ragged prefill wrapper, ``backend="auto"``: FA3 on
 Hopper; benchmark/kernels/bench_extend.py measured it 1.6-1.8x faster than the paged FA2 call it
 replaces) and ``TorchDense`` (float32 reference, CPU tests). Both return FlashInfer's base-2 LSE.
-Tokens of requests without a cached prefix get ``o = 0`` and ``lse = -inf`` (no contribution
-to the merge).
+The paged remainder (cached prefix tokens outside HOT runs) is one paged call (FlashInfer's
+paged prefill wrapper, ``backend="auto"``) over ``req_to_token`` slots, merged by LSE into its
+tokens' dense part. Tokens of requests without a cached prefix get ``o = 0`` and
+``lse = -inf`` (no contribution to SGLang's merge).
 """
 
 import logging
@@ -21,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from granikv.layers.attention.cascade.extend_plan import ExtendPlan
+from granikv.layers.attention.cascade.extend_plan import ExtendPlan, PagedRemainder
 
 logger = logging.getLogger("granikv")
 
@@ -51,6 +53,27 @@ class TorchDense:
             return out, lse
         return o, lse2
 
+    def plan_paged(self, qo_indptr, kv_indptr, kv_indices, num_q_heads, num_kv_heads, head_dim, dtype,
+                   sm_scale, logits_soft_cap):
+        self.paged = (qo_indptr, kv_indptr, kv_indices.long())
+
+    def run_paged(self, q, k_buf, v_buf):
+        qo, kv, idx = self.paged
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        for j in range(len(qo) - 1):
+            slots = idx[kv[j]: kv[j + 1]]
+            self.run(0, q[qo[j]: qo[j + 1]], k_buf[slots], v_buf[slots], out=o[qo[j]: qo[j + 1]],
+                     lse=lse[qo[j]: qo[j + 1]])
+        return o, lse
+
+    @staticmethod
+    def merge(v_a, s_a, v_b, s_b):
+        m = torch.maximum(s_a, s_b)
+        w_a, w_b = torch.exp2(s_a - m), torch.exp2(s_b - m)
+        v = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
+        return v.to(v_a.dtype), m + torch.log2(w_a + w_b)
+
 
 class FlashInferDense:
     """FlashInfer ragged prefill wrappers, one per group (plans live in each wrapper's int
@@ -59,6 +82,7 @@ class FlashInferDense:
     def __init__(self, float_workspace: torch.Tensor):
         self.float_workspace = float_workspace
         self.wrappers: List = []
+        self.paged = None
 
     def plan(self, shapes, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
         import flashinfer
@@ -75,6 +99,29 @@ class FlashInferDense:
     def run(self, gi: int, q, k, v, out=None, lse=None):
         return self.wrappers[gi].run(q, k, v, out=out, lse=lse, return_lse=True)
 
+    def plan_paged(self, qo_indptr, kv_indptr, kv_indices, num_q_heads, num_kv_heads, head_dim, dtype,
+                   sm_scale, logits_soft_cap):
+        import flashinfer
+
+        if self.paged is None:
+            self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_workspace, "NHD",
+                                                                        backend="auto")
+        i32 = dict(dtype=torch.int32)
+        self.paged.plan(torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), kv_indices,
+                        torch.ones(len(qo_indptr) - 1, **i32), num_q_heads, num_kv_heads, head_dim, 1,
+                        causal=False, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap or None,
+                        q_data_type=dtype, kv_data_type=dtype)
+
+    def run_paged(self, q, k_buf, v_buf):
+        hkv, d = k_buf.shape[-2:]
+        return self.paged.run(q, (k_buf.view(-1, 1, hkv, d), v_buf.view(-1, 1, hkv, d)), return_lse=True)
+
+    @staticmethod
+    def merge(v_a, s_a, v_b, s_b):
+        import flashinfer
+
+        return flashinfer.merge_state(v_a, s_a, v_b, s_b)
+
 
 class HotExtendAttention:
     """The prefix part of one extend batch: ``begin(plan)`` per batch, ``prefix_part`` per layer."""
@@ -86,16 +133,30 @@ class HotExtendAttention:
         self._planned_key = None
         self._token_idx: List[Optional[torch.Tensor]] = []
 
-    def begin(self, plan: ExtendPlan) -> None:
+    def begin(self, plan: ExtendPlan, req_to_token: Optional[torch.Tensor] = None) -> None:
+        """Per batch. ``req_to_token`` (SGLang's table) is needed when the plan has a paged
+        remainder: its slots are gathered here, once per batch (one H2D copy, no sync)."""
         self.plan = plan
         self._planned_key = None
-        self._token_idx = [None if g.contiguous else
-                           torch.from_numpy(g.token_idx).to(self.device, non_blocking=True)
-                           for g in plan.groups]
+        self._token_idx = [None if g.contiguous else self._h2d(g.token_idx) for g in plan.groups]
+        self._paged_idx = self._paged_kv = None
+        if plan.paged is not None:
+            if req_to_token is None:
+                raise ValueError("GraniKV extend: a plan with a paged remainder needs req_to_token")
+            rows, cols = plan.paged.slot_coords()
+            self._paged_kv = req_to_token[self._h2d(rows), self._h2d(cols)].to(torch.int32)
+            self._paged_idx = self._h2d(plan.paged.token_idx)
 
     def end(self) -> None:
         self.plan = None
         self._token_idx = []
+        self._paged_idx = self._paged_kv = None
+
+    def _h2d(self, a):
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def prefix_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                     sm_scale: float, logits_soft_cap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +170,9 @@ class HotExtendAttention:
         if key != self._planned_key:  # once per batch (every layer has the same shapes)
             self.runner.plan([(g.num_tokens, g.length) for g in plan.groups], hq, k_buf.shape[1],
                              d, q.dtype, sm_scale, logits_soft_cap)
+            if plan.paged is not None:
+                self.runner.plan_paged(plan.paged.qo_indptr, plan.paged.kv_indptr, self._paged_kv, hq,
+                                       k_buf.shape[1], d, q.dtype, sm_scale, logits_soft_cap)
             self._planned_key = key
         if plan.covers_all_tokens:
             o = torch.empty_like(q)
@@ -127,6 +191,12 @@ class HotExtendAttention:
                 og, lg = self.runner.run(gi, q.index_select(0, idx), k, v)
                 o.index_copy_(0, idx, og)
                 lse.index_copy_(0, idx, lg)
+        if plan.paged is not None:  # the COLD remainder, merged into what the dense calls wrote
+            idx = self._paged_idx
+            op, lp = self.runner.run_paged(q.index_select(0, idx), k_buf, v_buf)
+            om, lm = self.runner.merge(o.index_select(0, idx), lse.index_select(0, idx), op, lp)
+            o.index_copy_(0, idx, om)
+            lse.index_copy_(0, idx, lm)
         return o, lse
 
 
