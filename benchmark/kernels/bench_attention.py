@@ -304,7 +304,8 @@ def print_table(rows, bw, tf):
 
 SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweeps 1-4 tried tile sizes,
     # stages 2/4, block_m 128/256, suffix blocks/waves, prefix waves 1/3; sweep 5 TMA prefix loads
-    # (10-18x slower, removed) and the overlapped suffix launch: see docs/results/kernels.md)
+    # (10-18x slower, removed) and the overlapped suffix launch; sweep 7 grid-stride launches at
+    # serving capacity (slower at 16K, removed): see docs/results/kernels.md)
     "default": {},  # overlap_suffix, prefix_waves 1.5 (sweep 5)
     "serial": dict(overlap_suffix=False, prefix_waves=2.0),  # the defaults before sweep 5
     "pw1.25": dict(prefix_waves=1.25),
@@ -312,7 +313,6 @@ SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweep
     "pw1.5_swv3": dict(suffix_waves=3.0),
     "pw1.5_swv6": dict(suffix_waves=6.0),
     "pw1.5_sb64": dict(suffix_block_n=64),
-    "compact": dict(compact_grid=True),  # grid-stride launches (not measured yet)
 }
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                ([(4096, 8)], 256)]

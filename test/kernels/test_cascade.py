@@ -48,23 +48,6 @@ def test_cascade_matches_decode(path, dtype, ratio, hkv):
     assert (ws.counters == 0).all(), "fused arrival counters not reset"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("sm_count", [2, 32])
-def test_compact_grid_loops_over_items(dtype, sm_count):
-    """compact_grid launches 2 x the target programs (at most the capacity); with 2 SMs there
-    are more live items than programs, so programs loop (grid-stride); with 32 the grid covers
-    them in one pass."""
-    cfg = dataclasses.replace(SMALL_CONFIG, compact_grid=True)
-    b = make_batch(dtype=dtype, seed=11, suffix=40)
-    ws = CascadeWorkspace(b.bs + 8, 8, 2, 64, "cpu", config=cfg, sm_count=sm_count, max_splits=4)
-    assert ws.grid_items("prefix") <= ws.prefix_cap and ws.grid_items("suffix") <= ws.suffix_cap
-    out = _run("cascade", ws, b)
-    wl = ws.work_list
-    loops = (wl.num_prefix_items > ws.grid_items("prefix"), wl.num_suffix_items > ws.grid_items("suffix"))
-    assert loops == ((True, True) if sm_count == 2 else (False, False))
-    torch.testing.assert_close(out.double(), _ref(b), atol=TOL[dtype], rtol=TOL[dtype])
-
-
 @pytest.mark.parametrize("path", ["cascade", "fused"])
 def test_refill_with_different_grouping(path):
     """One workspace, three batches in a row: stale metadata or counters must not leak."""

@@ -144,6 +144,11 @@ def test_eager_shared_prefix_matches_paged(path):
     assert be.stats.paths[path] == 1 and be.stats.grouped_requests == 3
     snap = be.stats.snapshot()
     assert be.stats.planned == 1 and 0 < snap["plan_us_mean"] <= snap["plan_us_max"] < 1e6
+    # the parts of the planning time are counted separately, and add up to at most the whole
+    assert snap["planned_steps"] == 1 and snap["plan_us_total"] == pytest.approx(snap["plan_us_mean"])
+    assert 0 < snap["plan_choose_us_total"] and 0 < snap["plan_fill_us_total"]
+    assert snap["plan_choose_us_total"] + snap["plan_fill_us_total"] <= snap["plan_us_total"]
+    assert be.stats_snapshot()["upload_wait_us_total"] == 0.0  # CPU workspace: no events
 
 
 def test_steady_decode_steps_reuse_the_plan_and_stay_exact():

@@ -107,22 +107,15 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, GRID_STRIDE: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 1)  # the live count, from device memory (the grid is fixed)
-    if GRID_STRIDE:  # fewer programs than capacity: each loops over items pid, pid + grid, ...
-        for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
-                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                         stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                         RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
-    else:  # one program per item of the capacity; those past the live count exit at once
-        w = tl.program_id(0)
-        if w < n_items:
-            _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
-                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                         stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                         RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
+    w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
+    if w < n_items:
+        _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                     stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -150,6 +143,6 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, GRID_STRIDE=cfg.compact_grid,
+        INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
         num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip

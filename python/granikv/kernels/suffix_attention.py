@@ -75,22 +75,15 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                    stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, GRID_STRIDE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     hg = tl.program_id(1)
     n_items = tl.load(Counts + 2)  # the live count, from device memory (the grid is fixed)
-    if GRID_STRIDE:  # fewer programs than capacity: each loops over items pid, pid + grid, ...
-        for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
-                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                         stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                         RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
-    else:  # one program per item of the capacity; those past the live count exit at once
-        w = tl.program_id(0)
-        if w < n_items:
-            _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
-                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                         stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                         RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
+    w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
+    if w < n_items:
+        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
+                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
+                     stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -117,6 +110,6 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.suffix_cap,
         sm_scale * LOG2E,
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
-        BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), GRID_STRIDE=cfg.compact_grid,
+        BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype),
         num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip

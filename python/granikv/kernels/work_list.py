@@ -28,6 +28,7 @@ and replays a different batch correctly: grids are fixed at capacity and program
 live item counts from ``meta`` (device memory).
 """
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -67,12 +68,6 @@ class KernelConfig:
     write disjoint partial rows; the merge waits for both). Tensor-core-bound prefix tiles and
     latency-bound suffix gathers then share the SMs instead of running back to back. Captured
     into CUDA graphs as a fork/join. No effect on CPU."""
-    compact_grid: bool = False
-    """Launch the prefix and suffix kernels with ``2 x`` their target programs (at most the
-    capacity) and let each program loop over the live items, instead of one program per item
-    of the workspace's capacity. Serving sizes the graph workspace for the largest CUDA-graph
-    batch (256 requests by default), so a capacity grid is mostly programs that exit at once,
-    dispatched between the working ones. NOT measured on the GPU yet: off."""
     reuse_chunk_factor: float = 1.5
     """``fill`` reuses the previous step's work list, with each request's last suffix chunk
     extended to its new ``seq_len``, while the grouping (hence the prefix items) is unchanged and
@@ -361,7 +356,6 @@ class CascadeWorkspace:
         self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
         self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
         self.suffix_block_h = suffix_tile_rows(self.ratio)
-        self._target_p, self._target_s = target_p, target_s
         self.prefix_cap = target_p + _cdiv(max_bs, rpt) + self.max_groups
         self.suffix_cap = target_s + max_bs
         self.partial_cap = rpt * target_p + max_bs + self.suffix_cap
@@ -394,6 +388,7 @@ class CascadeWorkspace:
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
         self._reuse_base = None  # (PrefixItems, last suffix item per request) of the last full build
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
+        self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
                             else None)
@@ -503,7 +498,9 @@ class CascadeWorkspace:
         k = self._flip
         self._flip ^= 1
         if self._events[k] is not None:
+            t0 = time.perf_counter()
             self._events[k].synchronize()  # the copy that last read this pinned buffer is done
+            self.upload_wait_seconds += time.perf_counter() - t0
         h = self._host_np[k]
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
@@ -540,11 +537,9 @@ class CascadeWorkspace:
             raise ValueError(f"q batch {q.shape[0]} exceeds max_bs={self.max_bs}")
 
     def grid_items(self, kind: str) -> int:
-        """Programs along axis 0 for a launch ('prefix', 'suffix', 'fused'); fixed per workspace:
-        the capacity, or with ``compact_grid`` twice the target (prefix and suffix launches)."""
-        if self.config.compact_grid and kind in ("prefix", "suffix"):
-            cap, target = ((self.prefix_cap, self._target_p) if kind == "prefix" else (self.suffix_cap, self._target_s))
-            return min(cap, 2 * target)
+        """Programs along axis 0 for a launch ('prefix', 'suffix', 'fused'): the workspace's
+        capacity, fixed per workspace (programs past the live count exit at once; measured at
+        serving capacity, sweep 7 in docs/results/kernels.md, they cost ~2 us per layer)."""
         return {"prefix": self.prefix_cap, "suffix": self.suffix_cap, "fused": self.prefix_cap + self.suffix_cap}[kind]
 
     def check_integrity(self) -> None:

@@ -135,6 +135,7 @@ class GraniKVAttnBackend(AttentionBackend):
         out["work_list_builds"] = sum(w.fills_built for w in wss)
         out["work_list_reuses"] = sum(w.fills_reused for w in wss)
         out["grouping_reuses"] = self._grouping_memo.hits
+        out["upload_wait_us_total"] = 1e6 * sum(w.upload_wait_seconds for w in wss)
         return out
 
     def stage_batch(self, req_pool_indices: np.ndarray) -> None:
@@ -171,6 +172,13 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def _plan(self, fb, graph: bool):
         """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
+        t0 = time.perf_counter()
+        try:
+            return self._plan_step(fb, graph)
+        finally:
+            self.stats.choose_seconds += time.perf_counter() - t0
+
+    def _plan_step(self, fb, graph: bool):
         staged, self._staged = self._staged, None
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
@@ -196,6 +204,13 @@ class GraniKVAttnBackend(AttentionBackend):
         return grouping, desc, decision
 
     def _fill_workspace(self, plan, fb) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._fill_workspace_step(plan, fb)
+        finally:
+            self.stats.fill_seconds += time.perf_counter() - t0
+
+    def _fill_workspace_step(self, plan, fb) -> None:
         ws = self._ws = self._workspace_for(fb.batch_size)
         if plan is None:
             ws.fill(*_EMPTY_FILL)

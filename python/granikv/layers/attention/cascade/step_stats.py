@@ -18,6 +18,8 @@ class StepStats:
     max_compare_diff: float = 0.0  # debug compare mode: worst |chosen - paged| seen
     plan_seconds: float = 0.0  # host time of decode-step planning (group, choose, workspace fill)
     plan_max_seconds: float = 0.0
+    choose_seconds: float = 0.0  # part of plan_seconds: description, grouping, path choice
+    fill_seconds: float = 0.0  # part of plan_seconds: workspace fill + upload
     extend_batches: int = 0  # extend batches planned (prefill with a cached prefix considered)
     extend_hot_batches: int = 0  # ... whose prefix part ran as dense calls over HOT extents
     extend_hot_tokens: int = 0  # new tokens served that way
@@ -61,6 +63,10 @@ class StepStats:
             "max_compare_diff": self.max_compare_diff,
             "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
             "plan_us_max": 1e6 * self.plan_max_seconds,
+            "plan_us_total": 1e6 * self.plan_seconds,  # totals: deltas between snapshots give exact means
+            "planned_steps": self.planned,
+            "plan_choose_us_total": 1e6 * self.choose_seconds,
+            "plan_fill_us_total": 1e6 * self.fill_seconds,
             "extend_batches": self.extend_batches,
             "extend_hot_batches": self.extend_hot_batches,
             "extend_hot_tokens": self.extend_hot_tokens,
