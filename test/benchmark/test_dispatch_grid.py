@@ -1,0 +1,41 @@
+"""dispatch_grid.py: the dispatcher's choice on grid rows, looked up in the measured times."""
+
+import importlib.util
+from pathlib import Path
+
+from granikv.layers.attention.cascade.cost_model import CostModel
+from granikv.layers.attention.cascade.dispatcher import Dispatcher
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mod():
+    spec = importlib.util.spec_from_file_location("dispatch_grid", ROOT / "benchmark" / "kernels" / "dispatch_grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(groups, suffix, **ms):
+    return dict(groups=groups, suffix=suffix, requests=sum(n for _, n in groups), **{k + "_ms": v for k, v in ms.items()})
+
+
+def test_choices_are_looked_up_in_the_measured_times():
+    mod = _mod()
+    d = Dispatcher(CostModel.load(None, "NVIDIA H200"), num_q_heads=32, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2)
+    rows = [
+        _row([[16384, 1]], 256, fi_decode_tc=0.04, sgl_triton=0.05, gkv_cascade=0.03),  # 1 request: no group
+        _row([[16384, 64]], 256, fi_decode_tc=0.495, sgl_triton=0.92, gkv_cascade=0.0745),  # the H200 model: cascade
+        _row([[4096, 8]], 256, fi_decode_tc=0.03, sgl_triton=0.02, gkv_cascade=0.027),
+        dict(groups=[[1024, 8]], suffix=64, requests=8, error="boom"),  # failed rows are skipped
+    ]
+    res = mod.evaluate(rows, d, graph=True)
+    assert [x["path"] for x in res][:2] == ["paged", "cascade"] and len(res) == 3
+    assert res[0]["ratio"] == 1.0  # paged is the stock flashinfer kernel, the best paged here
+    assert abs(res[1]["ratio"] - 0.495 / 0.0745) < 1e-9
+    # where SGLang's triton kernel beats FlashInfer's, keeping paged (flashinfer) scores below 1
+    third = res[2]
+    assert third["best_paged_ms"] == 0.02 and third["ratio"] == 0.02 / third["chosen_ms"]
+    desc = mod.describe([(100, 2), (50, 3)], 7)
+    assert desc.hot_len.tolist() == [100, 100, 50, 50, 50] and desc.seq_lens.tolist() == [107, 107, 57, 57, 57]
+    assert len(set(desc.hot_start[:2])) == 1 and desc.hot_start[0] != desc.hot_start[2]
