@@ -10,6 +10,10 @@ issue-3 target is a ratio >= 0.97 everywhere. Runs on CPU (no kernels run here).
 
     python benchmark/kernels/dispatch_grid.py docs/results/kernels.json [--eager] [--md OUT.md]
 
+The dispatcher is built as serving builds it (``support.build_dispatcher``): per-layer times
+plus the host planning cost amortised over ``--num-layers`` layers (32: Llama-3.1-8B, the
+grid's head shapes).
+
 ``--eager``: the choice for steps without CUDA graphs (all four paths); default: graph steps
 (paged or cascade), which is what serving with CUDA graphs uses.
 """
@@ -58,13 +62,14 @@ def main():
     ap.add_argument("kernels_json")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--md", help="also write the table as markdown here")
+    ap.add_argument("--num-layers", type=int, default=32, help="layers per decode step (plan cost amortised)")
     args = ap.parse_args()
     data = json.load(open(args.kernels_json))
     meta = data["meta"]
     heads = meta["shapes"]
     model = CostModel.load(None, meta["gpu"])
     dispatcher = Dispatcher(model, num_q_heads=heads["hq"], num_kv_heads=heads["hkv"], head_dim=heads["d"],
-                            kv_dtype_bytes=2)
+                            kv_dtype_bytes=2, num_layers=args.num_layers)
     res = evaluate(data["rows"], dispatcher, graph=not args.eager)
     lines = ["| groups (prefix x requests) | suffix | choice | chosen ms | best paged ms | best paged / chosen |",
              "|---|---:|---|---:|---:|---:|"]
@@ -74,7 +79,7 @@ def main():
                      f"{x['ratio']:.2f}x |")
     worst = min(res, key=lambda x: x["ratio"])
     paths = {p: sum(x["path"] == p for x in res) for p in MEASURED}
-    summary = (f"{meta['gpu']}, {'eager' if args.eager else 'CUDA-graph'} steps, {len(res)} points, choices "
+    summary = (f"{meta['gpu']}, {'eager' if args.eager else 'CUDA-graph'} steps, {args.num_layers} layers, {len(res)} points, choices "
                f"{paths}; worst best_paged/chosen {worst['ratio']:.2f}x at {worst['groups']} sfx {worst['suffix']} "
                f"({worst['path']}); points below 0.97x: {sum(x['ratio'] < 0.97 for x in res)}")
     print("\n".join(lines))
