@@ -260,9 +260,14 @@ def main():
     ap.add_argument("--refit-from", metavar="JSON",
                     help="no GPU: refit from the measured cases of an earlier calibration's JSON "
                          "(same CASES), then choose the disabled paths again")
+    ap.add_argument("--with-grid", metavar="KERNELS_JSON",
+                    help="with --refit-from: also fit to every point of a full bench_attention.py grid "
+                         "(its kernels.json: single layers, paged = FlashInfer tensor-core decode)")
     args = ap.parse_args()
+    if args.with_grid and not args.refit_from:
+        ap.error("--with-grid needs --refit-from")
     if args.refit_from:
-        return refit_from(args.refit_from, args.out)
+        return refit_from(args.refit_from, args.out, grid=args.with_grid)
     t_start = time.time()
     torch.manual_seed(0)
     heads = tuple(int(x) for x in args.heads.split(","))
@@ -433,16 +438,46 @@ def rows_from(calibration: dict, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
     return rows
 
 
-def refit_from(path: str, out: Optional[str]) -> int:
-    """Refit the coefficients and choose the disabled paths from ``path``'s measurements."""
+GRID_PATHS = {"paged": "fi_decode_tc_ms", "cascade": "gkv_cascade_ms", "fused": "gkv_fused_ms",
+              "bgemm": "gkv_bgemm_ms"}
+
+
+def rows_from_grid(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
+    """``(label, 1, measured us per layer, Workload)`` per point of a full ``bench_attention.py``
+    grid (``kernels.json``); points that failed or lack a path are skipped."""
+    with open(path) as f:
+        grid = json.load(f)
+    shapes = grid["meta"]["shapes"]
+    if (shapes["hq"], shapes["hkv"], shapes["d"]) != tuple(heads):
+        raise ValueError(f"{path}: grid heads {shapes} differ from the calibration's {heads}")
+    fallback = CostModel.load(None, None)
+    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            kv_dtype_bytes=kv_dtype_bytes)  # fmt: skip
+    rows = []
+    for r in grid["rows"]:
+        if "error" in r or r.get("n_ungrouped") or any(r.get(k) is None for k in GRID_PATHS.values()):
+            continue
+        groups = [tuple(g) for g in r["groups"]]
+        desc, _, label = describe(groups, r["suffix"], 0)
+        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
+        rows.append(("grid " + label, 1, {p: 1e3 * r[k] for p, k in GRID_PATHS.items()}, w))
+    return rows
+
+
+def refit_from(path: str, out: Optional[str], grid: Optional[str] = None) -> int:
+    """Refit the coefficients and choose the disabled paths from ``path``'s measurements (and,
+    with ``grid``, a full kernel grid's)."""
     with open(path) as f:
         old = json.load(f)
     cal = old["calibration"]
     heads = tuple(cal.get("heads", (32, 8, 128)))
     rows = rows_from(cal, heads, 2)  # calibrations are bf16 or fp16 (--dtype)
+    if grid:
+        rows += rows_from_grid(grid, heads, 2)
     model, fitted = fit_and_choose(rows, float(old["coefficients"]["plan_us"]))
     meta = dict(cal, **fitted,
-                refit={"from": os.path.basename(path), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                refit={"from": os.path.basename(path), "grid": grid and os.path.basename(grid),
+                       "date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "command": " ".join(sys.argv)})  # fmt: skip
     out = write_model(model, old["gpu_name"], meta, out)
     print(f"# wrote {out} (refit from {path}, no GPU)")

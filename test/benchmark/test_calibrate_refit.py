@@ -57,3 +57,22 @@ def test_rows_from_rejects_another_case_set():
     cal_meta = json.loads(H200.read_text())["calibration"]
     with pytest.raises(ValueError, match="not the same calibration set"):
         cal.rows_from(dict(cal_meta, cases=cal_meta["cases"][:-1]))
+
+
+def test_rows_from_grid_rebuild_the_grid_points(tmp_path):
+    grid = {"meta": {"shapes": {"hq": 32, "hkv": 8, "d": 128}},
+            "rows": [{"groups": [[4096, 8]], "suffix": 256, "fi_decode_tc_ms": 0.03, "gkv_cascade_ms": 0.027,
+                      "gkv_fused_ms": 0.029, "gkv_bgemm_ms": 0.2},
+                     {"groups": [[1024, 8]], "suffix": 64, "error": "boom"},
+                     {"groups": [[1024, 8]], "suffix": 64, "fi_decode_tc_ms": 0.02, "gkv_cascade_ms": None,
+                      "gkv_fused_ms": 0.02, "gkv_bgemm_ms": 0.3}]}
+    p = tmp_path / "kernels.json"
+    p.write_text(json.dumps(grid))
+    rows = cal.rows_from_grid(str(p))
+    assert len(rows) == 1
+    label, layers, measured, w = rows[0]
+    assert label == "grid 4096x8 sfx256" and layers == 1
+    assert measured == pytest.approx({"paged": 30.0, "cascade": 27.0, "fused": 29.0, "bgemm": 200.0})
+    assert w.num_groups == 1 and w.prefix_bytes == 4096 * 8 * 128 * 2 * 2
+    with pytest.raises(ValueError, match="differ"):
+        cal.rows_from_grid(str(p), heads=(40, 8, 128))
