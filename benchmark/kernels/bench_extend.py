@@ -14,6 +14,11 @@ as a merge needs):
     fi_ragged_fa3     BatchPrefillWithRaggedKVCacheWrapper over the stacked tokens, K/V = the extent view
     fi_ragged_fa2     the same with backend="fa2"
     sdpa_flash        torch flash attention, q heads of a kv head stacked as rows (as the bgemm path)
+    fi_ragged_fa3_splitS   (cases with few query tokens, e.g. decode: 1 new token per agent) the
+                      ragged FA3 call with the extent cut into S chunks, each chunk its own
+                      entry with a copy of the stacked queries, merged by LSE (merge_states):
+                      FA3 has no split-KV, so few query rows leave most SMs idle; q copy, run and
+                      merge are all timed
 
 Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
 with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
@@ -34,7 +39,10 @@ import torch
 HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 DEV = "cuda"
-CASES = [(16384, 64, 256), (16384, 128, 256), (16384, 8, 256), (4096, 64, 256), (16384, 64, 1024)]
+CASES = [(16384, 64, 256), (16384, 128, 256), (16384, 8, 256), (4096, 64, 256), (16384, 64, 1024),
+         (16384, 64, 1), (16384, 128, 1)]  # the last two: decode (GraniKV's prefix kernel: 58 / 107 us, sweep 7)
+SPLITS = (4, 8, 16)
+FEW_TOKENS = 256  # split variants for cases with at most this many query tokens
 
 
 def bench_ms(fn) -> float:
@@ -95,6 +103,25 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
         except Exception as e:  # noqa: BLE001
             row[f"fi_ragged_{be}_error"] = repr(e)[:300]
 
+    if n_tok <= FEW_TOKENS:
+        for n_split in SPLITS:
+            def split_fn(n_split=n_split):
+                chunk = -(-prefix // n_split)
+                kv_ptr = [min(j * chunk, prefix) for j in range(n_split + 1)]
+                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws_bytes, "NHD", backend="fa3")
+                w.plan(torch.arange(0, n_split * n_tok + 1, n_tok, dtype=torch.int32), torch.tensor(kv_ptr, dtype=torch.int32),
+                       HQ, HKV, D, causal=False, q_data_type=DT, kv_data_type=DT)
+
+                def run():
+                    o, lse = w.run(q.repeat(n_split, 1, 1), ext_k, ext_v, return_lse=True)
+                    return flashinfer.merge_states(o.view(n_split, n_tok, HQ, D).transpose(0, 1).contiguous(),
+                                                   lse.view(n_split, n_tok, HQ).transpose(0, 1).contiguous())
+                return run
+            try:
+                record(f"fi_ragged_fa3_split{n_split}", split_fn())
+            except Exception as e:  # noqa: BLE001
+                row[f"fi_ragged_fa3_split{n_split}_error"] = repr(e)[:300]
+
     ratio = HQ // HKV
 
     def sdpa():
@@ -127,7 +154,8 @@ def main():
         rows.append(r)
         print("ROW", json.dumps(r), flush=True)
         torch.cuda.empty_cache()
-    names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash")
+    names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash") + tuple(
+        f"fi_ragged_fa3_split{n}" for n in SPLITS)
     print(f"\n{torch.cuda.get_device_name()}  prefix part of extend attention, one layer, ms (TFLOP/s)")
     print(f"{'prefix x agents x new':<24}{'GFLOP':>8}" + "".join(f"{n:>20}" for n in names))
     for r in rows:
