@@ -40,7 +40,7 @@ HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 DEV = "cuda"
 CASES = [(16384, 64, 256), (16384, 128, 256), (16384, 8, 256), (4096, 64, 256), (16384, 64, 1024),
-         (16384, 64, 1), (16384, 128, 1)]  # the last two: decode (GraniKV's prefix kernel: 58 / 107 us, sweep 7)
+         (16384, 64, 1), (16384, 128, 1)]  # the last two: decode (GraniKV's prefix kernel: 59 / 107 us, sweep 7)
 SPLITS = (4, 8, 16)
 FEW_TOKENS = 256  # split variants for cases with at most this many query tokens
 
