@@ -314,3 +314,29 @@ def test_next_batch_gets_fresh_metadata_and_debug_compare_logs(caplog):
     out = _run_extend(be, fb2, rows2, q2, k2, v2)  # falls back: no proxy left from the last batch
     torch.testing.assert_close(out, _expected(runner2, fb2, q2, k2, v2), atol=ATOL, rtol=RTOL)
     assert be.inner.paged.calls == 1 and be._hot_extend.plan is None
+
+
+def test_a_failing_dense_path_falls_back_to_stock_and_stays_off(caplog):
+    """A FlashInfer module missing for some shape must not fail the forward: the stock wrapper
+    serves that call, and later batches stay stock."""
+    runner, fb, rows, q, k, v = _setup(["A", "A", "B"], [3, 4, 2])
+    be = _backend(runner)
+
+    class Broken(TorchDense):
+        def plan(self, *a, **kw):
+            raise RuntimeError("no prebuilt module for this shape")
+
+    be._hot_extend = HotExtendAttention(Broken(), "cpu")
+    with caplog.at_level("ERROR", logger="granikv"):
+        out = _run_extend(be, fb, rows, q, k, v)
+        out_layer2 = be.forward_extend(q, k, v, LAYER, fb)  # the batch's next layer: stock, no retry
+    for o in (out, out_layer2):
+        torch.testing.assert_close(o, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 2 and caplog.text.count("stock paged prefill from now on") == 1
+    runner2, fb2, rows2, q2, k2, v2 = _setup(["A", "A"], [2, 2], seed=3)
+    be.model_runner, be.inner = runner2, FlashInferExtendStandIn(runner2)
+    out = _run_extend(be, fb2, rows2, q2, k2, v2)
+    torch.testing.assert_close(out, _expected(runner2, fb2, q2, k2, v2), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 1  # the next batch was planned stock
+    fallbacks = be.stats_snapshot()["extend_fallbacks"]  # the failed batch once, the next batch once
+    assert sum(fallbacks.values()) == 2 and all("after an error (RuntimeError)" in r for r in fallbacks)

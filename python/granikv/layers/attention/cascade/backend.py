@@ -107,6 +107,7 @@ class GraniKVAttnBackend(AttentionBackend):
         self._graph_mode = False  # True once CUDA-graph state exists
         self._ones = None
         self._hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
+        self._extend_off_reason = None  # set when the dense prefill path failed: stock from then on
 
     def __getattr__(self, name):
         # Only called for attributes not found normally: delegate to the wrapped backend.
@@ -288,7 +289,9 @@ class GraniKVAttnBackend(AttentionBackend):
         if self.cfg.extend_path != "hot" or getattr(fb.forward_mode, "name", "") != "EXTEND":
             return
         md = getattr(self.inner, "forward_metadata", None)
-        if not getattr(md, "use_ragged", False) or not hasattr(md, "prefill_wrappers"):
+        if self._extend_off_reason is not None:
+            reason = self._extend_off_reason
+        elif not getattr(md, "use_ragged", False) or not hasattr(md, "prefill_wrappers"):
             reason = "wrapped backend has no ragged + paged prefill (flashinfer only)"
         elif getattr(md, "extend_no_prefix", True):
             return  # no cached prefix anywhere: the stock ragged call is the whole attention
@@ -307,10 +310,22 @@ class GraniKVAttnBackend(AttentionBackend):
                 attn = self._extend_attention()
                 attn.begin(plan, self.model_runner.req_to_token_pool.req_to_token)
                 compare = self._extend_compare_callback(plan)
-                md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare)
+                md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare, on_failure=self._extend_failed)
                                        for w in md.prefill_wrappers]  # a new list: SGLang's stays
                 return
         self.stats.record_extend(None, reason)
+
+    def _extend_failed(self, exc: Exception) -> None:
+        """The dense prefill path raised: this call and the rest of the batch are served by the
+        stock wrapper; every later extend batch stays stock (logged once; the failed batch counts
+        as HOT and as a fallback)."""
+        self._hot_extend.end()  # the batch's remaining layers: stock (the proxy sees no plan)
+        if self._extend_off_reason is None:
+            self._extend_off_reason = f"dense prefill path off after an error ({type(exc).__name__})"
+            logger.error("GraniKV: the prefill path over HOT prefixes failed (%r); extend batches use "
+                         "the stock paged prefill from now on (--granikv-extend-path paged silences this)",
+                         exc)
+        self.stats.extend_fallbacks[self._extend_off_reason] += 1
 
     def _extend_attention(self):
         if self._hot_extend is None:

@@ -207,17 +207,21 @@ class PrefixPartProxy:
     is served by ``HotExtendAttention``; any other call, or arguments it does not serve
     (causal, a sliding window, a KV cache that is not a ``(k, v)`` pair), goes to the original
     wrapper, which SGLang planned for the same batch. ``on_compare`` (debug): called once with
-    ``(ours, original)`` results on the first call.
+    ``(ours, original)`` results on the first call. If the dense path raises (a FlashInfer
+    module missing for this shape, say), the original wrapper serves the call and
+    ``on_failure(exc)`` is told, so the backend can turn the path off instead of failing the
+    forward.
     """
 
-    def __init__(self, attn: HotExtendAttention, original, on_compare=None):
+    def __init__(self, attn: HotExtendAttention, original, on_compare=None, on_failure=None):
         self._attn = attn
         self._original = original
         self._on_compare = on_compare
+        self._on_failure = on_failure
 
     def forward_return_lse(self, q, kv_cache, causal=False, sm_scale=None, window_left=-1,
                            logits_soft_cap=None, **kwargs):
-        served = (not causal and window_left in (None, -1) and not kwargs
+        served = (self._attn.plan is not None and not causal and window_left in (None, -1) and not kwargs
                   and isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2)
         if not served:
             return self._original.forward_return_lse(q, kv_cache, causal=causal, sm_scale=sm_scale,
@@ -225,7 +229,15 @@ class PrefixPartProxy:
                                                      logits_soft_cap=logits_soft_cap, **kwargs)
         k_buf, v_buf = kv_cache
         scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
-        ours = self._attn.prefix_part(q, k_buf, v_buf, scale, logits_soft_cap or 0.0)
+        try:
+            ours = self._attn.prefix_part(q, k_buf, v_buf, scale, logits_soft_cap or 0.0)
+        except Exception as e:  # noqa: BLE001 - serve the stock way, never fail the forward
+            if self._on_failure is None:
+                raise
+            self._on_failure(e)
+            return self._original.forward_return_lse(q, kv_cache, causal=False, sm_scale=sm_scale,
+                                                     window_left=window_left,
+                                                     logits_soft_cap=logits_soft_cap)
         if self._on_compare is not None:
             cb, self._on_compare = self._on_compare, None
             cb(ours, self._original.forward_return_lse(q, kv_cache, causal=False, sm_scale=sm_scale,
