@@ -35,6 +35,7 @@ import torch
 import triton
 
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
+from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.merge_state import merge_state
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.suffix_attention import suffix_attention
@@ -59,14 +60,7 @@ def bench(fn, graph=True):
     torch.cuda.synchronize()
     if graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            g = capture_graph(fn)
             return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median"), "graph"
         except Exception as e:  # noqa: BLE001 - fall back to eager timing, reported
             print("  graph capture failed, eager:", repr(e)[:120], flush=True)

@@ -39,6 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from granikv.kernels.graph_capture import capture_graph
 from granikv.layers.attention.cascade.cost_model import DISABLEABLE_PATHS, CostModel, calibrated_path, never_fastest
 from granikv.layers.attention.cascade.dispatcher import Dispatcher
 from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
@@ -116,28 +117,21 @@ class Case:
 
 def time_graph(calls, reps: int = 7) -> float:
     """Median microseconds of one call, from a CUDA graph holding every call once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in calls:  # warm up (compiles, autotunes) outside the graph
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    return _median_replay(graph.replay, reps) / len(calls)
+    return _median_replay(capture_graph(_call_all(calls)).replay, reps) / len(calls)
 
 
 def time_eager(calls, reps: int = 7) -> float:
-    for f in calls:
-        f()
+    run = _call_all(calls)
+    run()
+    return _median_replay(run, reps) / len(calls)
 
+
+def _call_all(calls):
     def run():
         for f in calls:
             f()
 
-    return _median_replay(run, reps) / len(calls)
+    return run
 
 
 def _median_replay(fn, reps: int) -> float:

@@ -574,13 +574,20 @@ class Child:
         return dict(granikv=after, granikv_delta=counter_delta(after, before or {}))
 
 
+NON_ADDITIVE = ("_mean", "_max", "_rate", "_per_step")  # ratios and extremes: their difference means nothing
+
+
 def counter_delta(after: Dict[str, Any], before: Dict[str, Any]) -> Dict[str, Any]:
-    """after - before for every numeric leaf (nested dicts recursed); other leaves dropped."""
+    """after - before for every numeric leaf (nested dicts recursed); other leaves dropped, and
+    so are means, maxima and rates (``NON_ADDITIVE``, ``max_*``): a row's mean comes from the
+    totals' deltas, e.g. ``attention.plan_us_total / attention.planned_steps``."""
     out: Dict[str, Any] = {}
     for k, v in after.items():
         b = before.get(k)
         if isinstance(v, dict):
             out[k] = counter_delta(v, b if isinstance(b, dict) else {})
+        elif k.endswith(NON_ADDITIVE) or k.startswith("max_"):
+            continue
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = v - (b if isinstance(b, (int, float)) and not isinstance(b, bool) else 0)
     return out

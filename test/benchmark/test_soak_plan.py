@@ -387,3 +387,10 @@ def test_dry_run_prints_the_plan_and_launches_nothing():
     assert out.returncode == 0, out.stderr
     assert "plan: 300 requests" in out.stdout and "sglang.launch_server" in out.stdout
     assert "--enable-granikv" in out.stdout and "first 8 requests" in out.stdout
+
+
+def test_numeric_delta_drops_means_maxima_and_rates():
+    after = {"attention": {"plan_us_total": 900.0, "planned_steps": 30, "plan_us_mean": 30.0, "plan_us_max": 80.0,
+                           "hot_hit_rate": 0.5, "groups_per_step": 1.0, "max_compare_diff": 0.1}}
+    before = {"attention": {"plan_us_total": 300.0, "planned_steps": 10, "plan_us_mean": 30.0, "hot_hit_rate": 0.9}}
+    assert soak.counter_delta(after, before) == {"attention": {"plan_us_total": 600.0, "planned_steps": 20}}

@@ -11,6 +11,7 @@ import torch
 from conftest import fill, make_batch
 
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
+from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.reference import decode_attention_ref
 from granikv.kernels.work_list import CascadeWorkspace, KernelConfig
 
@@ -28,20 +29,6 @@ def _batch(hq, groups=((16384, 64),), n_ungrouped=4, seed=0):
                    num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=seed)
     b.q *= 4  # peaky softmax, so that wrong keys would show
     return b
-
-
-def _capture(fn):
-    """``fn`` warmed up on a side stream (as torch requires before capture), then captured into a
-    CUDA graph, which is returned."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def _ref(b):
@@ -104,7 +91,7 @@ def test_overlapped_suffix_eager_and_graph():
         fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)  # noqa: E731
         fn()
         eager = out.clone()  # no synchronize: the current stream must already be ordered after the side stream
-        g = _capture(fn)
+        g = capture_graph(fn)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
@@ -138,7 +125,7 @@ def test_cuda_graph_replay_after_refill(path):
     load(a)
     fill(ws, a)
     fn = lambda: PATHS[path](q_s, k_s, v_s, r2t_s, ws, sm_scale=a.sm_scale, out=out_s)  # noqa: E731
-    g = _capture(fn)  # compiles and warms up outside the capture
+    g = capture_graph(fn)  # compiles and warms up outside the capture
     g.replay()
     assert _rel_err(out_s, _ref(a)) < 1e-2
     load(bb)

@@ -11,7 +11,6 @@ Tolerances: fp16 operands, float32 math; outputs are softmax-weighted means of N
 compared in fp16: atol = rtol = 2e-3; LSE (float32, base 2): atol 1e-4.
 """
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,39 +25,13 @@ from granikv.layers.attention.cascade.extend_plan import plan_extend
 from granikv.layers.attention.cascade.hot_extend import HotExtendAttention, PrefixPartProxy, TorchDense
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
+from extend_standin import FlashInferExtendStandIn, attend  # noqa: E402  (test/layers, on the path)
+
 HQ, HKV, D = 8, 2, 64
 SLOTS, HOT_A, HOT_B = 600, 400, 500
 DTYPE = torch.float16
 ATOL = RTOL = 2e-3
 SCALE = D ** -0.5
-LN2 = math.log(2.0)
-
-
-def _attend(q, k, v, scale):
-    """float64 attention of q [n, HQ, D] over k, v [L, HKV, D]: (o [n, HQ, D], lse2 [n, HQ])."""
-    r = HQ // HKV
-    kk = k.double().repeat_interleave(r, 1)
-    vv = v.double().repeat_interleave(r, 1)
-    s = torch.einsum("nhd,lhd->nhl", q.double(), kk) * scale
-    return torch.einsum("nhl,lhd->nhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1) / LN2
-
-
-def _causal_attend(q, k, v, first_pos, scale):
-    """new token j of q (position first_pos + j) over k/v positions [0, first_pos + j]."""
-    r = HQ // HKV
-    kk = k.double().repeat_interleave(r, 1)
-    vv = v.double().repeat_interleave(r, 1)
-    s = torch.einsum("nhd,lhd->nhl", q.double(), kk) * scale
-    pos = torch.arange(k.shape[0])
-    mask = pos[None, :] > (first_pos + torch.arange(q.shape[0]))[:, None]
-    s = s.masked_fill(mask[:, None, :], float("-inf"))
-    return torch.einsum("nhl,lhd->nhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1) / LN2
-
-
-def _merge(o1, s1, o2, s2):
-    m = torch.maximum(s1, s2)
-    w1, w2 = torch.exp2(s1 - m), torch.exp2(s2 - m)
-    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
 
 
 # ---- a batch: requests over two HOT extents, one private prompt, one fresh request ----------
@@ -127,72 +100,10 @@ def _expected(runner, fb, q, k, v):
     outs, t = [], 0
     for row, p, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
         slots = rt[row, : p + n].long()
-        o, _ = _causal_attend(q.view(-1, HQ, D)[t: t + n], kb[slots], vb[slots], p, SCALE)
+        o, _ = attend(q.view(-1, HQ, D)[t: t + n], kb[slots], vb[slots], SCALE, first_pos=p)
         outs.append(o)
         t += n
     return torch.cat(outs).to(DTYPE).view(-1, HQ * D)
-
-
-class PagedPrefixWrapperStandIn:
-    """SGLang's paged prefill wrapper, planned for the batch: the prefix part per request."""
-
-    def __init__(self, runner):
-        self.runner, self.calls, self.fb = runner, 0, None
-
-    def forward_return_lse(self, q, kv_cache, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=None):
-        assert not causal
-        self.calls += 1
-        kb, vb = kv_cache
-        rt = self.runner.req_to_token_pool.req_to_token
-        o = torch.zeros(q.shape, dtype=torch.float64)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-        t = 0
-        for row, p, n in zip(self.fb.req_pool_indices.tolist(), self.fb.extend_prefix_lens_cpu,
-                             self.fb.extend_seq_lens_cpu):
-            if p:
-                slots = rt[row, :p].long()
-                o[t: t + n], lse[t: t + n] = _attend(q[t: t + n], kb[slots], vb[slots], sm_scale)
-            t += n
-        return o.to(q.dtype), lse.float()
-
-
-class FlashInferExtendStandIn:
-    """The ragged branch of ``FlashInferAttnBackend.forward_extend`` (flashinfer_backend.py:1324-1392
-    in SGLang 0.5.17): ragged causal over the new tokens, ``prefill_wrappers[0]`` for the prefix,
-    LSE merge, KV write."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.paged = PagedPrefixWrapperStandIn(runner)
-        self.prefill_wrappers_paged = [self.paged]  # the backend's persistent list
-
-    def init_forward_metadata(self, fb):
-        self.fb = self.paged.fb = fb
-        self.forward_metadata = SimpleNamespace(prefill_wrappers=self.prefill_wrappers_paged, use_ragged=True,
-                                                extend_no_prefix=not any(fb.extend_prefix_lens_cpu),
-                                                multi_item_params=None)
-
-    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
-        q3, k3, v3 = q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D)
-        o1, s1 = [], []
-        t = 0
-        for n in fb.extend_seq_lens_cpu:
-            o, s = _causal_attend(q3[t: t + n], k3[t: t + n], v3[t: t + n], 0, layer.scaling)
-            o1.append(o)
-            s1.append(s)
-            t += n
-        o1, s1 = torch.cat(o1), torch.cat(s1)
-        pool = self.runner.token_to_kv_pool
-        if self.forward_metadata.extend_no_prefix:
-            o = o1
-        else:
-            o2, s2 = self.forward_metadata.prefill_wrappers[0].forward_return_lse(
-                q3, (pool.k_buffer[0], pool.v_buffer[0]), causal=False, sm_scale=layer.scaling)
-            o = _merge(o1, s1, o2.double(), s2.double())
-        if save_kv_cache:
-            pool.k_buffer[0][fb.out_cache_loc] = k3
-            pool.v_buffer[0][fb.out_cache_loc] = v3
-        return o.to(q.dtype).view(-1, HQ * D)
 
 
 LAYER = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, head_dim=D)
@@ -221,7 +132,7 @@ def test_prefix_part_matches_reference_and_leaves_unprefixed_tokens_out():
                                table.length_np)
     assert reason == "" and len(plan.groups) == 2 and not plan.groups[0].contiguous
     attn = HotExtendAttention(TorchDense(), "cpu")
-    attn.begin(plan)
+    attn.begin(plan, runner.req_to_token_pool.req_to_token)
     q3 = q.view(-1, HQ, D)
     kb, vb = runner.token_to_kv_pool.k_buffer[0], runner.token_to_kv_pool.v_buffer[0]
     o, lse = attn.prefix_part(q3, kb, vb, SCALE)
@@ -231,7 +142,7 @@ def test_prefix_part_matches_reference_and_leaves_unprefixed_tokens_out():
             assert (o[t: t + n] == 0).all() and torch.isneginf(lse[t: t + n]).all()
         else:
             s, p = PREFIX[kind]
-            ro, rl = _attend(q3[t: t + n], kb[s: s + p], vb[s: s + p], SCALE)
+            ro, rl = attend(q3[t: t + n], kb[s: s + p], vb[s: s + p], SCALE)
             torch.testing.assert_close(o[t: t + n], ro.to(DTYPE), atol=ATOL, rtol=RTOL)
             torch.testing.assert_close(lse[t: t + n], rl.float(), atol=1e-4, rtol=0)
         t += n
@@ -240,9 +151,14 @@ def test_prefix_part_matches_reference_and_leaves_unprefixed_tokens_out():
 
 
 def test_proxy_sends_what_it_does_not_serve_to_the_original_wrapper():
+    runner, fb, rows, _, _, _ = _setup(["A"], [1])
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    plan, _ = plan_extend(rows, np.array(fb.extend_prefix_lens_cpu), np.array([1]), table.start_np, table.length_np)
+    attn = HotExtendAttention(TorchDense(), "cpu")
+    attn.begin(plan, runner.req_to_token_pool.req_to_token)  # a planned batch: only the arguments decide
     calls = []
     orig = SimpleNamespace(forward_return_lse=lambda *a, **kw: calls.append(kw) or "orig", some_attr=7)
-    proxy = PrefixPartProxy(HotExtendAttention(TorchDense(), "cpu"), orig)
+    proxy = PrefixPartProxy(attn, orig)
     assert proxy.forward_return_lse(torch.zeros(1, HQ, D), (None, None), causal=True) == "orig"
     assert proxy.forward_return_lse(torch.zeros(1, HQ, D), (None, None), window_left=128) == "orig"
     assert proxy.forward_return_lse(torch.zeros(1, HQ, D), torch.zeros(3)) == "orig"

@@ -5,16 +5,17 @@ Seeded random extend batches mix: agents joining shared prefixes (which get prom
 the hook in the same step), agents whose prompt extends their own earlier turn (HOT head + COLD
 tail), chunked prefills of unshared prompts, fresh prompts, aborts and COLD eviction between
 batches. For every batch, layer 0's extend output through ``GraniKVAttnBackend`` (around the
-stand-in of SGLang's flashinfer extend from test_hot_extend.py) must equal full causal
+stand-in of SGLang's flashinfer extend, test/layers/extend_standin.py) must equal full causal
 attention over the ORACLE KV of each request's tokens (``Sim.expected_kv``), so a HOT extent
 holding the wrong KV, a wrong token grouping or a wrong COLD remainder all fail. Tolerance:
 float32 KV and math, atol = rtol = 1e-4.
 """
 
 import random
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -24,71 +25,12 @@ from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 from granikv.scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import on_run_batch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
+from extend_standin import FlashInferExtendStandIn, attend  # noqa: E402
+
 HKV, D, RATIO = 2, 16, 2
 HQ = HKV * RATIO
 SCALE = D ** -0.5
-LN2 = float(np.log(2.0))
-
-
-def _attend(q, k, v, first_pos):
-    """Causal attention of new tokens (positions first_pos...) over k/v [L, HKV, D]."""
-    kk, vv = k.double().repeat_interleave(RATIO, 1), v.double().repeat_interleave(RATIO, 1)
-    s = torch.einsum("nhd,lhd->nhl", q.double(), kk) * SCALE
-    mask = torch.arange(k.shape[0])[None, :] > (first_pos + torch.arange(q.shape[0]))[:, None]
-    s = s.masked_fill(mask[:, None, :], float("-inf"))
-    return torch.einsum("nhl,lhd->nhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1) / LN2
-
-
-class PagedPrefix:
-    """SGLang's paged prefill wrapper: each request's cached prefix, read through its row."""
-
-    def __init__(self, sim):
-        self.sim, self.fb, self.calls = sim, None, 0
-
-    def forward_return_lse(self, q, kv_cache, causal=False, sm_scale=None, **kw):
-        self.calls += 1
-        kb, vb = kv_cache
-        o = torch.zeros(q.shape, dtype=torch.float64)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-        t = 0
-        for row, p, n in zip(self.fb.req_pool_indices.tolist(), self.fb.extend_prefix_lens_cpu,
-                             self.fb.extend_seq_lens_cpu):
-            if p:
-                slots = self.sim.req_pool.req_to_token[row, :p].long()
-                o[t: t + n], lse[t: t + n] = _attend(q[t: t + n], kb[slots], vb[slots], 10 ** 9)
-            t += n
-        return o.to(q.dtype), lse.float()
-
-
-class FlashInferExtend:
-    """The ragged branch of SGLang's flashinfer ``forward_extend`` (see test_hot_extend.py)."""
-
-    def __init__(self, sim):
-        self.sim, self.paged = sim, PagedPrefix(sim)
-
-    def init_forward_metadata(self, fb):
-        self.paged.fb = fb
-        self.forward_metadata = SimpleNamespace(prefill_wrappers=[self.paged], use_ragged=True,
-                                                extend_no_prefix=not any(fb.extend_prefix_lens_cpu),
-                                                multi_item_params=None)
-
-    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
-        q3, k3, v3 = q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D)
-        outs, lses, t = [], [], 0
-        for n in fb.extend_seq_lens_cpu:
-            o, s = _attend(q3[t: t + n], k3[t: t + n], v3[t: t + n], 0)
-            outs.append(o)
-            lses.append(s)
-            t += n
-        o1, s1 = torch.cat(outs), torch.cat(lses)
-        if not self.forward_metadata.extend_no_prefix:
-            pool = self.sim.kv_pool
-            o2, s2 = self.forward_metadata.prefill_wrappers[0].forward_return_lse(
-                q3, (pool.k_buffer[0], pool.v_buffer[0]), causal=False, sm_scale=layer.scaling)
-            m = torch.maximum(s1, s2.double())
-            w1, w2 = torch.exp2(s1 - m), torch.exp2(s2.double() - m)
-            o1 = (o1 * w1[..., None] + o2.double() * w2[..., None]) / (w1 + w2)[..., None]
-        return o1.to(q.dtype).view(-1, HQ * D)
 
 
 def _setup(seed):
@@ -102,7 +44,7 @@ def _setup(seed):
                              token_to_kv_pool_allocator=sim.allocator)
     be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, hot_min_tokens=16),
                             backend_name="stand-in")
-    be.inner = FlashInferExtend(sim)
+    be.inner = FlashInferExtendStandIn(runner)
     sched = SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
                             tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
                             enable_overlap=False)
@@ -128,7 +70,7 @@ def _run_batch(sim, be, sched, reqs, rng, cfg):
     t = 0
     for r, p, n in zip(reqs, prefix, new):
         full = sim.expected_kv(r.origin_input_ids[: p + n], 0)[0]
-        want, _ = _attend(q.view(-1, HQ, D)[t: t + n], full[0], full[1], p)
+        want, _ = attend(q.view(-1, HQ, D)[t: t + n], full[0], full[1], SCALE, first_pos=p)
         torch.testing.assert_close(out[t: t + n].double(), want, atol=1e-4, rtol=1e-4)
         t += n
     for r in reqs:

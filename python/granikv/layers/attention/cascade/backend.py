@@ -171,15 +171,23 @@ class GraniKVAttnBackend(AttentionBackend):
 
     # ---- planning (host side, once per step) -----------------------------------------
 
+    def _plan_decode(self, fb, *, graph: bool, in_capture: bool = False):
+        """A decode step's host work: plan, fill the workspace; returns the batch the wrapped
+        backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view).
+        The time of both parts is recorded (not while capturing a graph: nothing is planned)."""
+        t0 = time.perf_counter()
+        plan = None if in_capture else self._plan(fb, graph=graph)
+        t1 = time.perf_counter()
+        self._path = Path.PAGED if plan is None else plan[2].path  # graph steps: paged or cascade
+        if plan is not None or self._kernels_always_run(fb.batch_size):
+            self._fill_workspace(plan, fb)  # no plan: the kernels run with bs = 0
+        if not in_capture:
+            t2 = time.perf_counter()
+            self.stats.record_plan_time(t2 - t0, choose=t1 - t0, fill=t2 - t1)
+        return fb if plan is None else self._inner_view(fb)
+
     def _plan(self, fb, graph: bool):
         """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
-        t0 = time.perf_counter()
-        try:
-            return self._plan_step(fb, graph)
-        finally:
-            self.stats.choose_seconds += time.perf_counter() - t0
-
-    def _plan_step(self, fb, graph: bool):
         staged, self._staged = self._staged, None
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
@@ -205,13 +213,6 @@ class GraniKVAttnBackend(AttentionBackend):
         return grouping, desc, decision
 
     def _fill_workspace(self, plan, fb) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._fill_workspace_step(plan, fb)
-        finally:
-            self.stats.fill_seconds += time.perf_counter() - t0
-
-    def _fill_workspace_step(self, plan, fb) -> None:
         ws = self._ws = self._workspace_for(fb.batch_size)
         if plan is None:
             ws.fill(*_EMPTY_FILL)
@@ -242,25 +243,12 @@ class GraniKVAttnBackend(AttentionBackend):
             self.inner.init_forward_metadata(forward_batch)
             self._plan_extend(forward_batch, staged)
             return
-        t0 = time.perf_counter()
-        plan = self._plan(forward_batch, graph=False)
-        self._path = Path.PAGED if plan is None else plan[2].path
-        if plan is not None or self._kernels_always_run(forward_batch.batch_size):
-            self._fill_workspace(plan, forward_batch)  # no plan: the kernels run with bs = 0
-        self.stats.record_plan_time(time.perf_counter() - t0)
-        self.inner.init_forward_metadata(forward_batch if plan is None else self._inner_view(forward_batch))
+        self.inner.init_forward_metadata(self._plan_decode(forward_batch, graph=False))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if not (self._graph_mode and forward_batch.forward_mode.is_decode()):
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        t0 = time.perf_counter()
-        plan = None if in_capture else self._plan(forward_batch, graph=True)
-        self._path = Path.PAGED if plan is None else plan[2].path  # cascade: all a graph holds
-        if plan is not None or self._kernels_always_run(forward_batch.batch_size):
-            self._fill_workspace(plan, forward_batch)  # graphs too small to hold a group have no kernels
-        if not in_capture:
-            self.stats.record_plan_time(time.perf_counter() - t0)
-        view = forward_batch if plan is None else self._inner_view(forward_batch)
+        view = self._plan_decode(forward_batch, graph=True, in_capture=in_capture)
         self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch):
@@ -329,11 +317,8 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def _extend_attention(self):
         if self._hot_extend is None:
-            if self.device.type == "cuda":
-                ws = getattr(self.inner, "workspace_buffer", None)
-                if ws is None:
-                    ws = torch.empty(128 << 20, dtype=torch.uint8, device=self.device)
-                runner = FlashInferDense(ws)
+            if self.device.type == "cuda":  # the flashinfer backend's float workspace (calls are stream-ordered)
+                runner = FlashInferDense(self.inner.workspace_buffer)
             else:
                 runner = TorchDense()  # CPU (tests): the float32 reference
             self._hot_extend = HotExtendAttention(runner, self.device)

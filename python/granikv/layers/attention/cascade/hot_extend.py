@@ -133,16 +133,14 @@ class HotExtendAttention:
         self._planned_key = None
         self._token_idx: List[Optional[torch.Tensor]] = []
 
-    def begin(self, plan: ExtendPlan, req_to_token: Optional[torch.Tensor] = None) -> None:
-        """Per batch. ``req_to_token`` (SGLang's table) is needed when the plan has a paged
-        remainder: its slots are gathered here, once per batch (one H2D copy, no sync)."""
+    def begin(self, plan: ExtendPlan, req_to_token: torch.Tensor) -> None:
+        """Per batch. The paged remainder's slots are gathered from ``req_to_token`` (SGLang's
+        table) here, once per batch (no sync)."""
         self.plan = plan
         self._planned_key = None
         self._token_idx = [None if g.contiguous else self._h2d(g.token_idx) for g in plan.groups]
         self._paged_idx = self._paged_kv = None
         if plan.paged is not None:
-            if req_to_token is None:
-                raise ValueError("GraniKV extend: a plan with a paged remainder needs req_to_token")
             rows, cols = plan.paged.slot_coords()
             self._paged_kv = req_to_token[self._h2d(rows), self._h2d(cols)].to(torch.int32)
             self._paged_idx = self._h2d(plan.paged.token_idx)

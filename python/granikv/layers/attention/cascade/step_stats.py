@@ -35,8 +35,11 @@ class StepStats:
             self.groups += grouping.num_groups
         self.last_reason = decision.reason
 
-    def record_plan_time(self, seconds: float) -> None:
+    def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0) -> None:
+        """A decode step's planning time, and its two parts (plan + path choice, workspace fill)."""
         self.plan_seconds += seconds
+        self.choose_seconds += choose
+        self.fill_seconds += fill
         self.plan_max_seconds = max(self.plan_max_seconds, seconds)
 
     def record_extend(self, plan, reason: str) -> None:
