@@ -133,6 +133,7 @@ def test_prefix_part_matches_reference_and_leaves_unprefixed_tokens_out():
     assert reason == "" and len(plan.groups) == 2 and not plan.groups[0].contiguous
     attn = HotExtendAttention(TorchDense(), "cpu")
     attn.begin(plan, runner.req_to_token_pool.req_to_token)
+    attn.check_integrity()
     q3 = q.view(-1, HQ, D)
     kb, vb = runner.token_to_kv_pool.k_buffer[0], runner.token_to_kv_pool.v_buffer[0]
     o, lse = attn.prefix_part(q3, kb, vb, SCALE)
@@ -256,3 +257,24 @@ def test_a_failing_dense_path_falls_back_to_stock_and_stays_off(caplog):
     assert be.inner.paged.calls == 1  # the next batch was planned stock
     fallbacks = be.stats_snapshot()["extend_fallbacks"]  # the failed batch once, the next batch once
     assert sum(fallbacks.values()) == 2 and all("after an error (RuntimeError)" in r for r in fallbacks)
+
+
+def test_check_integrity_catches_stale_batch_state():
+    runner, fb, rows, _, _, _ = _setup(["A", "none", "cold", "A+", "A"], [2, 3, 2, 2, 1])
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    plan, _ = plan_extend(rows, np.array(fb.extend_prefix_lens_cpu), np.array([2, 3, 2, 2, 1]), table.start_np,
+                          table.length_np)
+    attn = HotExtendAttention(TorchDense(), "cpu")
+    attn.begin(plan, runner.req_to_token_pool.req_to_token)
+    attn.check_integrity()
+    assert plan.paged is not None and any(idx is not None for idx in attn._token_idx)
+    gathered = next(i for i, idx in enumerate(attn._token_idx) if idx is not None)
+    attn._token_idx[gathered] = attn._token_idx[gathered] + 1  # a stale list from another batch
+    with pytest.raises(AssertionError, match="stale gathered token list"):
+        attn.check_integrity()
+    attn.begin(plan, runner.req_to_token_pool.req_to_token)
+    attn._paged_kv = attn._paged_kv[:-1]
+    with pytest.raises(AssertionError, match="remainder slot count"):
+        attn.check_integrity()
+    attn.end()
+    attn.check_integrity()

@@ -42,7 +42,8 @@ def _setup(seed):
                              kv_cache_dtype=torch.float32, server_args=SimpleNamespace(speculative_algorithm=None),
                              req_to_token_pool=sim.req_pool, token_to_kv_pool=sim.kv_pool,
                              token_to_kv_pool_allocator=sim.allocator)
-    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, hot_min_tokens=16),
+    be = GraniKVAttnBackend(None, model_runner=runner,
+                            cfg=GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True),  # checks each plan
                             backend_name="stand-in")
     be.inner = FlashInferExtendStandIn(runner)
     sched = SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,

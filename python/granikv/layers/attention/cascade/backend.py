@@ -297,6 +297,8 @@ class GraniKVAttnBackend(AttentionBackend):
                 self.stats.record_extend(plan, "")
                 attn = self._extend_attention()
                 attn.begin(plan, self.model_runner.req_to_token_pool.req_to_token)
+                if self.cfg.debug_integrity:
+                    attn.check_integrity()
                 compare = self._extend_compare_callback(plan)
                 md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare, on_failure=self._extend_failed)
                                        for w in md.prefill_wrappers]  # a new list: SGLang's stays

@@ -21,6 +21,7 @@ import logging
 import math
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from granikv.layers.attention.cascade.extend_plan import ExtendPlan, PagedRemainder
@@ -149,6 +150,29 @@ class HotExtendAttention:
         self.plan = None
         self._token_idx = []
         self._paged_idx = self._paged_kv = None
+
+    def check_integrity(self) -> None:
+        """The batch's device state matches its plan (debug mode and tests; reads device
+        tensors): every new token is served by at most one dense group, all within the batch;
+        each gathered token list and the paged remainder's slot list is the plan's."""
+        plan = self.plan
+        if plan is None:
+            assert not self._token_idx and self._paged_idx is None and self._paged_kv is None, "state without a plan"
+            return
+        assert len(self._token_idx) == len(plan.groups), "one token list per group"
+        seen = np.concatenate([g.token_idx for g in plan.groups])
+        assert len(np.unique(seen)) == len(seen), "a token in two dense groups"
+        assert seen.min() >= 0 and seen.max() < plan.num_tokens, "a group token outside the batch"
+        for g, idx in zip(plan.groups, self._token_idx):
+            assert g.length > 0 and (idx is None) == g.contiguous, "gathered list vs contiguous group"
+            if idx is not None:
+                assert np.array_equal(idx.cpu().numpy(), g.token_idx), "stale gathered token list"
+        rem = plan.paged
+        assert (rem is None) == (self._paged_kv is None), "paged remainder state vs plan"
+        if rem is not None:
+            assert (rem.hi > rem.lo).all() and (rem.lo >= 0).all(), "empty remainder range"
+            assert self._paged_kv.numel() == int(rem.kv_indptr[-1]), "remainder slot count"
+            assert np.array_equal(self._paged_idx.cpu().numpy(), rem.token_idx), "stale remainder tokens"
 
     def _h2d(self, a):
         t = torch.from_numpy(a)
