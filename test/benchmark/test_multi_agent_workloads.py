@@ -484,3 +484,18 @@ def test_child_leaves_routing_to_sglang_when_asked():
     row = child.run(wl.WorkloadSpec("homogeneous", 4, 16, {"out": 3, "suffix": 2}))
     assert row["dp_routes"] is None and set(child.engine.routes) == {None}
     assert [r for r, _ in child.engine.warm_calls] == [None]
+
+
+def test_targets_follow_the_runs_parallelism():
+    # one GPU: issue 4; TP=2: issue 6 (homogeneous 64 only); TP=4: issue 7; DP=2: none
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384) == 2.5
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, tp=2) == 2.2
+    assert report.target_for("homogeneous", "flashinfer", 128, 16384, tp=2) is None
+    assert report.target_for("heterogeneous", "flashinfer", 64, 16384, tp=2) is None
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, tp=4) == 1.8
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, dp=2) is None
+    rec = [dict(kind="row", config=c, backend="flashinfer", workload="homogeneous", prefix_len=16384,
+                agents=64, out_tok_per_s=v) for c, v in (("baseline", 100.0), ("granikv", 200.0))]
+    assert report.combine(rec, tp=2)[0]["target_speedup"] == 2.2
+    assert report.combine(rec, tp=1, dp=2)[0]["target_speedup"] is None
+    assert "issue 6" in report.markdown(report.combine(rec, tp=2), rec, dict(tp=2, dp=1), None)
