@@ -79,6 +79,14 @@ class GraniKVConfig:
         lo=0,
         hi=1 << 30,
     )
+    tp_check_interval: int = _opt(
+        256,
+        "With attention TP > 1: every N decode steps the TP ranks compare a fingerprint of their "
+        "storage decisions over SGLang's CPU group; on a mismatch promotions freeze on every rank "
+        "and an error is logged (0 = off).",
+        lo=0,
+        hi=1 << 30,
+    )
     log_interval: int = _opt(
         40, "Log GraniKV metrics every N decode steps (0 = never).", lo=0, hi=1 << 30
     )

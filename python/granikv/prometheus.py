@@ -20,8 +20,11 @@ STORAGE_GAUGES = {
     "extended_in_place": "Promotions placed right after their parent's HOT run, nothing re-copied (total).",
     "hot_evictions": "HOT nodes evicted (total).",
     "bytes_copied": "Bytes of KV copied by promotions and compaction (total).",
+    "tp_divergences": "Cross-rank checks that found the TP ranks' storage decisions differing (total; "
+                      "promotions are frozen after the first).",
 }
-TOTALS = {"promotions", "promotions_skipped", "extended_in_place", "hot_evictions", "bytes_copied"}
+TOTALS = {"promotions", "promotions_skipped", "extended_in_place", "hot_evictions", "bytes_copied",
+          "tp_divergences"}
 
 
 def metrics_enabled() -> bool:

@@ -12,7 +12,9 @@ not been launched, which makes it the safe point to:
    stream as SGLang already arranges;
 2. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan (decode:
    grouping and path; extend: the prefix part over HOT extents);
-3. optionally check integrity, and log metrics at the configured cadence.
+3. optionally check integrity, compare the TP ranks' storage decisions (tp_consistency.py,
+   decode steps only: every rank of the group runs them in the same order), and log metrics at
+   the configured cadence.
 """
 
 import logging
@@ -41,7 +43,18 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     if cfg.debug_integrity:
         cache.check_integrity()  # pools, table and tree
     if mode.is_decode():
+        _tp_check(scheduler, cfg).on_decode_step(cache)
         _maybe_report(scheduler, cache, backend, cfg.log_interval)
+
+
+def _tp_check(scheduler, cfg):
+    """The scheduler's cross-rank decision check, created on first use."""
+    check = getattr(scheduler, "_granikv_tp_check", None)
+    if check is None:
+        from granikv.tp_consistency import for_scheduler
+
+        check = scheduler._granikv_tp_check = for_scheduler(scheduler, cfg.tp_check_interval)
+    return check
 
 
 def _wait_for_forward_stream(scheduler) -> None:

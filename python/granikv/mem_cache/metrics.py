@@ -28,6 +28,8 @@ class GraniKVMetrics:
     compaction_moves: int = 0
     rows_rewritten: int = 0
     bytes_copied: int = 0
+    tp_checks: int = 0  # cross-rank fingerprint comparisons (tp_consistency.py)
+    tp_divergences: int = 0  # comparisons that found ranks disagreeing (promotions then frozen)
 
     def skip(self, reason: str) -> None:
         self.promotions_skipped += 1

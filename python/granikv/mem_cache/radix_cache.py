@@ -112,6 +112,7 @@ class GraniKVRadixCache(RadixCache):
         self._head: Dict[TreeNode, int] = {}  # HOT node -> shadow head length (only if > 0)
         self._pending: Dict[TreeNode, None] = {}  # insertion-ordered set: deterministic
         self._live: Dict[int, object] = {}  # req_pool_idx -> Req
+        self.promotions_frozen: Optional[str] = None  # why no new promotion is queued, if so
         super().__init__(params)
         self.refresh_gauges()
 
@@ -263,6 +264,13 @@ class GraniKVRadixCache(RadixCache):
     def has_pending_promotions(self) -> bool:
         return bool(self._pending)
 
+    def freeze_promotions(self, reason: str) -> None:
+        """Queue no new promotion from now on (``reason`` is kept for logs and tests); queued
+        ones are dropped. Existing HOT extents stay and are evicted as usual, so the KV, the
+        tree and the table stay consistent. Used when the TP ranks diverged (tp_consistency)."""
+        self.promotions_frozen = reason
+        self._pending.clear()
+
     def evict_hot(self, num_tokens: int) -> int:
         """LRU-evict unlocked HOT subtrees until ``num_tokens`` HOT slots are freed.
 
@@ -325,6 +333,8 @@ class GraniKVRadixCache(RadixCache):
         return None
 
     def _maybe_queue(self, node: TreeNode) -> None:
+        if self.promotions_frozen is not None:
+            return
         target = self._target(node)
         if target is not None and target not in self._hot_start:
             self._pending[target] = None
