@@ -32,9 +32,9 @@ LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 SIDE_KEYS = LATENCY_KEYS + ("kv_used_tokens_peak", "cached_tokens", "seconds")
 CEILING = "ceiling"
 
-# Targets per (TP, DP) of the run: (workload, backend, agents or None for any, prefix or None)
-# -> min speedup. One GPU: issue 4 (Llama-3.1-8B); TP=2: issue 6 (Qwen2.5-14B); TP=4: issue 7
-# (Qwen2.5-32B). DP=2 has no speedup target of its own (issue 6 asks for the measurement).
+# Targets per (model, TP, DP) of the run: (workload, backend, agents or None for any, prefix or
+# None) -> min speedup. Issue 4: Llama-3.1-8B on one GPU; issue 6: Qwen2.5-14B at TP=2; issue 7:
+# Qwen2.5-32B at TP=4. Other runs (DP=2, dry runs at another TP) show no target.
 TARGETS: Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...] = (
     ("homogeneous", "flashinfer", 64, 16384, 2.5),
     ("homogeneous", "flashinfer", 128, 16384, 3.1),
@@ -43,20 +43,25 @@ TARGETS: Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...] = (
     ("heterogeneous", "*", None, None, 2.0),
     ("no_sharing", "*", None, None, 0.97),
 )
-TARGETS_BY_PARALLELISM: Dict[Tuple[int, int], Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...]] = {
-    (1, 1): TARGETS,
-    (2, 1): (("homogeneous", "flashinfer", 64, 16384, 2.2),),
-    (4, 1): (("homogeneous", "flashinfer", 64, 16384, 1.8),),
+TARGETS_BY_RUN: Dict[Tuple[str, int, int], Tuple[str, Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...]]] = {
+    ("llama-3.1-8b", 1, 1): ("issue 4", TARGETS),
+    ("qwen2.5-14b", 2, 1): ("issue 6", (("homogeneous", "flashinfer", 64, 16384, 2.2),)),
+    ("qwen2.5-32b", 4, 1): ("issue 7", (("homogeneous", "flashinfer", 64, 16384, 1.8),)),
 }
-TARGET_SOURCE = {(1, 1): "issue 4", (2, 1): "issue 6", (4, 1): "issue 7"}
+DEFAULT_MODEL = "llama-3.1-8b"
 
 
-def target_for(workload: str, backend: str, agents: int, prefix: int, *, tp: int = 1,
-               dp: int = 1) -> Optional[float]:
-    for w, b, n, p, t in TARGETS_BY_PARALLELISM.get((tp, dp), ()):
+def target_for(workload: str, backend: str, agents: int, prefix: int, *, model: str = DEFAULT_MODEL,
+               tp: int = 1, dp: int = 1) -> Optional[float]:
+    _, targets = TARGETS_BY_RUN.get((model, tp, dp), ("", ()))
+    for w, b, n, p, t in targets:
         if w == workload and b in ("*", backend) and n in (None, agents) and p in (None, prefix):
             return t
     return None
+
+
+def _run_key(meta: Mapping[str, Any]) -> Tuple[str, int, int]:
+    return (str(meta.get("model") or DEFAULT_MODEL), int(meta.get("tp") or 1), int(meta.get("dp") or 1))
 
 
 def _key(r: Mapping[str, Any]) -> Tuple:
@@ -86,9 +91,10 @@ def merge(record_lists: Iterable[Sequence[Mapping[str, Any]]]) -> List[Dict[str,
     return list(out.values())
 
 
-def combine(records: Sequence[Mapping[str, Any]], *, tp: int = 1, dp: int = 1) -> List[Dict[str, Any]]:
+def combine(records: Sequence[Mapping[str, Any]], *, model: str = DEFAULT_MODEL, tp: int = 1,
+            dp: int = 1) -> List[Dict[str, Any]]:
     """Pairs the baseline and granikv rows of each backend/workload/prefix/agents; targets are
-    those of the run's parallelism (``TARGETS_BY_PARALLELISM``)."""
+    those of the run's model and parallelism (``TARGETS_BY_RUN``)."""
     rows = [r for r in records if r.get("kind") == "row"]
     infos = {(r["backend"], r["config"]): r for r in records if r.get("kind") == "info"}
     sides: Dict[Tuple, Dict[str, Mapping[str, Any]]] = {}
@@ -112,7 +118,7 @@ def combine(records: Sequence[Mapping[str, Any]], *, tp: int = 1, dp: int = 1) -
         row = dict(workload=workload, backend=backend, prefix_len=prefix, agents=agents,
                    turns=any_side.get("turns", 1), params=any_side.get("params"),
                    baseline_out_tok_s=b_tps, granikv_out_tok_s=g_tps, speedup=_ratio(g_tps, b_tps),
-                   target_speedup=target_for(workload, backend, agents, prefix, tp=tp, dp=dp),
+                   target_speedup=target_for(workload, backend, agents, prefix, model=model, tp=tp, dp=dp),
                    ceiling_out_tok_s=ceiling, ceiling_ratio=_ratio(g_tps, ceiling),
                    baseline_ceiling_ratio=_ratio(b_tps, ceiling),
                    kv_tokens_logical=any_side.get("kv_tokens_logical"),
@@ -178,8 +184,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _target_source(meta: Mapping[str, Any]) -> str:
-    key = (int(meta.get("tp") or 1), int(meta.get("dp") or 1))
-    return TARGET_SOURCE.get(key, f"no issue at TP {key[0]}, DP {key[1]} (none shown)")
+    key = _run_key(meta)
+    source = TARGETS_BY_RUN.get(key, ("",))[0]
+    return source or f"none (no issue sets one for {key[0]} at TP {key[1]}, DP {key[2]})"
 
 
 def _pct(x: Optional[float]) -> Optional[float]:
@@ -204,7 +211,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
            "output tokens / wall time of the batch; TTFT = first token − submit; TPOT = (last − "
            "first token) / (tokens − 1), per request. Ceiling = the same engine with a "
            "256-token prefix at the same agent count (bound on any prefix-sharing gain). KV "
-           "tokens peak = SGLang's used KV slots, polled every 0.25 s. Targets from "
+           "tokens peak = SGLang's used KV slots, polled every 0.25 s. Targets: "
            f"{_target_source(meta)}.", "",
            "Command:", ""]
     out += [f"    {c}" for c in cmds if c]
@@ -279,7 +286,8 @@ def write(out_dir: str, records: Sequence[Mapping[str, Any]], meta: Mapping[str,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "multi_agent" + (f"_{tag}" if tag else "")
-    rows = combine(records, tp=int(meta.get("tp") or 1), dp=int(meta.get("dp") or 1))
+    model, tp, dp = _run_key(meta)
+    rows = combine(records, model=model, tp=tp, dp=dp)
     for r in rows:
         r.update(date=meta.get("date"), command=meta.get("command") or meta.get("commands"))
     png = out / f"{stem}.png"

@@ -228,7 +228,7 @@ def test_write_json_and_markdown(tmp_path):
 
 
 def test_report_cli_merges_runs(tmp_path):
-    meta = dict(command="cmd-a", date="d", model="m", tp=1, dp=1)
+    meta = dict(command="cmd-a", date="d", model="llama-3.1-8b", tp=1, dp=1)
     report.write(str(tmp_path / "a"), _records(), meta)
     later = [_row("granikv", "homogeneous", 16384, 128, 9000.0),
              _row("baseline", "homogeneous", 16384, 64, 2000.0, backend="triton"),
@@ -486,16 +486,21 @@ def test_child_leaves_routing_to_sglang_when_asked():
     assert [r for r, _ in child.engine.warm_calls] == [None]
 
 
-def test_targets_follow_the_runs_parallelism():
-    # one GPU: issue 4; TP=2: issue 6 (homogeneous 64 only); TP=4: issue 7; DP=2: none
+def test_targets_follow_the_runs_model_and_parallelism():
+    # Llama on one GPU: issue 4; Qwen2.5-14B at TP=2: issue 6; Qwen2.5-32B at TP=4: issue 7
     assert report.target_for("homogeneous", "flashinfer", 64, 16384) == 2.5
-    assert report.target_for("homogeneous", "flashinfer", 64, 16384, tp=2) == 2.2
-    assert report.target_for("homogeneous", "flashinfer", 128, 16384, tp=2) is None
-    assert report.target_for("heterogeneous", "flashinfer", 64, 16384, tp=2) is None
-    assert report.target_for("homogeneous", "flashinfer", 64, 16384, tp=4) == 1.8
+    q14, q32 = "qwen2.5-14b", "qwen2.5-32b"
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, model=q14, tp=2) == 2.2
+    assert report.target_for("homogeneous", "flashinfer", 128, 16384, model=q14, tp=2) is None
+    assert report.target_for("heterogeneous", "flashinfer", 64, 16384, model=q14, tp=2) is None
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, model=q32, tp=4) == 1.8
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, model=q32, tp=2) is None  # dry run
+    assert report.target_for("homogeneous", "flashinfer", 64, 16384, model=q14, tp=1) is None  # dry run
     assert report.target_for("homogeneous", "flashinfer", 64, 16384, dp=2) is None
     rec = [dict(kind="row", config=c, backend="flashinfer", workload="homogeneous", prefix_len=16384,
                 agents=64, out_tok_per_s=v) for c, v in (("baseline", 100.0), ("granikv", 200.0))]
-    assert report.combine(rec, tp=2)[0]["target_speedup"] == 2.2
-    assert report.combine(rec, tp=1, dp=2)[0]["target_speedup"] is None
-    assert "issue 6" in report.markdown(report.combine(rec, tp=2), rec, dict(tp=2, dp=1), None)
+    assert report.combine(rec, model=q14, tp=2)[0]["target_speedup"] == 2.2
+    assert report.combine(rec, dp=2)[0]["target_speedup"] is None
+    md = report.markdown(report.combine(rec, model=q14, tp=2), rec, dict(model=q14, tp=2, dp=1), None)
+    assert "issue 6" in md
+    assert "none (no issue sets one for qwen2.5-32b at TP 2, DP 1)" in report.markdown([], rec, dict(model=q32, tp=2, dp=1), None)
