@@ -88,7 +88,8 @@ class TPConsistencyCheck:
 
     def on_decode_step(self, cache) -> Optional[bool]:
         """Count a decode step; every ``interval`` steps gather and compare. Returns True (all
-        ranks agree), False (a divergence, handled) or None (no check this step)."""
+        ranks agree), False (a divergence, handled) or None (no check this step, or the
+        collective failed: the check then turns itself off, logged once)."""
         if not self.enabled:
             return None
         self.steps += 1
@@ -96,11 +97,17 @@ class TPConsistencyCheck:
             return None
         return self.check(cache)
 
-    def check(self, cache) -> bool:
+    def check(self, cache) -> Optional[bool]:
         import torch.distributed as dist
 
         prints: List[Optional[Dict[str, Any]]] = [None] * self.world_size
-        dist.all_gather_object(prints, fingerprint(cache), group=self.group)
+        try:
+            dist.all_gather_object(prints, fingerprint(cache), group=self.group)
+        except Exception as exc:  # a failed gloo call must not fail the scheduler step
+            self.interval = 0
+            logger.warning("GraniKV: the TP decision check failed (%s: %s) and is off from now on; "
+                           "serving goes on", type(exc).__name__, exc)
+            return None
         m = cache.metrics
         m.tp_checks += 1
         diff = differences(prints)
