@@ -172,3 +172,21 @@ def test_random_step_sequences_always_cover_every_suffix_exactly():
         ws.check_integrity()
         _check_cover(wl, p_len, seq, max(SMALL_CONFIG.reuse_chunk_factor, 1.0) * wl.suffix_chunk)
     assert ws.fills_reused > 50 and ws.fills_built > 10, (ws.fills_reused, ws.fills_built)
+
+
+def test_empty_fills_in_a_row_copy_nothing_and_a_real_fill_in_between_clears_the_skip():
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = _workspace(b)
+    uploads = []
+    orig = ws._upload
+    ws._upload = lambda wl, rpi: (uploads.append(wl.bs), orig(wl, rpi))[1]
+    first = ws.fill_empty()
+    assert first.bs == 0 and uploads == [0] and ws.counts.tolist() == [0, 0, 0]
+    assert ws.fill_empty() is first and ws.fill_empty() is first and uploads == [0]  # skipped
+    assert ws.fills_skipped == 2
+    wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                 b.seq_lens, b.req_pool_indices)  # fmt: skip
+    assert uploads == [0, b.bs] and ws.counts.tolist()[0] == b.bs == wl.bs
+    assert ws.fill_empty().bs == 0 and uploads == [0, b.bs, 0]  # the device held a real list
+    assert ws.counts.tolist() == [0, 0, 0]
+    ws.check_integrity()

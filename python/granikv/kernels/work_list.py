@@ -388,6 +388,7 @@ class CascadeWorkspace:
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
         self._reuse_base = None  # (PrefixItems, last suffix item per request) of the last full build
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
+        self.fills_skipped = 0  # empty fills with the empty work list already on the device
         self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
@@ -449,6 +450,15 @@ class CascadeWorkspace:
             gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
             self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
         return wl
+
+    def fill_empty(self) -> WorkList:
+        """``fill`` with no request: the kernels then exit at once (a captured graph still runs
+        them on a paged step). While the device metadata already holds an empty work list
+        (paged steps in a row: no shared prefix in the batch) nothing is built or copied."""
+        if self.work_list is not None and self.work_list.bs == 0:
+            self.fills_skipped += 1
+            return self.work_list
+        return self.fill(*_EMPTY_FILL)
 
     def _advance(self, items: PrefixItems, seq_lens: np.ndarray) -> Optional[WorkList]:
         """The previous work list with each request's last suffix chunk ending at its new
@@ -554,3 +564,9 @@ class CascadeWorkspace:
             b = wl.group_req_idx[m_lo:m_hi]
             np.add.at(rows, wl.part_indptr[b] + sp, 1)
         assert (rows == 1).all(), "partial rows not written exactly once"
+
+
+# fill() arguments of a step with no request (group_req_indptr holds its single 0)
+_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
+               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+               np.zeros(0, np.int64))

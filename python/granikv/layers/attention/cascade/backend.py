@@ -215,7 +215,7 @@ class GraniKVAttnBackend(AttentionBackend):
     def _fill_workspace(self, plan, fb) -> None:
         ws = self._ws = self._workspace_for(fb.batch_size)
         if plan is None:
-            ws.fill(*_EMPTY_FILL)
+            ws.fill_empty()
             return
         grouping, desc, decision = plan
         padded = fb.batch_size
@@ -425,11 +425,6 @@ def _forward_base_methods(cls) -> None:
 
 
 _forward_base_methods(GraniKVAttnBackend)
-
-_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
-               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-               np.zeros(0, np.int64))
-
 
 def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):
     """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1)."""
