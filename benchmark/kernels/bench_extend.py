@@ -19,6 +19,13 @@ as a merge needs):
                       entry with a copy of the stacked queries, merged by LSE (merge_states):
                       FA3 has no split-KV, so few query rows leave most SMs idle; q copy, run and
                       merge are all timed
+    fi_ragged_{fa3,fa2}_mhaS   (the same few-token cases) the GQA heads packed as query rows:
+                      q [n, 32, d] is viewed as [n * 4, 8, d], so the call is MHA with 8 heads and
+                      4x the rows, each tile full and each K/V chunk read once per kv head (the
+                      unpacked calls above read it once per q head, from half-empty 128-row
+                      tiles); S chunks as above (S = 1: one entry). Pack, q copies, run, merge
+                      and unpack are all timed. Session 5 idea for the decode prefix part, where
+                      GraniKV's Triton kernel runs at ~300 TFLOP/s and FA3 at ~650 on prefill
 
 Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
 with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
@@ -42,7 +49,48 @@ DEV = "cuda"
 CASES = [(16384, 64, 256), (16384, 128, 256), (16384, 8, 256), (4096, 64, 256), (16384, 64, 1024),
          (16384, 64, 1), (16384, 128, 1)]  # the last two: decode (GraniKV's prefix kernel: 59 / 107 us, sweep 7)
 SPLITS = (4, 8, 16)
+MHA_SPLITS = (1, 4, 8, 16)
 FEW_TOKENS = 256  # split variants for cases with at most this many query tokens
+
+
+def pack_gqa(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[n, hq, d] -> [n * r, hkv, d] (r = hq // hkv): row ``i * r + j``, head ``g`` is q head
+    ``g * r + j`` of token ``i``, which reads kv head ``g``, so MHA over the rows is the GQA."""
+    n, hq, d = q.shape
+    r = hq // hkv
+    return q.view(n, hkv, r, d).transpose(1, 2).reshape(n * r, hkv, d)
+
+
+def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, hq: int):
+    """Inverse of ``pack_gqa`` for the output [n * r, hkv, d] and its LSE [n * r, hkv]."""
+    m, hkv, d = o.shape
+    r = hq // hkv
+    n = m // r
+    return (o.view(n, r, hkv, d).transpose(1, 2).reshape(n, hq, d),
+            lse.view(n, r, hkv).transpose(1, 2).reshape(n, hq))
+
+
+def split_ptrs(length: int, n_split: int) -> list:
+    """kv_indptr of ``length`` keys cut into ``n_split`` near-equal chunks."""
+    chunk = -(-length // n_split)
+    return [min(j * chunk, length) for j in range(n_split + 1)]
+
+
+def mha_split_attention(q, k, v, n_split: int, attend, merge):
+    """GQA attention of q [n, hq, d] to k, v [L, hkv, d] as packed MHA over ``n_split`` key
+    chunks: ``attend(q_rows, k, v, qo_ptr, kv_ptr) -> (o, lse)`` runs the ragged batch (entry
+    s: the packed rows against keys [kv_ptr[s], kv_ptr[s+1])); ``merge(o [m, S, h, d],
+    lse [m, S, h])`` combines the chunks. Returns (o [n, hq, d], lse [n, hq])."""
+    hkv = k.shape[1]
+    rows = pack_gqa(q, hkv)
+    m = rows.shape[0]
+    qo_ptr = list(range(0, n_split * m + 1, m))
+    o, lse = attend(rows.repeat(n_split, 1, 1) if n_split > 1 else rows, k, v, qo_ptr,
+                    split_ptrs(k.shape[0], n_split))
+    if n_split > 1:
+        o, lse = merge(o.view(n_split, m, hkv, -1).transpose(0, 1).contiguous(),
+                       lse.view(n_split, m, hkv).transpose(0, 1).contiguous())
+    return unpack_gqa(o, lse, q.shape[1])
 
 
 def bench_ms(fn) -> float:
@@ -122,6 +170,21 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
             except Exception as e:  # noqa: BLE001
                 row[f"fi_ragged_fa3_split{n_split}_error"] = repr(e)[:300]
 
+        for be in ("fa3", "fa2"):
+            for n_split in MHA_SPLITS:
+                def mha_fn(be=be, n_split=n_split):
+                    m = n_tok * (HQ // HKV)
+                    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+                    w.plan(torch.arange(0, n_split * m + 1, m, dtype=torch.int32),
+                           torch.tensor(split_ptrs(prefix, n_split), dtype=torch.int32),
+                           HKV, HKV, D, causal=False, q_data_type=DT, kv_data_type=DT)
+                    attend = lambda rows, kk, vv, _qo, _kv: w.run(rows, kk, vv, return_lse=True)  # noqa: E731
+                    return lambda: mha_split_attention(q, ext_k, ext_v, n_split, attend, flashinfer.merge_states)
+                try:
+                    record(f"fi_ragged_{be}_mha{n_split}", mha_fn())
+                except Exception as e:  # noqa: BLE001
+                    row[f"fi_ragged_{be}_mha{n_split}_error"] = repr(e)[:300]
+
     ratio = HQ // HKV
 
     def sdpa():
@@ -155,7 +218,8 @@ def main():
         print("ROW", json.dumps(r), flush=True)
         torch.cuda.empty_cache()
     names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash") + tuple(
-        f"fi_ragged_fa3_split{n}" for n in SPLITS)
+        f"fi_ragged_fa3_split{n}" for n in SPLITS) + tuple(
+        f"fi_ragged_{be}_mha{n}" for be in ("fa3", "fa2") for n in MHA_SPLITS)
     print(f"\n{torch.cuda.get_device_name()}  prefix part of extend attention, one layer, ms (TFLOP/s)")
     print(f"{'prefix x agents x new':<24}{'GFLOP':>8}" + "".join(f"{n:>20}" for n in names))
     for r in rows:
