@@ -244,6 +244,29 @@ def test_graph_mode_replays_any_grouping_with_fixed_buffers():
     assert (ws.meta.data_ptr(), ws.part_o.data_ptr()) == buffers and be.workspace is ws
 
 
+def test_paged_steps_in_a_row_skip_the_empty_fill_and_stay_exact():
+    """Graph replays: paged, paged, cascade, paged, paged. The second paged step of each run
+    finds the empty work list already on the device and copies nothing (fill_empty); every
+    output still matches paged attention."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    ws = be.workspace
+    fb, _ = _batch(runner, hot={0, 2, 3})
+    be.init_forward_metadata_out_graph(_replay_view(fb, 8), in_capture=True)  # capture: empty fill
+    skipped = ws.fills_skipped
+    for i, hot in enumerate(({4}, {4}, {0, 2, 3}, {4}, {4})):
+        fb, rows = _batch(runner, hot=hot)
+        view = _replay_view(fb, 8)
+        be.stage_batch(rows)
+        be.init_forward_metadata_out_graph(view)
+        q, k, v = _qkv(8, 10 + i)
+        o = be.forward_decode(q, k, v, LAYER, view)
+        torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    assert ws.fills_skipped - skipped == 3  # both paged steps after capture, the second after cascade
+    assert be.stats.paths["cascade"] == 1 and be.stats.paths["paged"] == 4
+
+
 def test_extend_is_delegated():
     runner = _runner()
     be = _backend(runner, "cascade")
