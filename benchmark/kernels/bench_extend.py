@@ -26,6 +26,9 @@ as a merge needs):
                       tiles); S chunks as above (S = 1: one entry). Pack, q copies, run, merge
                       and unpack are all timed. Session 5 idea for the decode prefix part, where
                       GraniKV's Triton kernel runs at ~300 TFLOP/s and FA3 at ~650 on prefill
+    fi_paged_{fa3,fa2}_mhaS    the same through the paged wrapper (page size 1, kv_indices = the
+                      extent's slots): the CUDA-graph-capturable form that can also take several
+                      groups' extents in one call
 
 Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
 with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
@@ -185,6 +188,24 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
                 except Exception as e:  # noqa: BLE001
                     row[f"fi_ragged_{be}_mha{n_split}_error"] = repr(e)[:300]
 
+                def paged_mha_fn(be=be, n_split=n_split):
+                    # the same through the paged wrapper (page size 1, kv_indices = the extent's
+                    # slots): the form SGLang already captures in CUDA graphs, and the one that can
+                    # take several groups' extents (anywhere in the pool) in one call
+                    m = n_tok * (HQ // HKV)
+                    ptrs = split_ptrs(prefix, n_split)
+                    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+                    w.plan(torch.arange(0, n_split * m + 1, m, dtype=torch.int32), torch.tensor(ptrs, dtype=torch.int32),
+                           torch.arange(start, start + prefix, dtype=torch.int32, device=DEV),
+                           torch.ones(n_split, dtype=torch.int32), HKV, HKV, D, 1, causal=False,
+                           q_data_type=DT, kv_data_type=DT)
+                    attend = lambda rows, _k, _v, _qo, _kv: w.run(rows, paged, return_lse=True)  # noqa: E731
+                    return lambda: mha_split_attention(q, ext_k, ext_v, n_split, attend, flashinfer.merge_states)
+                try:
+                    record(f"fi_paged_{be}_mha{n_split}", paged_mha_fn())
+                except Exception as e:  # noqa: BLE001
+                    row[f"fi_paged_{be}_mha{n_split}_error"] = repr(e)[:300]
+
     ratio = HQ // HKV
 
     def sdpa():
@@ -219,7 +240,7 @@ def main():
         torch.cuda.empty_cache()
     names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash") + tuple(
         f"fi_ragged_fa3_split{n}" for n in SPLITS) + tuple(
-        f"fi_ragged_{be}_mha{n}" for be in ("fa3", "fa2") for n in MHA_SPLITS)
+        f"fi_{kind}_{be}_mha{n}" for kind in ("ragged", "paged") for be in ("fa3", "fa2") for n in MHA_SPLITS)
     print(f"\n{torch.cuda.get_device_name()}  prefix part of extend attention, one layer, ms (TFLOP/s)")
     print(f"{'prefix x agents x new':<24}{'GFLOP':>8}" + "".join(f"{n:>20}" for n in names))
     for r in rows:
