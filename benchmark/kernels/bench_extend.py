@@ -157,8 +157,7 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
     if n_tok <= FEW_TOKENS:
         for n_split in SPLITS:
             def split_fn(n_split=n_split):
-                chunk = -(-prefix // n_split)
-                kv_ptr = [min(j * chunk, prefix) for j in range(n_split + 1)]
+                kv_ptr = split_ptrs(prefix, n_split)
                 w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws_bytes, "NHD", backend="fa3")
                 w.plan(torch.arange(0, n_split * n_tok + 1, n_tok, dtype=torch.int32), torch.tensor(kv_ptr, dtype=torch.int32),
                        HQ, HKV, D, causal=False, q_data_type=DT, kv_data_type=DT)

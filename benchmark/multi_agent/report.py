@@ -35,7 +35,8 @@ CEILING = "ceiling"
 # Targets per (model, TP, DP) of the run: (workload, backend, agents or None for any, prefix or
 # None) -> min speedup. Issue 4: Llama-3.1-8B on one GPU; issue 6: Qwen2.5-14B at TP=2; issue 7:
 # Qwen2.5-32B at TP=4. Other runs (DP=2, dry runs at another TP) show no target.
-TARGETS: Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...] = (
+Target = Tuple[str, str, Optional[int], Optional[int], float]
+TARGETS: Tuple[Target, ...] = (
     ("homogeneous", "flashinfer", 64, 16384, 2.5),
     ("homogeneous", "flashinfer", 128, 16384, 3.1),
     ("homogeneous", "triton", 64, 16384, 3.0),
@@ -43,7 +44,7 @@ TARGETS: Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...] = (
     ("heterogeneous", "*", None, None, 2.0),
     ("no_sharing", "*", None, None, 0.97),
 )
-TARGETS_BY_RUN: Dict[Tuple[str, int, int], Tuple[str, Tuple[Tuple[str, str, Optional[int], Optional[int], float], ...]]] = {
+TARGETS_BY_RUN: Dict[Tuple[str, int, int], Tuple[str, Tuple[Target, ...]]] = {
     ("llama-3.1-8b", 1, 1): ("issue 4", TARGETS),
     ("qwen2.5-14b", 2, 1): ("issue 6", (("homogeneous", "flashinfer", 64, 16384, 2.2),)),
     ("qwen2.5-32b", 4, 1): ("issue 7", (("homogeneous", "flashinfer", 64, 16384, 1.8),)),

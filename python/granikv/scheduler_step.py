@@ -43,8 +43,9 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     if cfg.debug_integrity:
         cache.check_integrity()  # pools, table and tree
     if mode.is_decode():
-        _tp_check(scheduler, cfg).on_decode_step(cache)
-        _maybe_report(scheduler, cache, backend, cfg.log_interval)
+        n = scheduler._granikv_decode_steps = getattr(scheduler, "_granikv_decode_steps", 0) + 1
+        _tp_check(scheduler, cfg).on_decode_step(cache, n)
+        _maybe_report(scheduler, cache, backend, cfg.log_interval, n)
 
 
 def _tp_check(scheduler, cfg):
@@ -77,10 +78,9 @@ def _granikv_backend(scheduler):
 METRICS_INTERVAL = 40  # decode steps between /metrics refreshes when logging is off
 
 
-def _maybe_report(scheduler, cache, backend, log_interval: int) -> None:
-    """Every ``log_interval`` decode steps: a log line, and the /metrics gauges if enabled."""
-    n = getattr(scheduler, "_granikv_decode_steps", 0) + 1
-    scheduler._granikv_decode_steps = n
+def _maybe_report(scheduler, cache, backend, log_interval: int, n: int) -> None:
+    """Every ``log_interval`` decode steps (``n``: this one's number): a log line, and the
+    /metrics gauges if enabled."""
     if n % (log_interval or METRICS_INTERVAL):
         return
     cache.refresh_gauges()

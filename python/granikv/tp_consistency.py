@@ -47,7 +47,7 @@ def fingerprint(cache) -> Dict[str, Any]:
         hot_extents=len(extents),
         hot_used=int(cache.hot_pool.used_size),
         hot_layout=hashlib.blake2b(layout, digest_size=8).hexdigest(),
-        pending=len(cache._pending),
+        pending=cache.pending_promotions(),
     )
 
 
@@ -74,30 +74,26 @@ class TPConsistencyCheck:
     of ``world_size`` ranks; with one rank (or interval 0) the check is off.
     """
 
-    def __init__(self, group, world_size: int, interval: int, *, rank: int = 0):
+    def __init__(self, group, world_size: int, interval: int):
         self.group = group
         self.world_size = int(world_size)
         self.interval = int(interval)
-        self.rank = rank
-        self.steps = 0
         self.last_differences: Dict[str, list] = {}
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0 and self.world_size > 1 and self.group is not None
 
-    def on_decode_step(self, cache) -> Optional[bool]:
-        """Count a decode step; every ``interval`` steps gather and compare. Returns True (all
-        ranks agree), False (a divergence, handled) or None (no check this step, or the
-        collective failed: the check then turns itself off, logged once)."""
-        if not self.enabled:
+    def on_decode_step(self, cache, step: int) -> Optional[bool]:
+        """Decode step number ``step`` (counted by the caller, the same on every rank): every
+        ``interval`` steps gather and compare. Returns True (all ranks agree), False (a
+        divergence, handled) or None (no check this step, or the collective failed: the check
+        then turns itself off, logged once)."""
+        if not self.enabled or step % self.interval:
             return None
-        self.steps += 1
-        if self.steps % self.interval:
-            return None
-        return self.check(cache)
+        return self.check(cache, step)
 
-    def check(self, cache) -> Optional[bool]:
+    def check(self, cache, step: int) -> Optional[bool]:
         import torch.distributed as dist
 
         prints: List[Optional[Dict[str, Any]]] = [None] * self.world_size
@@ -120,7 +116,7 @@ class TPConsistencyCheck:
                 "GraniKV: the %d attention-TP ranks' storage decisions differ after %d decode "
                 "steps (per-rank values: %s). Promotions are frozen on every rank from now on; "
                 "each rank's KV stays consistent on its own. Please report this with the "
-                "server flags.", self.world_size, self.steps, diff)
+                "server flags.", self.world_size, step, diff)
         cache.freeze_promotions("tp divergence")
         return False
 
@@ -134,4 +130,4 @@ def for_scheduler(scheduler, interval: int) -> TPConsistencyCheck:
         import torch.distributed as dist
 
         size = dist.get_world_size(group) if dist.is_initialized() else 1
-    return TPConsistencyCheck(group, size, interval, rank=getattr(scheduler, "tp_rank", 0))
+    return TPConsistencyCheck(group, size, interval)

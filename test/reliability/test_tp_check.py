@@ -59,7 +59,7 @@ def test_differences_names_counters_and_fields():
 @pytest.mark.parametrize("world, interval", [(1, 10), (2, 0)])
 def test_check_is_off_with_one_rank_or_interval_zero(world, interval):
     check = TPConsistencyCheck(object(), world, interval)
-    assert not check.enabled and check.on_decode_step(None) is None
+    assert not check.enabled and check.on_decode_step(None, 10) is None
 
 
 def test_a_failing_collective_turns_the_check_off_without_raising(caplog):
@@ -69,6 +69,6 @@ def test_a_failing_collective_turns_the_check_off_without_raising(caplog):
     sim = Sim(SimConfig())
     check = TPConsistencyCheck(object(), 2, 1)
     with caplog.at_level("WARNING", logger="granikv"):
-        assert check.on_decode_step(sim.cache) is None
+        assert check.on_decode_step(sim.cache, 1) is None
     assert not check.enabled and "check failed" in caplog.text
     assert sim.cache.metrics.tp_checks == 0 and sim.cache.promotions_frozen is None

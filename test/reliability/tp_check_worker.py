@@ -24,11 +24,11 @@ def main() -> None:
     if diverge and rank == world - 1:
         cfg = replace(cfg, min_tokens=40)  # another promotion threshold: decisions diverge
     sim = Sim(cfg)
-    check = TPConsistencyCheck(dist.group.WORLD, world, 10, rank=rank)
+    check = TPConsistencyCheck(dist.group.WORLD, world, 10)
     seen = dict(agree=0, differ=0, promotions_at_freeze=None)
 
     def on_step(_event: str) -> None:
-        ok = check.on_decode_step(sim.cache)
+        ok = check.on_decode_step(sim.cache, work.counts["events"])
         if ok is True:
             seen["agree"] += 1
         elif ok is False:

@@ -299,6 +299,12 @@ def _last_suffix_item(wl: WorkList) -> np.ndarray:
     return last
 
 
+# fill() arguments of a step with no request (group_req_indptr holds its single 0)
+_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
+               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+               np.zeros(0, np.int64))
+
+
 class CascadeWorkspace:
     """Fixed-capacity device metadata + partial states for the cascade kernels.
 
@@ -564,9 +570,3 @@ class CascadeWorkspace:
             b = wl.group_req_idx[m_lo:m_hi]
             np.add.at(rows, wl.part_indptr[b] + sp, 1)
         assert (rows == 1).all(), "partial rows not written exactly once"
-
-
-# fill() arguments of a step with no request (group_req_indptr holds its single 0)
-_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
-               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-               np.zeros(0, np.int64))

@@ -264,6 +264,10 @@ class GraniKVRadixCache(RadixCache):
     def has_pending_promotions(self) -> bool:
         return bool(self._pending)
 
+    def pending_promotions(self) -> int:
+        """Number of queued promotions (deterministic: the same on every TP rank)."""
+        return len(self._pending)
+
     def freeze_promotions(self, reason: str) -> None:
         """Queue no new promotion from now on (``reason`` is kept for logs and tests); queued
         ones are dropped. Existing HOT extents stay and are evicted as usual, so the KV, the
