@@ -96,6 +96,38 @@ def mha_split_attention(q, k, v, n_split: int, attend, merge):
     return unpack_gqa(o, lse, q.shape[1])
 
 
+def granikv_prefix(q, k, v, start: int, prefix: int, scale: float):
+    """GraniKV's own decode prefix kernel (``prefix_attention``) for one group: every request of
+    q shares the extent [start, start + prefix) and has one COLD token. Returns (run, result):
+    ``run`` is the kernel launch alone (what the serving path times per layer), ``result()``
+    merges each request's prefix chunks in torch into (o [n, hq, d], lse [n, hq] base 2)."""
+    import numpy as np
+
+    from granikv.kernels.prefix_attention import prefix_attention
+    from granikv.kernels.work_list import CascadeWorkspace
+
+    n = q.shape[0]
+    ws = CascadeWorkspace(n, HQ, HKV, D, DEV)
+    wl = ws.fill(group_start=np.array([start]), group_len=np.array([prefix]), group_req_indptr=np.array([0, n]),
+                 group_req_idx=np.arange(n), prefix_len=np.full(n, prefix), seq_lens=np.full(n, prefix + 1),
+                 req_pool_indices=np.arange(n))
+    chunks = int(wl.pfx_split.max()) + 1  # one group: every member has this many prefix rows, first
+
+    def run():
+        prefix_attention(q, k, v, ws, sm_scale=scale)
+
+    def result():
+        run()
+        lo = torch.as_tensor(wl.part_indptr[:n], device=q.device)
+        rows = lo[:, None] + torch.arange(chunks, device=q.device)[None, :]  # [n, chunks]
+        po, pl = ws.part_o[rows], ws.part_lse[rows]  # [n, chunks, hq, d], [n, chunks, hq]
+        m = torch.logsumexp(pl, 1)
+        o = (po * torch.exp(pl - m[:, None])[..., None]).sum(1)
+        return o, m / 0.6931471805599453
+
+    return run, result
+
+
 def bench_ms(fn) -> float:
     import triton
 
@@ -205,6 +237,38 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
                 except Exception as e:  # noqa: BLE001
                     row[f"fi_paged_{be}_mha{n_split}_error"] = repr(e)[:300]
 
+                def paged_mha_run_only(be=be, n_split=n_split):
+                    # the attention call alone, rows packed and repeated beforehand: what is left
+                    # if pack and merge are fused into the kernels around it
+                    m = n_tok * (HQ // HKV)
+                    ptrs = split_ptrs(prefix, n_split)
+                    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+                    w.plan(torch.arange(0, n_split * m + 1, m, dtype=torch.int32), torch.tensor(ptrs, dtype=torch.int32),
+                           torch.arange(start, start + prefix, dtype=torch.int32, device=DEV),
+                           torch.ones(n_split, dtype=torch.int32), HKV, HKV, D, 1, causal=False,
+                           q_data_type=DT, kv_data_type=DT)
+                    rows = pack_gqa(q, HKV).repeat(n_split, 1, 1)
+                    return lambda: w.run(rows, paged, return_lse=True)
+                try:  # timed only (its rows are not in q's order, so it is not compared)
+                    fn = paged_mha_run_only()
+                    fn()
+                    ms = bench_ms(fn)
+                    row[f"fi_paged_{be}_mha{n_split}_run_ms"] = round(ms, 4)
+                    row[f"fi_paged_{be}_mha{n_split}_run_TFLOPs"] = round(4 * n_tok * prefix * HQ * D / ms / 1e9, 1)
+                except Exception as e:  # noqa: BLE001
+                    row[f"fi_paged_{be}_mha{n_split}_run_error"] = repr(e)[:300]
+
+        try:
+            run, result = granikv_prefix(q, k, v, start, prefix, scale)
+            o, lse = result()
+            outs["granikv_prefix"] = (o.float(), lse.float())
+            ms = bench_ms(run)
+            row["granikv_prefix_ms"] = round(ms, 4)
+            row["granikv_prefix_TFLOPs"] = round(4 * n_tok * prefix * HQ * D / ms / 1e9, 1)
+        except Exception as e:  # noqa: BLE001
+            row["granikv_prefix_error"] = repr(e)[:300]
+            traceback.print_exc()
+
     ratio = HQ // HKV
 
     def sdpa():
@@ -228,18 +292,22 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--decode-only", action="store_true", help="only the decode-shaped cases (1 new token)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
     rows = []
     for prefix, agents, new in CASES:
+        if args.decode_only and new != 1:
+            continue
         r = run_case(prefix, agents, new, ws_bytes)
         rows.append(r)
         print("ROW", json.dumps(r), flush=True)
         torch.cuda.empty_cache()
     names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash") + tuple(
         f"fi_ragged_fa3_split{n}" for n in SPLITS) + tuple(
-        f"fi_{kind}_{be}_mha{n}" for kind in ("ragged", "paged") for be in ("fa3", "fa2") for n in MHA_SPLITS)
+        f"fi_{kind}_{be}_mha{n}" for kind in ("ragged", "paged") for be in ("fa3", "fa2") for n in MHA_SPLITS) + tuple(
+        f"fi_paged_{be}_mha{n}_run" for be in ("fa3", "fa2") for n in MHA_SPLITS) + ("granikv_prefix",)
     print(f"\n{torch.cuda.get_device_name()}  prefix part of extend attention, one layer, ms (TFLOP/s)")
     print(f"{'prefix x agents x new':<24}{'GFLOP':>8}" + "".join(f"{n:>20}" for n in names))
     for r in rows:
