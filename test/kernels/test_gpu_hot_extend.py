@@ -79,3 +79,76 @@ def test_flashinfer_dense_prefix_part_matches_paged_prefill():
     assert (lse[with_prefix] - rl[with_prefix]).abs().max() < 1e-3
     none = ~with_prefix  # the request with no cached prefix
     assert (o[none] == 0).all() and torch.isneginf(lse[none]).all()
+
+
+def test_full_extend_matches_causal_paged_prefill_over_the_rows():
+    """``FullExtend`` (wrapped backends without ragged + paged calls, e.g. triton): KV write
+    through SGLang's real pool, ragged causal call, prefix part, merge; against FlashInfer's
+    paged prefill, causal, over each request's whole row (cached prefix + new tokens) after the
+    same KV write. Same batch shapes and tolerances as above."""
+    from types import SimpleNamespace
+
+    import flashinfer
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from granikv.layers.attention.cascade.full_extend import FullExtend
+
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    pool = MHATokenToKVPool(20000, page_size=1, dtype=dt, head_num=HKV, head_dim=D, layer_num=1, device=dev,
+                            enable_memory_saver=False)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, device=dev, dtype=dt, generator=g))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, device=dev, dtype=dt, generator=g))
+    ext = {"A": (1000, 4096), "B": (6000, 1024)}
+    kinds = ["A", "B", "none", "A", "A+", "cold", "A", "B"]
+    new = np.array([130, 64, 77, 1, 40, 33, 256, 19], dtype=np.int64)
+    rows = np.arange(1, len(kinds) + 1, dtype=np.int64)
+    start, length = np.zeros(len(kinds) + 1, np.int64), np.zeros(len(kinds) + 1, np.int64)
+    req_to_token = torch.zeros(len(kinds) + 1, 8192, dtype=torch.int32, device=dev)
+    prefix, out_loc, nxt = [], [], 9000
+    for r, kd, n in zip(rows, kinds, new):
+        pre = []
+        if kd in ("A", "B", "A+"):
+            s, m = ext[kd[0]]
+            pre = list(range(s, s + m))
+            start[r], length[r] = s, m
+        if kd == "A+":
+            pre, nxt = pre + list(range(nxt, nxt + 500)), nxt + 500
+        if kd == "cold":
+            pre, nxt = list(range(nxt, nxt + 700)), nxt + 700
+        loc, nxt = list(range(nxt, nxt + int(n))), nxt + int(n)
+        req_to_token[r, : len(pre) + n] = torch.tensor(pre + loc, dtype=torch.int32)
+        prefix.append(len(pre))
+        out_loc += loc
+    prefix = np.array(prefix, dtype=np.int64)
+    plan, reason = plan_extend(rows, prefix, new, start, length)
+    assert reason == ""
+    n_tok = int(new.sum())
+    q = torch.randn(n_tok, HQ * D, device=dev, dtype=dt, generator=g) * 2
+    k = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
+    v = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
+    scale = D ** -0.5
+    layer = SimpleNamespace(layer_id=0, scaling=scale, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,
+                            k_scale=None, v_scale=None, sliding_window_size=-1, logit_cap=0.0,
+                            is_cross_attention=False)
+    fb = SimpleNamespace(out_cache_loc=torch.tensor(out_loc, device=dev))
+
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    attn = HotExtendAttention(FlashInferDense(ws), dev)
+    attn.begin(plan, req_to_token)
+    full = FullExtend(attn)
+    full.begin(new)
+    o = full.forward(q, k, v, layer, fb, pool, True)
+    assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k.view(-1, HKV, D))
+    assert torch.equal(pool.v_buffer[0][fb.out_cache_loc], v.view(-1, HKV, D))
+
+    i32 = dict(dtype=torch.int32, device=dev)
+    seq = prefix + new
+    paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    paged.plan(torch.tensor(np.concatenate([[0], np.cumsum(new)]), **i32),
+               torch.tensor(np.concatenate([[0], np.cumsum(seq)]), **i32),
+               torch.cat([req_to_token[r, :s] for r, s in zip(rows, seq)]), torch.ones(len(kinds), **i32),
+               HQ, HKV, D, 1, causal=True, sm_scale=scale, q_data_type=dt, kv_data_type=dt)
+    ref = paged.run(q.view(-1, HQ, D), (pool.k_buffer[0].view(-1, 1, HKV, D), pool.v_buffer[0].view(-1, 1, HKV, D)))
+    assert o.shape == (n_tok, HQ * D) and not torch.isnan(o).any()
+    assert (o.view(-1, HQ, D).float() - ref.float()).abs().max() <= 2 ** -5

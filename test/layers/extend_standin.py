@@ -94,3 +94,38 @@ class FlashInferExtendStandIn:
             pool.k_buffer[0][fb.out_cache_loc] = k3
             pool.v_buffer[0][fb.out_cache_loc] = v3
         return o.to(q.dtype).view(-1, self.hq * self.d)
+
+
+class TritonExtendStandIn:
+    """SGLang's triton ``forward_extend`` (triton_backend.py:1250 in SGLang 0.5.17): writes the new
+    tokens' K/V, then ONE causal attention per request over its whole ``req_to_token`` row (cached
+    prefix + new tokens), no LSE. Its metadata has no prefill wrappers, so GraniKV cannot swap a
+    prefix part and computes the whole extend itself (full_extend.py). Counts its calls."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        mc = runner.model_config
+        self.hq, self.hkv, self.d = mc.num_attention_heads, mc.get_num_kv_heads(1), mc.head_dim
+        self.calls = 0
+
+    def init_forward_metadata(self, fb):
+        self.fb = fb
+        self.forward_metadata = SimpleNamespace(num_kv_splits=None)
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        self.calls += 1
+        pool = self.runner.token_to_kv_pool
+        kb, vb = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
+        kb[fb.out_cache_loc] = k.view(-1, self.hkv, self.d)  # what the kernel reads, written or not
+        vb[fb.out_cache_loc] = v.view(-1, self.hkv, self.d)
+        if save_kv_cache:
+            pool.k_buffer[0].copy_(kb)
+            pool.v_buffer[0].copy_(vb)
+        rt = self.runner.req_to_token_pool.req_to_token
+        outs, t = [], 0
+        for row, p, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            slots = rt[row, : p + n].long()
+            o, _ = attend(q.view(-1, self.hq, self.d)[t: t + n], kb[slots], vb[slots], layer.scaling, first_pos=p)
+            outs.append(o)
+            t += n
+        return torch.cat(outs).to(q.dtype).view(-1, self.hq * self.d)

@@ -39,6 +39,7 @@ import torch
 
 from granikv.layers.attention.cascade.dispatcher import Path
 from granikv.layers.attention.cascade.extend_plan import plan_extend
+from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, layer_reason
 from granikv.layers.attention.cascade.hot_extend import (
     FlashInferDense,
     HotExtendAttention,
@@ -59,6 +60,8 @@ try:  # SGLang is the host; GraniKV's kernels and planner do not need it.
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 except ImportError:  # pragma: no cover
     AttentionBackend = object
+
+EXTEND_WORKSPACE_BYTES = 384 << 20  # SGLang's default FlashInfer workspace (SGLANG_FLASHINFER_WORKSPACE_SIZE)
 
 # Class-level flags of AttentionBackend that __getattr__ would not forward (they exist on the
 # base class), copied from the wrapped backend at construction.
@@ -107,6 +110,9 @@ class GraniKVAttnBackend(AttentionBackend):
         self._graph_mode = False  # True once CUDA-graph state exists
         self._ones = None
         self._hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
+        self._full_extend = None  # FullExtend around it (wrapped backends without ragged + paged)
+        self._full_compare = False  # debug compare due on this batch's layer 0 (full extend)
+        self._logged_layer_reasons = set()
         self._extend_off_reason = None  # set when the dense prefill path failed: stock from then on
 
     def __getattr__(self, name):
@@ -274,17 +280,27 @@ class GraniKVAttnBackend(AttentionBackend):
         HOT extents, swap the batch's paged prefill wrappers for proxies (see ``hot_extend``)."""
         if self._hot_extend is not None:
             self._hot_extend.end()
+        if self._full_extend is not None:
+            self._full_extend.end()
+        self._full_compare = False
         if self.cfg.extend_path != "hot" or getattr(fb.forward_mode, "name", "") != "EXTEND":
             return
         md = getattr(self.inner, "forward_metadata", None)
+        full = not hasattr(md, "prefill_wrappers")  # not flashinfer: GraniKV computes the whole extend
         if self._extend_off_reason is not None:
             reason = self._extend_off_reason
-        elif not getattr(md, "use_ragged", False) or not hasattr(md, "prefill_wrappers"):
-            reason = "wrapped backend has no ragged + paged prefill (flashinfer only)"
-        elif getattr(md, "extend_no_prefix", True):
+        elif full and getattr(fb, "extend_prefix_lens_cpu", None) is None:
+            reason = "no host-side prefix lengths in the batch"
+        elif full and not any(fb.extend_prefix_lens_cpu):
+            return  # no cached prefix anywhere: the stock extend has nothing to share
+        elif full and backend_reason(self.inner, self.model_runner.token_to_kv_pool) is not None:
+            reason = backend_reason(self.inner, self.model_runner.token_to_kv_pool)
+        elif not full and not getattr(md, "use_ragged", False):
+            reason = "flashinfer prefill without its ragged call"
+        elif not full and getattr(md, "extend_no_prefix", True):
             return  # no cached prefix anywhere: the stock ragged call is the whole attention
-        elif getattr(self.inner, "prefill_uses_dequant_workspace", False) or (
-                getattr(md, "multi_item_params", None) is not None and md.multi_item_params.is_enabled()):
+        elif not full and (getattr(self.inner, "prefill_uses_dequant_workspace", False) or (
+                getattr(md, "multi_item_params", None) is not None and md.multi_item_params.is_enabled())):
             reason = "dequantising or multi-item prefill"
         elif staged is None or len(staged) != fb.batch_size:
             reason = "batch not staged"
@@ -299,7 +315,11 @@ class GraniKVAttnBackend(AttentionBackend):
                 attn.begin(plan, self.model_runner.req_to_token_pool.req_to_token)
                 if self.cfg.debug_integrity:
                     attn.check_integrity()
-                compare = self._extend_compare_callback(plan)
+                if full:
+                    self._full_extend.begin(fb.extend_seq_lens_cpu)
+                    self._full_compare = self._extend_compare_due()
+                    return
+                compare = self._extend_compare_callback(plan) if self._extend_compare_due() else None
                 md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare, on_failure=self._extend_failed)
                                        for w in md.prefill_wrappers]  # a new list: SGLang's stays
                 return
@@ -313,25 +333,36 @@ class GraniKVAttnBackend(AttentionBackend):
         if self._extend_off_reason is None:
             self._extend_off_reason = f"dense prefill path off after an error ({type(exc).__name__})"
             logger.error("GraniKV: the prefill path over HOT prefixes failed (%r); extend batches use "
-                         "the stock paged prefill from now on (--granikv-extend-path paged silences this)",
+                         "the stock prefill from now on (--granikv-extend-path paged silences this)",
                          exc)
         self.stats.extend_fallbacks[self._extend_off_reason] += 1
 
     def _extend_attention(self):
         if self._hot_extend is None:
-            if self.device.type == "cuda":  # the flashinfer backend's float workspace (calls are stream-ordered)
-                runner = FlashInferDense(self.inner.workspace_buffer)
+            if self.device.type == "cuda":
+                # the flashinfer backend's float workspace (calls are stream-ordered); other
+                # backends have none: one of SGLang's default size, allocated on first use
+                buf = getattr(self.inner, "workspace_buffer", None)
+                if buf is None:
+                    buf = torch.empty(EXTEND_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+                    logger.info("GraniKV: %d MiB FlashInfer workspace for extend batches over HOT prefixes "
+                                "(the %s backend has none)", EXTEND_WORKSPACE_BYTES >> 20, self.backend_name)
+                runner = FlashInferDense(buf)
             else:
                 runner = TorchDense()  # CPU (tests): the float32 reference
             self._hot_extend = HotExtendAttention(runner, self.device)
+        if self._full_extend is None or self._full_extend.attn is not self._hot_extend:
+            self._full_extend = FullExtend(self._hot_extend)
         return self._hot_extend
 
-    def _extend_compare_callback(self, plan):
-        """Debug compare mode: every N-th HOT extend batch, layer 0's dense prefix part against
-        the stock paged one (same batch, same KV), logged and kept in the stats."""
+    def _extend_compare_due(self) -> bool:
+        """Debug compare mode: every N-th HOT extend batch (the one just recorded)."""
         n = self.cfg.debug_compare_every
-        if not n or (self.stats.extend_hot_batches - 1) % n:
-            return None
+        return bool(n) and (self.stats.extend_hot_batches - 1) % n == 0
+
+    def _extend_compare_callback(self, plan):
+        """Debug compare mode: layer 0's dense prefix part against the stock paged one (same
+        batch, same KV), logged and kept in the stats."""
 
         def compare(ours, stock):
             parts = [g.token_idx for g in plan.groups] + ([plan.paged.token_idx] if plan.paged else [])
@@ -348,8 +379,36 @@ class GraniKVAttnBackend(AttentionBackend):
     # ---- compute --------------------------------------------------------------------------
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        full = self._full_extend
+        if full is not None and full.active:  # planned for a backend without ragged + paged calls
+            reason = layer_reason(layer, q, k, v, kwargs)
+            if reason is None:
+                try:
+                    o = full.forward(q, k, v, layer, forward_batch, self.model_runner.token_to_kv_pool,
+                                     save_kv_cache)
+                except Exception as e:  # noqa: BLE001 - serve the stock way, never fail the forward
+                    self._extend_failed(e)
+                else:
+                    if self._full_compare and layer.layer_id == 0:
+                        self._full_compare = False
+                        self._compare_full_extend(o, q, k, v, layer, forward_batch, kwargs)
+                    return o
+            elif reason not in self._logged_layer_reasons:
+                self._logged_layer_reasons.add(reason)
+                logger.info("GraniKV: extend of layer %d goes to the %s backend (%s)", layer.layer_id,
+                            self.backend_name, reason)
         return self.inner.forward_extend(q, k, v, layer, forward_batch,
                                          save_kv_cache=save_kv_cache, **kwargs)
+
+    def _compare_full_extend(self, ours, q, k, v, layer, fb, kwargs) -> None:
+        """Debug compare mode: layer 0's extend output against the wrapped backend's (it reads the
+        K/V just written, and writes nothing)."""
+        stock = self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)
+        diff = float((ours.float() - stock.float()).abs().max())
+        self.stats.max_extend_compare_diff = max(self.stats.max_extend_compare_diff, diff)
+        logger.info("GraniKV debug compare (extend batch %d, %d HOT tokens): max |diff| vs the %s "
+                    "backend's extend: o %.3e", self.stats.extend_hot_batches, self._hot_extend.plan.hot_tokens,
+                    self.backend_name, diff)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,

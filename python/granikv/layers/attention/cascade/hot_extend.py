@@ -68,6 +68,32 @@ class TorchDense:
                      lse=lse[qo[j]: qo[j + 1]])
         return o, lse
 
+    def plan_causal(self, qo_indptr, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+        self.causal_indptr = list(qo_indptr)
+        self.ratio = num_q_heads // num_kv_heads
+        self.sm_scale, self.cap = sm_scale, logits_soft_cap
+
+    def run_causal(self, q, k, v):
+        """Each request's new tokens among themselves (``causal_indptr``), causal."""
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        ptr = self.causal_indptr
+        for j in range(len(ptr) - 1):
+            a, b = ptr[j], ptr[j + 1]
+            if b == a:
+                continue
+            qf = q[a:b].float()
+            kf = k[a:b].float().repeat_interleave(self.ratio, dim=1)
+            vf = v[a:b].float().repeat_interleave(self.ratio, dim=1)
+            s = torch.einsum("nhd,lhd->hnl", qf, kf) * self.sm_scale
+            if self.cap:
+                s = self.cap * torch.tanh(s / self.cap)
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            m = torch.logsumexp(s, dim=-1)
+            o[a:b] = torch.einsum("hnl,lhd->nhd", torch.exp(s - m[..., None]), vf).to(q.dtype)
+            lse[a:b] = (m * LOG2E).transpose(0, 1)
+        return o, lse
+
     @staticmethod
     def merge(v_a, s_a, v_b, s_b):
         m = torch.maximum(s_a, s_b)
@@ -84,6 +110,7 @@ class FlashInferDense:
         self.float_workspace = float_workspace
         self.wrappers: List = []
         self.paged = None
+        self.causal = None  # ragged causal wrapper (full_extend.py: wrapped backends without ragged + paged)
 
     def plan(self, shapes, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
         import flashinfer
@@ -112,6 +139,19 @@ class FlashInferDense:
                         torch.ones(len(qo_indptr) - 1, **i32), num_q_heads, num_kv_heads, head_dim, 1,
                         causal=False, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap or None,
                         q_data_type=dtype, kv_data_type=dtype)
+
+    def plan_causal(self, qo_indptr, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+        import flashinfer
+
+        if self.causal is None:
+            self.causal = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.float_workspace, "NHD",
+                                                                          backend="auto")
+        ptr = torch.tensor(qo_indptr, dtype=torch.int32)
+        self.causal.plan(ptr, ptr, num_q_heads, num_kv_heads, head_dim, causal=True, sm_scale=sm_scale,
+                         logits_soft_cap=logits_soft_cap or None, q_data_type=dtype, kv_data_type=dtype)
+
+    def run_causal(self, q, k, v):
+        return self.causal.run(q, k, v, return_lse=True)
 
     def run_paged(self, q, k_buf, v_buf):
         hkv, d = k_buf.shape[-2:]

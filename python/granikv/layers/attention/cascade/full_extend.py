@@ -1,0 +1,106 @@
+"""Extend attention computed by GraniKV itself, for wrapped backends without a ragged + paged split.
+
+SGLang's flashinfer backend computes an extend batch with a cached prefix as two calls merged by
+LSE, so GraniKV swaps only the prefix call (``hot_extend.PrefixPartProxy``). SGLang's triton
+backend computes it in ONE kernel over each request's whole ``req_to_token`` row and returns no
+LSE: there is no prefix part to swap. For an extend batch with HOT prefixes under such a backend,
+GraniKV computes each layer's whole extend attention instead, the way the flashinfer backend
+does::
+
+    K/V of the new tokens -> pool        pool.set_kv_buffer (SGLang's pool API, as every backend)
+    causal part   (new tokens)           runner.run_causal: one ragged causal call, base-2 LSE
+    prefix part   (cached prefix)        HotExtendAttention.prefix_part: one dense call per HOT
+                                         extent + one paged call for the COLD remainder
+    out = merge(causal, prefix)          runner.merge (tokens without a cached prefix: lse -inf)
+
+On the GPU the runner is ``FlashInferDense`` (FlashInfer ships with SGLang; ``backend="auto"``
+is FA3 on Hopper). A layer this module does not serve (``layer_reason``) goes to the wrapped
+backend's ``forward_extend``, which SGLang planned for the same batch, so falling back is
+always possible.
+"""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from granikv.layers.attention.cascade.hot_extend import HotExtendAttention
+
+__all__ = ["FullExtend", "backend_reason", "layer_reason"]
+
+
+def backend_reason(inner, pool) -> Optional[str]:
+    """Why a wrapped backend's extend batches cannot be computed here (None: they can)."""
+    if getattr(inner, "enable_deterministic", False):
+        return "deterministic inference (the wrapped backend's own kernel)"
+    if getattr(inner, "dcp_size", 1) > 1:
+        return "decode context parallelism"
+    if getattr(inner, "_translate_kv_loc", None) is not None or not hasattr(pool, "set_kv_buffer"):
+        return "KV pool with translated slots"
+    if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "store_dtype", None) != getattr(
+            pool, "dtype", None):
+        return "quantised KV cache"
+    return None
+
+
+def layer_reason(layer, q: torch.Tensor, k, v, kwargs: dict) -> Optional[str]:
+    """Why this layer's extend call goes to the wrapped backend (None: it is served here)."""
+    if k is None or v is None:
+        return "no new K/V given"
+    if any(val is not None for val in kwargs.values()):
+        return f"extra arguments {sorted(kwargs)}"
+    if getattr(layer, "is_cross_attention", False) or getattr(layer, "k_scale", None) is not None:
+        return "cross attention or scaled KV"
+    if getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER":
+        return "not decoder self-attention"
+    if getattr(layer, "sliding_window_size", -1) not in (-1, None):
+        return "sliding window"
+    if getattr(layer, "logit_cap", 0) or getattr(layer, "qk_head_dim", layer.head_dim) != getattr(
+            layer, "v_head_dim", layer.head_dim):
+        return "logit cap or qk/v head dims differ"
+    return None
+
+
+class FullExtend:
+    """One extend batch's whole attention: ``begin`` per batch, ``forward`` per layer."""
+
+    def __init__(self, attn: HotExtendAttention):
+        self.attn = attn
+        self.qo_indptr: Optional[np.ndarray] = None
+        self._planned_key = None
+
+    @property
+    def active(self) -> bool:
+        return self.attn.plan is not None and self.qo_indptr is not None
+
+    def begin(self, extend_seq_lens) -> None:
+        """Per batch, after ``attn.begin(plan, ...)``: the new-token count of each request."""
+        self.qo_indptr = np.concatenate([[0], np.cumsum(np.asarray(extend_seq_lens, dtype=np.int64))])
+        self._planned_key = None
+
+    def end(self) -> None:
+        self.qo_indptr = None
+        self._planned_key = None
+
+    def forward(self, q, k, v, layer, fb, pool, save_kv_cache: bool) -> torch.Tensor:
+        """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write)."""
+        hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        if q3.shape[0] != int(self.qo_indptr[-1]):
+            raise RuntimeError(f"GraniKV extend: {q3.shape[0]} query tokens, the batch has {int(self.qo_indptr[-1])}")
+        key = (layer.scaling, q.dtype, hq, hkv, d)
+        runner = self.attn.runner
+        if key != self._planned_key:  # once per batch: every layer has the same shapes
+            runner.plan_causal(self.qo_indptr.tolist(), hq, hkv, d, q.dtype, layer.scaling, 0.0)
+            self._planned_key = key
+        if save_kv_cache:  # before the prefix part: it may read the new tokens' slots (it does not today)
+            pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
+        o1, s1 = runner.run_causal(q3, k3, v3)
+        o2, s2 = self.attn.prefix_part(q3, pool.get_key_buffer(layer.layer_id),
+                                       pool.get_value_buffer(layer.layer_id), layer.scaling)
+        o, _ = runner.merge(o1, s1, o2, s2)
+        out = getattr(fb, "_attn_output", None)
+        if out is not None:  # some models hand the backend the output buffer
+            out.view(-1, hq, d).copy_(o)
+            return out
+        return o.view(-1, hq * d)
