@@ -52,9 +52,10 @@ class GraniKVConfig:
     )
     extend_path: ExtendPath = _opt(
         "hot",
-        "Prefill (extend) attention over a cached prefix: hot = when every cached prefix in the "
-        "batch is one HOT extent, its part runs as one dense call per extent (flashinfer backend "
-        "only); paged = the stock backend's paged prefill.",
+        "Prefill (extend) attention over a cached prefix: hot = the part of each cached prefix "
+        "in a HOT extent runs as one dense call per extent (flashinfer: in place of its paged "
+        "prefix call; triton: GraniKV computes the whole extend of such batches); paged = the "
+        "stock backend's prefill.",
         choices=get_args(ExtendPath),
     )
     min_group_size: int = _opt(
