@@ -307,9 +307,20 @@ SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweep
     "pw1.5_swv3": dict(suffix_waves=3.0),
     "pw1.5_swv6": dict(suffix_waves=6.0),
     "pw1.5_sb64": dict(suffix_block_n=64),
+    # session 6: the merge launch in one pass (two partial rows per iteration), its warps, and
+    # prefix variants not timed since the overlapped suffix launch
+    "merge1p": dict(merge_one_pass=True),
+    "merge1p_w2": dict(merge_one_pass=True, merge_warps=2),
+    "merge_w2": dict(merge_warps=2),
+    "pw2.0": dict(prefix_waves=2.0),
+    "pfx_w8": dict(prefix_warps=8),
+    "pfx_even": dict(even_split=True),
 }
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
-               ([(4096, 8)], 256)]
+               ([(4096, 8)], 256),
+               # the heterogeneous e2e row at 128 agents (workloads.py: 8 prefixes 2K-16K)
+               ([(2048, 30), (4096, 23), (6144, 20), (8192, 16), (10240, 13), (12288, 12), (14336, 9), (16384, 5)],
+                256)]
 
 
 def sweep(args):

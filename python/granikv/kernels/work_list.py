@@ -75,6 +75,10 @@ class KernelConfig:
     decode steps of one batch then cost a few numpy calls instead of a full build. After a full
     build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
     ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
+    merge_one_pass: bool = False
+    """Merge launch: one pass over each request's partial rows (online max, two rows per
+    iteration) instead of a max pass then a weighted-sum pass."""
+    merge_warps: int = 4
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
