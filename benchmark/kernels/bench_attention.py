@@ -307,14 +307,11 @@ SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweep
     "pw1.5_swv3": dict(suffix_waves=3.0),
     "pw1.5_swv6": dict(suffix_waves=6.0),
     "pw1.5_sb64": dict(suffix_block_n=64),
-    # session 6: the merge launch in one pass (two partial rows per iteration), its warps, and
-    # prefix variants not timed since the overlapped suffix launch
-    "merge1p": dict(merge_one_pass=True),
-    "merge1p_w2": dict(merge_one_pass=True, merge_warps=2),
-    "merge_w2": dict(merge_warps=2),
+    # sweep 8 (session 6): a one-pass merge (online max, two partial rows per iteration) and
+    # 2 merge warps changed nothing (removed); prefix 8 warps 1.6-2x slower; even_split won
+    # (prefix alone 5-6% faster at 16K, cascade equal or 2% faster): now the default
     "pw2.0": dict(prefix_waves=2.0),
-    "pfx_w8": dict(prefix_warps=8),
-    "pfx_even": dict(even_split=True),
+    "masked": dict(even_split=False),  # the default before sweep 8
 }
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                ([(4096, 8)], 256),

@@ -48,16 +48,6 @@ def test_cascade_matches_decode(path, dtype, ratio, hkv):
     assert (ws.counters == 0).all(), "fused arrival counters not reset"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cascade_with_the_one_pass_merge(dtype):
-    cfg = dataclasses.replace(SMALL_CONFIG, merge_one_pass=True)
-    b = make_batch(num_q_heads=8, num_kv_heads=2, dtype=dtype, seed=104)
-    ws = CascadeWorkspace(b.bs + 3, 8, 2, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
-    out = _run("cascade", ws, b, extra_rows=2)
-    torch.testing.assert_close(out[: b.bs].double(), _ref(b), atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.isnan(out[b.bs :]).all(), "rows past the batch were written"
-
-
 @pytest.mark.parametrize("path", ["cascade", "fused"])
 def test_refill_with_different_grouping(path):
     """One workspace, three batches in a row: stale metadata or counters must not leak."""

@@ -45,55 +45,15 @@ def _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, str
 
 
 @triton.jit
-def _merge_rows_1p(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                   RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``_merge_rows`` in one pass (online max, rescaled accumulator), two partial rows per
-    iteration: half the dependent load rounds, and two rows' loads in flight at once."""
-    r = tl.arange(0, BLOCK_R)
-    ok = r < RATIO
-    qh = h * RATIO + r
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max, base 2
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-    s = tl.zeros([BLOCK_R], tl.float32)
-    for p in range(p_lo, p_hi, 2):
-        ok2 = ok & (p + 1 < p_hi)
-        l0 = tl.load(PartLse + p * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l1 = tl.load(PartLse + (p + 1) * stride_lr + qh, mask=ok2, other=float("-inf"), cache_modifier=".cg")
-        o0 = tl.load(PartO + p * stride_pr + qh[:, None] * stride_ph + d[None, :], mask=ok[:, None], other=0.0,
-                     cache_modifier=".cg")
-        o1 = tl.load(PartO + (p + 1) * stride_pr + qh[:, None] * stride_ph + d[None, :], mask=ok2[:, None],
-                     other=0.0, cache_modifier=".cg")
-        l0 = l0 * 1.4426950408889634
-        l1 = l1 * 1.4426950408889634
-        m_new = tl.maximum(m, tl.maximum(l0, l1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: weights 0, not NaN
-        alpha = tl.exp2(m - m_ref)
-        w0 = tl.exp2(l0 - m_ref)
-        w1 = tl.exp2(l1 - m_ref)
-        acc = acc * alpha[:, None] + w0[:, None] * o0 + w1[:, None] * o1
-        s = s * alpha + w0 + w1
-        m = m_new
-    out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
-    b64 = b.to(tl.int64)
-    tl.store(Out + b64 * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=ok[:, None])
-
-
-@triton.jit
 def _merge_kernel(PartO, PartLse, Out, Counts, PartIndptr, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                  RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, ONE_PASS: tl.constexpr):
+                  RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if b < tl.load(Counts):
         p_lo = tl.load(PartIndptr + b)
         p_hi = tl.load(PartIndptr + b + 1)
-        if ONE_PASS:
-            _merge_rows_1p(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob,
-                           stride_oh, RATIO, BLOCK_R, HEAD_DIM)
-        else:
-            _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                        RATIO, BLOCK_R, HEAD_DIM)
+        _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
+                    RATIO, BLOCK_R, HEAD_DIM)
 
 
 def merge_state(workspace, out: torch.Tensor) -> torch.Tensor:
@@ -112,14 +72,13 @@ def merge_state(workspace, out: torch.Tensor) -> torch.Tensor:
     _merge_kernel[grid](
         ws.part_o, ws.part_lse, out, ws.counts, ws.part_indptr,
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), out.stride(0), out.stride(1),
-        RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim,
-        ONE_PASS=ws.config.merge_one_pass, num_warps=ws.config.merge_warps,
+        RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim, num_warps=4,
     )  # fmt: skip
     return out
 
 
 def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.Tensor, out: torch.Tensor,
-               num_kv_heads: int, *, one_pass: bool = False) -> torch.Tensor:
+               num_kv_heads: int) -> torch.Tensor:
     """Stand-alone merge of a CSR of partial states (no workspace), for tests.
 
     part_o [rows, Hq, D] fp32, part_lse [rows, Hq] fp32, part_indptr int32 [bs+1] (device),
@@ -131,6 +90,6 @@ def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.
     _merge_kernel[(bs, num_kv_heads)](
         part_o, part_lse, out, counts, part_indptr,
         part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
-        RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, ONE_PASS=one_pass, num_warps=4,
+        RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, num_warps=4,
     )  # fmt: skip
     return out
