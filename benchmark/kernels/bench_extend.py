@@ -219,17 +219,21 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
                 except Exception as e:  # noqa: BLE001
                     row[f"fi_ragged_{be}_mha{n_split}_error"] = repr(e)[:300]
 
-                def paged_mha_fn(be=be, n_split=n_split):
+                def paged_mha_wrapper(be, n_split):
                     # the same through the paged wrapper (page size 1, kv_indices = the extent's
                     # slots): the form SGLang already captures in CUDA graphs, and the one that can
                     # take several groups' extents (anywhere in the pool) in one call
                     m = n_tok * (HQ // HKV)
-                    ptrs = split_ptrs(prefix, n_split)
                     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
-                    w.plan(torch.arange(0, n_split * m + 1, m, dtype=torch.int32), torch.tensor(ptrs, dtype=torch.int32),
+                    w.plan(torch.arange(0, n_split * m + 1, m, dtype=torch.int32),
+                           torch.tensor(split_ptrs(prefix, n_split), dtype=torch.int32),
                            torch.arange(start, start + prefix, dtype=torch.int32, device=DEV),
                            torch.ones(n_split, dtype=torch.int32), HKV, HKV, D, 1, causal=False,
                            q_data_type=DT, kv_data_type=DT)
+                    return w
+
+                def paged_mha_fn(be=be, n_split=n_split):
+                    w = paged_mha_wrapper(be, n_split)
                     attend = lambda rows, _k, _v, _qo, _kv: w.run(rows, paged, return_lse=True)  # noqa: E731
                     return lambda: mha_split_attention(q, ext_k, ext_v, n_split, attend, flashinfer.merge_states)
                 try:
@@ -240,13 +244,7 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
                 def paged_mha_run_only(be=be, n_split=n_split):
                     # the attention call alone, rows packed and repeated beforehand: what is left
                     # if pack and merge are fused into the kernels around it
-                    m = n_tok * (HQ // HKV)
-                    ptrs = split_ptrs(prefix, n_split)
-                    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
-                    w.plan(torch.arange(0, n_split * m + 1, m, dtype=torch.int32), torch.tensor(ptrs, dtype=torch.int32),
-                           torch.arange(start, start + prefix, dtype=torch.int32, device=DEV),
-                           torch.ones(n_split, dtype=torch.int32), HKV, HKV, D, 1, causal=False,
-                           q_data_type=DT, kv_data_type=DT)
+                    w = paged_mha_wrapper(be, n_split)
                     rows = pack_gqa(q, HKV).repeat(n_split, 1, 1)
                     return lambda: w.run(rows, paged, return_lse=True)
                 try:  # timed only (its rows are not in q's order, so it is not compared)

@@ -20,6 +20,37 @@ from granikv.layers.attention.cascade.hot_extend import FlashInferDense, HotExte
 
 pytestmark = pytest.mark.gpu
 HQ, HKV, D = 32, 8, 128
+EXT = {"A": (1000, 4096), "B": (6000, 1024)}
+KINDS = ["A", "B", "none", "A", "A+", "cold", "A", "B"]
+NEW = np.array([130, 64, 77, 1, 40, 33, 256, 19], dtype=np.int64)
+
+
+def _batch(dev, with_new_slots: bool):
+    """The batch of both tests: request r's cached prefix is extent A or B, A then 500 COLD
+    tokens (an earlier turn), 700 COLD tokens, or none; COLD slots from 9000 on. With
+    ``with_new_slots`` each row also gets its new tokens' slots after its prefix (``out_loc``).
+    Returns rows, prefix lengths, hot run start / length per row, req_to_token, out_loc."""
+    rows = np.arange(1, len(KINDS) + 1, dtype=np.int64)
+    start, length = np.zeros(len(KINDS) + 1, np.int64), np.zeros(len(KINDS) + 1, np.int64)
+    req_to_token = torch.zeros(len(KINDS) + 1, 8192, dtype=torch.int32, device=dev)
+    prefix, out_loc, nxt = [], [], 9000
+    for r, kd, n in zip(rows, KINDS, NEW):
+        pre = []
+        if kd in ("A", "B", "A+"):
+            s, m = EXT[kd[0]]
+            pre = list(range(s, s + m))
+            start[r], length[r] = s, m
+        if kd == "A+":
+            pre, nxt = pre + list(range(nxt, nxt + 500)), nxt + 500
+        if kd == "cold":
+            pre, nxt = list(range(nxt, nxt + 700)), nxt + 700
+        loc = []
+        if with_new_slots:
+            loc, nxt = list(range(nxt, nxt + int(n))), nxt + int(n)
+        req_to_token[r, : len(pre) + len(loc)] = torch.tensor(pre + loc, dtype=torch.int32)
+        prefix.append(len(pre))
+        out_loc += loc
+    return rows, np.array(prefix, dtype=np.int64), start, length, req_to_token, out_loc
 
 
 def test_flashinfer_dense_prefix_part_matches_paged_prefill():
@@ -30,28 +61,8 @@ def test_flashinfer_dense_prefix_part_matches_paged_prefill():
     slots = 16384
     k_buf = torch.randn(slots, HKV, D, device=dev, dtype=dt, generator=g)
     v_buf = torch.randn(slots, HKV, D, device=dev, dtype=dt, generator=g)
-    ext = {"A": (1000, 4096), "B": (6000, 1024)}
-    kinds = ["A", "B", "none", "A", "A+", "cold", "A", "B"]
-    new = np.array([130, 64, 77, 1, 40, 33, 256, 19], dtype=np.int64)
-    rows = np.arange(1, len(kinds) + 1, dtype=np.int64)
-    start, length = np.zeros(len(kinds) + 1, np.int64), np.zeros(len(kinds) + 1, np.int64)
-    req_to_token = torch.zeros(len(kinds) + 1, 8192, dtype=torch.int32, device=dev)
-    prefix, nxt = [], 9000  # COLD slots from 9000 on
-    for r, k in zip(rows, kinds):
-        pre = []
-        if k in ("A", "B", "A+"):
-            s, n = ext[k[0]]
-            pre = list(range(s, s + n))
-            start[r], length[r] = s, n
-        if k == "A+":
-            pre += list(range(nxt, nxt + 500))
-            nxt += 500
-        if k == "cold":
-            pre = list(range(nxt, nxt + 700))
-            nxt += 700
-        req_to_token[r, : len(pre)] = torch.tensor(pre, dtype=torch.int32)
-        prefix.append(len(pre))
-    prefix = np.array(prefix, dtype=np.int64)
+    kinds, new = KINDS, NEW
+    rows, prefix, start, length, req_to_token, _ = _batch(dev, with_new_slots=False)
     plan, reason = plan_extend(rows, prefix, new, start, length)
     assert reason == "" and len(plan.groups) == 2 and plan.paged.num_requests == 2
     n_tok = int(new.sum())
@@ -99,28 +110,8 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
                             enable_memory_saver=False)
     pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, device=dev, dtype=dt, generator=g))
     pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, device=dev, dtype=dt, generator=g))
-    ext = {"A": (1000, 4096), "B": (6000, 1024)}
-    kinds = ["A", "B", "none", "A", "A+", "cold", "A", "B"]
-    new = np.array([130, 64, 77, 1, 40, 33, 256, 19], dtype=np.int64)
-    rows = np.arange(1, len(kinds) + 1, dtype=np.int64)
-    start, length = np.zeros(len(kinds) + 1, np.int64), np.zeros(len(kinds) + 1, np.int64)
-    req_to_token = torch.zeros(len(kinds) + 1, 8192, dtype=torch.int32, device=dev)
-    prefix, out_loc, nxt = [], [], 9000
-    for r, kd, n in zip(rows, kinds, new):
-        pre = []
-        if kd in ("A", "B", "A+"):
-            s, m = ext[kd[0]]
-            pre = list(range(s, s + m))
-            start[r], length[r] = s, m
-        if kd == "A+":
-            pre, nxt = pre + list(range(nxt, nxt + 500)), nxt + 500
-        if kd == "cold":
-            pre, nxt = list(range(nxt, nxt + 700)), nxt + 700
-        loc, nxt = list(range(nxt, nxt + int(n))), nxt + int(n)
-        req_to_token[r, : len(pre) + n] = torch.tensor(pre + loc, dtype=torch.int32)
-        prefix.append(len(pre))
-        out_loc += loc
-    prefix = np.array(prefix, dtype=np.int64)
+    kinds, new = KINDS, NEW
+    rows, prefix, start, length, req_to_token, out_loc = _batch(dev, with_new_slots=True)
     plan, reason = plan_extend(rows, prefix, new, start, length)
     assert reason == ""
     n_tok = int(new.sum())
