@@ -166,3 +166,42 @@ def test_the_next_batch_is_planned_afresh():
     assert be.inner.calls == 1 and not be._full_extend.active
     assert isinstance(be._hot_extend, HotExtendAttention)
     np.testing.assert_array_equal(rows2, [1, 2])
+
+
+def test_padded_inputs_of_a_prefill_cuda_graph_replay():
+    """SGLang's breakable prefill CUDA graph (its default on CUDA) plans the metadata from the
+    real batch and runs the model on inputs padded to its bucket (padding rows write their K/V
+    to the padding slot 0). The real tokens' output is unchanged, padding rows get 0, the path
+    stays on."""
+    import copy
+
+    runner, fb, rows, q, k, v = _setup(["A", "cold", "A+", "B"], [3, 4, 5, 2])
+    expected = _expected(runner, fb, q, k, v)
+    be = _backend(runner)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)  # the real batch
+    pad = 6
+    static = copy.copy(fb)
+    static.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=fb.out_cache_loc.dtype)])
+    qp, kp, vp = (torch.cat([t, torch.randn(pad, t.shape[1]).to(t.dtype)]) for t in (q, k, v))
+    out = be.forward_extend(qp, kp, vp, LAYER, static)
+    assert out.shape == (q.shape[0] + pad, HQ * D)
+    torch.testing.assert_close(out[: q.shape[0]], expected, atol=ATOL, rtol=RTOL)
+    assert (out[q.shape[0]:] == 0).all()
+    assert be.inner.calls == 0 and be._full_extend.active and not be.stats.extend_fallbacks
+    with pytest.raises(RuntimeError, match="query tokens"):  # fewer rows than the batch: a real mismatch
+        be._full_extend.forward(q[:-1], k[:-1], v[:-1], LAYER, fb, runner.token_to_kv_pool, False)
+
+
+def test_a_piecewise_prefill_graph_leaves_the_call_to_the_wrapped_backend(monkeypatch):
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import context_manager
+
+    runner, fb, rows, q, k, v = _setup(["A", "A"], [3, 4])
+    be = _backend(runner)
+    monkeypatch.setattr(context_manager, "_in_tc_piecewise_cuda_graph", True)
+    out = _run(be, fb, rows, q, k, v)
+    torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.inner.calls == 1 and be._full_extend.active  # this call only: the batch stays planned
+    monkeypatch.setattr(context_manager, "_in_tc_piecewise_cuda_graph", False)
+    be.forward_extend(q, k, v, LAYER, fb)
+    assert be.inner.calls == 1

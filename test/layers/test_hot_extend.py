@@ -149,6 +149,10 @@ def test_prefix_part_matches_reference_and_leaves_unprefixed_tokens_out():
         t += n
     with pytest.raises(RuntimeError, match="query tokens"):
         attn.prefix_part(q3[:-1], kb, vb, SCALE)
+    # padded rows (SGLang's breakable prefill CUDA graph pads q to its bucket): empty states
+    po, pl = attn.prefix_part(torch.cat([q3, q3[:3]]), kb, vb, SCALE)
+    assert torch.equal(po[: len(q3)], o) and torch.equal(pl[: len(q3)], lse)
+    assert (po[len(q3):] == 0).all() and torch.isneginf(pl[len(q3):]).all()
 
 
 def test_proxy_sends_what_it_does_not_serve_to_the_original_wrapper():

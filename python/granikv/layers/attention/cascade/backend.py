@@ -39,7 +39,7 @@ import torch
 
 from granikv.layers.attention.cascade.dispatcher import Path
 from granikv.layers.attention.cascade.extend_plan import plan_extend
-from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, layer_reason
+from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, graph_reason, layer_reason
 from granikv.layers.attention.cascade.hot_extend import (
     FlashInferDense,
     HotExtendAttention,
@@ -381,7 +381,7 @@ class GraniKVAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         full = self._full_extend
         if full is not None and full.active:  # planned for a backend without ragged + paged calls
-            reason = layer_reason(layer, q, k, v, kwargs)
+            reason = layer_reason(layer, q, k, v, kwargs) or graph_reason()
             if reason is None:
                 try:
                     o = full.forward(q, k, v, layer, forward_batch, self.model_runner.token_to_kv_pool,

@@ -26,7 +26,21 @@ import torch
 
 from granikv.layers.attention.cascade.hot_extend import HotExtendAttention
 
-__all__ = ["FullExtend", "backend_reason", "layer_reason"]
+__all__ = ["FullExtend", "backend_reason", "layer_reason", "graph_reason"]
+
+
+def graph_reason() -> Optional[str]:
+    """Why this call goes to the wrapped backend because of a prefill CUDA graph (None: it is
+    served). SGLang's breakable graph (its CUDA default) runs attention eagerly between graph
+    segments, on inputs padded to its bucket: served (``FullExtend.forward`` handles the
+    padding). Under torch.compile's piecewise graph the call may be traced: left to the backend."""
+    try:
+        from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+            is_in_tc_piecewise_cuda_graph,
+        )
+    except ImportError:  # pragma: no cover - another SGLang layout: nothing to detect
+        return None
+    return "torch.compile piecewise prefill graph" if is_in_tc_piecewise_cuda_graph() else None
 
 
 def backend_reason(inner, pool) -> Optional[str]:
@@ -83,11 +97,18 @@ class FullExtend:
         self._planned_key = None
 
     def forward(self, q, k, v, layer, fb, pool, save_kv_cache: bool) -> torch.Tensor:
-        """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write)."""
+        """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write).
+
+        ``T`` may exceed the batch's token count: SGLang's breakable prefill CUDA graph pads
+        the model's inputs to its bucket and plans the metadata from the real batch. The K/V of
+        every row is written as the stock backend writes it (padding rows go where SGLang's
+        padded ``out_cache_loc`` points); attention covers the real tokens, padding rows get 0.
+        """
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
-        if q3.shape[0] != int(self.qo_indptr[-1]):
-            raise RuntimeError(f"GraniKV extend: {q3.shape[0]} query tokens, the batch has {int(self.qo_indptr[-1])}")
+        n, rows = int(self.qo_indptr[-1]), q3.shape[0]
+        if rows < n:
+            raise RuntimeError(f"GraniKV extend: {rows} query tokens, the batch has {n}")
         key = (layer.scaling, q.dtype, hq, hkv, d)
         runner = self.attn.runner
         if key != self._planned_key:  # once per batch: every layer has the same shapes
@@ -95,12 +116,16 @@ class FullExtend:
             self._planned_key = key
         if save_kv_cache:  # before the prefix part: it may read the new tokens' slots (it does not today)
             pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
-        o1, s1 = runner.run_causal(q3, k3, v3)
-        o2, s2 = self.attn.prefix_part(q3, pool.get_key_buffer(layer.layer_id),
+        o1, s1 = runner.run_causal(q3[:n], k3[:n], v3[:n])
+        o2, s2 = self.attn.prefix_part(q3[:n], pool.get_key_buffer(layer.layer_id),
                                        pool.get_value_buffer(layer.layer_id), layer.scaling)
         o, _ = runner.merge(o1, s1, o2, s2)
         out = getattr(fb, "_attn_output", None)
         if out is not None:  # some models hand the backend the output buffer
-            out.view(-1, hq, d).copy_(o)
+            out3 = out.view(-1, hq, d)
+            out3[:n].copy_(o)
+            out3[n:].zero_()
             return out
-        return o.view(-1, hq * d)
+        if rows > n:
+            o = torch.cat([o, o.new_zeros(rows - n, hq, d)])
+        return o.reshape(-1, hq * d)

@@ -223,11 +223,18 @@ class HotExtendAttention:
     def prefix_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                     sm_scale: float, logits_soft_cap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(o [T, Hq, D], lse [T, Hq] fp32, base 2)`` of the stacked new tokens ``q`` against
-        their HOT prefixes in ``k_buf`` / ``v_buf`` (``[slots, Hkv, D]``)."""
+        their HOT prefixes in ``k_buf`` / ``v_buf`` (``[slots, Hkv, D]``).
+
+        ``q`` may have more rows than the batch has tokens: SGLang's breakable prefill CUDA graph
+        pads the model's inputs to its bucket size while the metadata is planned from the real
+        batch. The rows past the batch get no prefix part (o = 0, lse = -inf); SGLang drops them.
+        """
         plan = self.plan
         n_tok, hq, d = q.shape
-        if n_tok != plan.num_tokens:
+        if n_tok < plan.num_tokens:
             raise RuntimeError(f"GraniKV extend: {n_tok} query tokens, the plan has {plan.num_tokens}")
+        if n_tok > plan.num_tokens:
+            return pad_rows(*self.prefix_part(q[: plan.num_tokens], k_buf, v_buf, sm_scale, logits_soft_cap), n_tok)
         key = (sm_scale, logits_soft_cap, q.dtype, hq, k_buf.shape[1], d)
         if key != self._planned_key:  # once per batch (every layer has the same shapes)
             self.runner.plan([(g.num_tokens, g.length) for g in plan.groups], hq, k_buf.shape[1],
@@ -260,6 +267,13 @@ class HotExtendAttention:
             o.index_copy_(0, idx, om)
             lse.index_copy_(0, idx, lm)
         return o, lse
+
+
+def pad_rows(o: torch.Tensor, lse: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) extended to ``rows`` rows with empty states (o = 0, lse = -inf)."""
+    extra = rows - o.shape[0]
+    return (torch.cat([o, o.new_zeros((extra,) + tuple(o.shape[1:]))]),
+            torch.cat([lse, lse.new_full((extra,) + tuple(lse.shape[1:]), float("-inf"))]))
 
 
 class PrefixPartProxy:
