@@ -143,3 +143,10 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     ref = paged.run(q.view(-1, HQ, D), (pool.k_buffer[0].view(-1, 1, HKV, D), pool.v_buffer[0].view(-1, 1, HKV, D)))
     assert o.shape == (n_tok, HQ * D) and not torch.isnan(o).any()
     assert (o.view(-1, HQ, D).float() - ref.float()).abs().max() <= 2 ** -5
+    # inputs padded as SGLang's breakable prefill CUDA graph pads them (padding K/V to slot 0)
+    pad = 37
+    padded = SimpleNamespace(out_cache_loc=torch.cat([fb.out_cache_loc, fb.out_cache_loc.new_zeros(pad)]))
+    qp, kp, vp = (torch.cat([t, t[:pad]]) for t in (q, k, v))
+    op = full.forward(qp, kp, vp, layer, padded, pool, True)
+    assert op.shape == (n_tok + pad, HQ * D) and (op[n_tok:] == 0).all()
+    assert (op[:n_tok].float() - o.float()).abs().max() <= 2 ** -6  # same inputs; the plan is reused
