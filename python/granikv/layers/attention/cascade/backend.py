@@ -1,6 +1,7 @@
 """``GraniKVAttnBackend``: wraps the attention backend SGLang built (flashinfer, triton, ...).
 
-Extend/prefill/idle batches go to the wrapped backend untouched. For a decode batch, the plan
+Idle batches, and extend batches without a HOT prefix, go to the wrapped backend untouched
+(extend batches over HOT prefixes: below). For a decode batch, the plan
 (``plan.group_requests`` + ``dispatcher.Dispatcher``) picks a path once per step, on the host:
 
 - ``paged``: the wrapped backend with the batch's real metadata; GraniKV adds nothing (eager) or
@@ -22,7 +23,8 @@ Extend batches with a cached prefix (``extend_plan`` / ``hot_extend``): when som
 in the batch starts with a HOT run and the wrapped backend is flashinfer (ragged + paged
 prefill), the paged prefill wrapper in the batch's metadata is replaced by a
 ``PrefixPartProxy``: the prefix part runs as one dense call per HOT extent, plus one paged call
-for the COLD remainder; SGLang's code does the rest of the extend.
+for the COLD remainder; SGLang's code does the rest of the extend. Under other backends
+(triton: one kernel per row, no LSE), ``full_extend`` computes the batch's whole extend.
 
 The per-step host input is staged by the scheduler hook (``stage_batch``: the batch's
 ``req_pool_idx`` values, known on the host without a device sync); HOT runs come from the
@@ -277,7 +279,8 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def _plan_extend(self, fb, staged) -> None:
         """After the wrapped backend planned an extend batch: if its prefix part can run over
-        HOT extents, swap the batch's paged prefill wrappers for proxies (see ``hot_extend``)."""
+        HOT extents, swap the batch's paged prefill wrappers for proxies (flashinfer, see
+        ``hot_extend``) or plan the whole extend here (other backends, see ``full_extend``)."""
         if self._hot_extend is not None:
             self._hot_extend.end()
         if self._full_extend is not None:
@@ -287,14 +290,15 @@ class GraniKVAttnBackend(AttentionBackend):
             return
         md = getattr(self.inner, "forward_metadata", None)
         full = not hasattr(md, "prefill_wrappers")  # not flashinfer: GraniKV computes the whole extend
+        unservable = backend_reason(self.inner, self.model_runner.token_to_kv_pool) if full else None
         if self._extend_off_reason is not None:
             reason = self._extend_off_reason
         elif full and getattr(fb, "extend_prefix_lens_cpu", None) is None:
             reason = "no host-side prefix lengths in the batch"
         elif full and not any(fb.extend_prefix_lens_cpu):
             return  # no cached prefix anywhere: the stock extend has nothing to share
-        elif full and backend_reason(self.inner, self.model_runner.token_to_kv_pool) is not None:
-            reason = backend_reason(self.inner, self.model_runner.token_to_kv_pool)
+        elif unservable is not None:
+            reason = unservable
         elif not full and not getattr(md, "use_ragged", False):
             reason = "flashinfer prefill without its ragged call"
         elif not full and getattr(md, "extend_no_prefix", True):
