@@ -225,9 +225,27 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
                 f"{a['granikv_vs_baseline_agreement']:.1%} (target: >= baseline's own); max "
                 f"|logprob| difference on equal tokens {a['max_logprob_diff_same_token']} "
                 f"(tolerance {a['logprob_atol']})."]
+    out += floor_section(rows, meta)
     if errors:
         out += ["", "Errors:", ""] + [f"- {e['backend']}/{e['config']}: {e['error']}" for e in errors]
     return "\n".join(out) + "\n"
+
+
+def floor_section(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> List[str]:
+    """The bounds.py floor of every row it can bound, at its default peak rates (markdown lines;
+    none when no row can be bounded or the model's config is not in configs/)."""
+    import bounds
+
+    try:
+        found = bounds.bound_rows(dict(meta=dict(meta), rows=list(rows)), bounds.DEFAULT_TFLOPS * 1e12,
+                                  bounds.DEFAULT_TBPS * 1e12)
+    except (OSError, KeyError):
+        return []
+    if not found:
+        return []
+    return ["", f"Floor (`bounds.py`: the ceiling row's wall time plus the long prefix's attention at "
+            f"{bounds.DEFAULT_TFLOPS:g} TFLOP/s and {bounds.DEFAULT_TBPS:g} TB/s, no overhead; what any "
+            "prefix-sharing layer on this engine could reach at best):", "", bounds.to_markdown(found)]
 
 
 # ---- plot ----------------------------------------------------------------------------------

@@ -227,6 +227,17 @@ def test_write_json_and_markdown(tmp_path):
         assert (tmp_path / "multi_agent.png").stat().st_size > 0
 
 
+def test_markdown_has_the_floor_of_rows_it_can_bound(tmp_path):
+    meta = dict(command="cmd", date="d", model="llama-3.1-8b", tp=1, dp=1)
+    assert "Floor (`bounds.py`" not in report.markdown(report.combine(_records()), _records(), meta, None)
+    params = lambda prefix: dict(prefix_len=prefix, agents=64, suffix=256, out=256, seed=0)  # noqa: E731
+    recs = [_row(c, w, p, 64, t, params=params(p)) for c, w, p, t in (
+        ("baseline", "ceiling", 256, 8000.0), ("granikv", "ceiling", 256, 7900.0),
+        ("baseline", "homogeneous", 16384, 2500.0), ("granikv", "homogeneous", 16384, 6500.0))]
+    md = report.markdown(report.combine(recs), recs, meta, None)
+    assert "Floor (`bounds.py`" in md and "| homogeneous × 64 | flashinfer | 2,500 | 6,500 (2.60x) |" in md
+
+
 def test_report_cli_merges_runs(tmp_path):
     meta = dict(command="cmd-a", date="d", model="llama-3.1-8b", tp=1, dp=1)
     report.write(str(tmp_path / "a"), _records(), meta)
