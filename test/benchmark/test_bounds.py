@@ -1,20 +1,14 @@
 """benchmark/multi_agent/bounds.py: the floor is the ceiling wall plus the long prefix's attention
 at peak rates, computed by hand here for a small made-up model; rows it cannot bound are left out."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_scripts import ROOT, load  # noqa: E402  (test/benchmark, on the path)
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("bounds", ROOT / "benchmark" / "multi_agent" / "bounds.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("multi_agent", "bounds.py")
 
 
 MODEL = dict(layers=2, hq=4, hkv=2, d=8)

@@ -1,19 +1,13 @@
 """dispatch_grid.py: the dispatcher's choice on grid rows, looked up in the measured times."""
 
-import importlib.util
-from pathlib import Path
+from bench_scripts import load  # noqa: E402  (test/benchmark, on the path)
 
 from granikv.layers.attention.cascade.cost_model import CostModel
 from granikv.layers.attention.cascade.dispatcher import Dispatcher
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("dispatch_grid", ROOT / "benchmark" / "kernels" / "dispatch_grid.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("kernels", "dispatch_grid.py")
 
 
 def _row(groups, suffix, **ms):

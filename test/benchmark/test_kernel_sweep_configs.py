@@ -2,18 +2,14 @@
 KernelConfig and plans the sweep's cases (CPU), so a device call is never lost to a typo."""
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_scripts import load  # noqa: E402  (test/benchmark, on the path)
 
 from granikv.kernels.work_list import CascadeWorkspace, default_config
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmark" / "kernels" / "bench_attention.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load("kernels", "bench_attention.py")
 
 
 @pytest.mark.parametrize("name", list(bench.SWEEP))

@@ -128,7 +128,7 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     attn = HotExtendAttention(FlashInferDense(ws), dev)
     attn.begin(plan, req_to_token)
     full = FullExtend(attn)
-    full.begin(new)
+    full.begin()
     o = full.forward(q, k, v, layer, fb, pool, True)
     assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k.view(-1, HKV, D))
     assert torch.equal(pool.v_buffer[0][fb.out_cache_loc], v.view(-1, HKV, D))

@@ -25,6 +25,7 @@ def test_docstring_example_groups_by_extent_and_length():
     plan, reason = _plan([3, 5, 7, 2, 9], [512, 512, 0, 512, 300], [7, 5, 9, 4, 6],
                          {3: (100, 512), 5: (100, 512), 2: (100, 512), 9: (900, 300)})
     assert reason == "" and plan.num_tokens == 31
+    assert plan.token_indptr.tolist() == [0, 7, 12, 21, 25, 31]  # request boundaries (the causal part)
     g0, g1 = plan.groups
     assert (g0.start, g0.length, g0.num_requests) == (100, 512, 3)
     assert g0.token_idx.tolist() == list(range(0, 12)) + list(range(21, 25)) and not g0.contiguous

@@ -65,6 +65,10 @@ def test_full_extend_equals_causal_attention_over_the_rows_and_writes_the_kv(kin
     assert snap["extend_hot_batches"] == snap["extend_batches"] == 1
     assert snap["extend_hot_tokens"] == sum(n for kd, n in zip(kinds, new) if kd in ("A", "A+", "B"))
     be._hot_extend.check_integrity()
+    be._full_extend.check_integrity()
+    be.init_forward_metadata(fb)  # nothing staged: the next batch ends this one's plan
+    assert not be._full_extend.active
+    be._full_extend.check_integrity()
 
 
 def test_batches_without_hot_runs_or_cached_prefix_stay_on_the_wrapped_backend():
@@ -205,3 +209,13 @@ def test_a_piecewise_prefill_graph_leaves_the_call_to_the_wrapped_backend(monkey
     monkeypatch.setattr(context_manager, "_in_tc_piecewise_cuda_graph", False)
     be.forward_extend(q, k, v, LAYER, fb)
     assert be.inner.calls == 1
+
+
+def test_check_integrity_catches_a_batch_begun_without_a_plan():
+    runner, fb, rows, q, k, v = _setup(["A", "A"], [3, 3])
+    be = _backend(runner, debug_integrity=True)  # the backend runs it on every planned batch
+    _run(be, fb, rows, q, k, v)
+    be._hot_extend.end()
+    be._full_extend.begin()
+    with pytest.raises(AssertionError, match="without a plan"):
+        be._full_extend.check_integrity()

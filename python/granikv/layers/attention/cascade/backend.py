@@ -320,7 +320,9 @@ class GraniKVAttnBackend(AttentionBackend):
                 if self.cfg.debug_integrity:
                     attn.check_integrity()
                 if full:
-                    self._full_extend.begin(fb.extend_seq_lens_cpu)
+                    self._full_extend.begin()
+                    if self.cfg.debug_integrity:
+                        self._full_extend.check_integrity()
                     self._full_compare = self._extend_compare_due()
                     return
                 compare = self._extend_compare_callback(plan) if self._extend_compare_due() else None

@@ -95,7 +95,12 @@ class PagedRemainder:
 class ExtendPlan:
     groups: Tuple[ExtendGroup, ...]
     paged: Optional[PagedRemainder]  # None: every cached prefix token is in a HOT run
-    num_tokens: int  # all new tokens of the batch
+    token_indptr: np.ndarray  # [bs+1] int64: request i's new tokens are [token_indptr[i], token_indptr[i+1])
+
+    @property
+    def num_tokens(self) -> int:
+        """All new tokens of the batch."""
+        return int(self.token_indptr[-1])
 
     @property
     def hot_tokens(self) -> int:
@@ -156,7 +161,7 @@ def plan_extend(
         paged = PagedRemainder(rows=req_pool_indices[rem].astype(np.int64), lo=hot_len[rem].astype(np.int64),
                                hi=prefix_lens[rem].astype(np.int64), qo_lens=extend_lens[rem].astype(np.int64),
                                token_idx=_tokens_of(rem, tok_begin))
-    return ExtendPlan(tuple(groups), paged, int(tok_begin[-1])), ""
+    return ExtendPlan(tuple(groups), paged, tok_begin), ""
 
 
 def _tokens_of(reqs: np.ndarray, tok_begin: np.ndarray) -> np.ndarray:

@@ -21,7 +21,6 @@ always possible.
 
 from typing import Optional
 
-import numpy as np
 import torch
 
 from granikv.layers.attention.cascade.hot_extend import HotExtendAttention
@@ -29,17 +28,20 @@ from granikv.layers.attention.cascade.hot_extend import HotExtendAttention
 __all__ = ["FullExtend", "backend_reason", "layer_reason", "graph_reason"]
 
 
+try:  # SGLang's flag for torch.compile's piecewise prefill graph (looked up once, not per layer)
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+        is_in_tc_piecewise_cuda_graph,
+    )
+except ImportError:  # pragma: no cover - no SGLang, or another layout: nothing to detect
+    def is_in_tc_piecewise_cuda_graph() -> bool:
+        return False
+
+
 def graph_reason() -> Optional[str]:
     """Why this call goes to the wrapped backend because of a prefill CUDA graph (None: it is
     served). SGLang's breakable graph (its CUDA default) runs attention eagerly between graph
     segments, on inputs padded to its bucket: served (``FullExtend.forward`` handles the
     padding). Under torch.compile's piecewise graph the call may be traced: left to the backend."""
-    try:
-        from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
-            is_in_tc_piecewise_cuda_graph,
-        )
-    except ImportError:  # pragma: no cover - another SGLang layout: nothing to detect
-        return None
     return "torch.compile piecewise prefill graph" if is_in_tc_piecewise_cuda_graph() else None
 
 
@@ -76,25 +78,30 @@ def layer_reason(layer, q: torch.Tensor, k, v, kwargs: dict) -> Optional[str]:
 
 
 class FullExtend:
-    """One extend batch's whole attention: ``begin`` per batch, ``forward`` per layer."""
+    """One extend batch's whole attention: ``begin`` per batch (after ``attn.begin(plan, ...)``),
+    ``forward`` per layer. The causal part's request boundaries are the plan's ``token_indptr``."""
 
     def __init__(self, attn: HotExtendAttention):
         self.attn = attn
-        self.qo_indptr: Optional[np.ndarray] = None
+        self._begun = False
         self._planned_key = None
 
     @property
     def active(self) -> bool:
-        return self.attn.plan is not None and self.qo_indptr is not None
+        return self._begun and self.attn.plan is not None
 
-    def begin(self, extend_seq_lens) -> None:
-        """Per batch, after ``attn.begin(plan, ...)``: the new-token count of each request."""
-        self.qo_indptr = np.concatenate([[0], np.cumsum(np.asarray(extend_seq_lens, dtype=np.int64))])
+    def begin(self) -> None:
+        self._begun = True
         self._planned_key = None
 
     def end(self) -> None:
-        self.qo_indptr = None
+        self._begun = False
         self._planned_key = None
+
+    def check_integrity(self) -> None:
+        """Debug mode and tests: a begun batch has a plan, and its device state matches it."""
+        assert not self._begun or self.attn.plan is not None, "full extend begun without a plan"
+        self.attn.check_integrity()
 
     def forward(self, q, k, v, layer, fb, pool, save_kv_cache: bool) -> torch.Tensor:
         """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write).
@@ -106,13 +113,14 @@ class FullExtend:
         """
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
-        n, rows = int(self.qo_indptr[-1]), q3.shape[0]
+        plan = self.attn.plan
+        n, rows = plan.num_tokens, q3.shape[0]
         if rows < n:
             raise RuntimeError(f"GraniKV extend: {rows} query tokens, the batch has {n}")
         key = (layer.scaling, q.dtype, hq, hkv, d)
         runner = self.attn.runner
         if key != self._planned_key:  # once per batch: every layer has the same shapes
-            runner.plan_causal(self.qo_indptr.tolist(), hq, hkv, d, q.dtype, layer.scaling, 0.0)
+            runner.plan_causal(plan.token_indptr.tolist(), hq, hkv, d, q.dtype, layer.scaling, 0.0)
             self._planned_key = key
         if save_kv_cache:  # before the prefix part: it may read the new tokens' slots (it does not today)
             pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)

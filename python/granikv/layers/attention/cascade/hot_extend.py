@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from granikv.layers.attention.cascade.extend_plan import ExtendPlan, PagedRemainder
+from granikv.layers.attention.cascade.extend_plan import ExtendPlan
 
 logger = logging.getLogger("granikv")
 
@@ -38,16 +38,23 @@ class TorchDense:
         self.ratio = num_q_heads // num_kv_heads
         self.sm_scale, self.cap = sm_scale, logits_soft_cap
 
-    def run(self, gi: int, q, k, v, out=None, lse=None):
-        qf = q.float()  # [n, Hq, D]
+    def _attend(self, q, k, v, causal: bool = False):
+        """q [n, Hq, D] over k, v [L, Hkv, D] (causal: n == L, token j sees keys [0, j]):
+        ``(o [n, Hq, D] in q's dtype, lse [n, Hq] base 2)``."""
+        qf = q.float()
         kf = k.float().repeat_interleave(self.ratio, dim=1)  # [L, Hq, D]
         vf = v.float().repeat_interleave(self.ratio, dim=1)
         s = torch.einsum("nhd,lhd->hnl", qf, kf) * self.sm_scale
         if self.cap:
             s = self.cap * torch.tanh(s / self.cap)
+        if causal:
+            s = s.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
         m = torch.logsumexp(s, dim=-1)  # [Hq, n], natural log
         o = torch.einsum("hnl,lhd->nhd", torch.exp(s - m[..., None]), vf).to(q.dtype)
-        lse2 = (m * LOG2E).transpose(0, 1).contiguous()
+        return o, (m * LOG2E).transpose(0, 1).contiguous()
+
+    def run(self, gi: int, q, k, v, out=None, lse=None):
+        o, lse2 = self._attend(q, k, v)
         if out is not None:
             out.copy_(o)
             lse.copy_(lse2)
@@ -78,20 +85,9 @@ class TorchDense:
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         ptr = self.causal_indptr
-        for j in range(len(ptr) - 1):
-            a, b = ptr[j], ptr[j + 1]
-            if b == a:
-                continue
-            qf = q[a:b].float()
-            kf = k[a:b].float().repeat_interleave(self.ratio, dim=1)
-            vf = v[a:b].float().repeat_interleave(self.ratio, dim=1)
-            s = torch.einsum("nhd,lhd->hnl", qf, kf) * self.sm_scale
-            if self.cap:
-                s = self.cap * torch.tanh(s / self.cap)
-            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
-            m = torch.logsumexp(s, dim=-1)
-            o[a:b] = torch.einsum("hnl,lhd->nhd", torch.exp(s - m[..., None]), vf).to(q.dtype)
-            lse[a:b] = (m * LOG2E).transpose(0, 1)
+        for a, b in zip(ptr[:-1], ptr[1:]):
+            if b > a:
+                o[a:b], lse[a:b] = self._attend(q[a:b], k[a:b], v[a:b], causal=True)
         return o, lse
 
     @staticmethod
