@@ -1,5 +1,5 @@
 """GPU host: the extend prefix part over HOT extents (``HotExtendAttention`` with
-``FlashInferDense``: FlashInfer ragged prefill per extent, FA3 on the H200, plus one paged call
+``FlashInferDense``: FlashInfer ragged prefill calls over the extents (batched, ``ExtendCall``), FA3 on the H200, plus one paged call
 for the COLD remainder, merged by LSE) against FlashInfer's paged prefill wrapper over each
 request's whole cached prefix, which is what SGLang's flashinfer backend runs for that part;
 same KV, bf16, Llama-3.1-8B heads (32q/8kv/128). Batch: two extents (4K and 1K tokens),
@@ -150,3 +150,54 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     op = full.forward(qp, kp, vp, layer, padded, pool, True)
     assert op.shape == (n_tok + pad, HQ * D) and (op[n_tok:] == 0).all()
     assert (op[:n_tok].float() - o.float()).abs().max() <= 2 ** -6  # same inputs; the plan is reused
+
+
+def test_flashinfer_forest_prefix_part_is_one_call_and_matches_paged_prefill():
+    """A forest prefill: 16 extents of 1.5-6K tokens (gaps between them, two adjacent), 4-12
+    requests each in shuffled batch order, a few matching only the first 1K of their extent
+    (a second, overlapping call). One ragged FA3 call with query-less gap entries serves the 16
+    extents; against the paged FA2 prefill per request. Same tolerances as above."""
+    import flashinfer
+
+    dev, dt = "cuda", torch.bfloat16
+    rng = np.random.default_rng(0)
+    g = torch.Generator(device=dev).manual_seed(2)
+    lens = rng.integers(1536, 6144, 16)
+    gaps = rng.integers(0, 4096, 16)
+    gaps[5] = 0
+    starts = np.cumsum(lens + gaps) - lens
+    slots = int(starts[-1] + lens[-1]) + 1
+    k_buf = torch.randn(slots, HKV, D, device=dev, dtype=dt, generator=g)
+    v_buf = torch.randn(slots, HKV, D, device=dev, dtype=dt, generator=g)
+    ext_of = rng.permutation(np.repeat(np.arange(16), rng.integers(4, 13, 16)))
+    bs = len(ext_of)
+    rows = np.arange(1, bs + 1, dtype=np.int64)
+    start, length = np.zeros(bs + 1, np.int64), np.zeros(bs + 1, np.int64)
+    head = rng.random(bs) < 0.1
+    start[rows] = starts[ext_of]
+    length[rows] = np.where(head, 1024, lens[ext_of])
+    prefix = length[rows].copy()
+    new = rng.integers(1, 300, bs).astype(np.int64)
+    plan, reason = plan_extend(rows, prefix, new, start, length)
+    assert reason == "" and len(plan.groups) > 16 and len(plan.calls) == 2
+    req_to_token = torch.zeros(bs + 1, int(lens.max()), dtype=torch.int32, device=dev)
+    for r in rows:
+        req_to_token[r, : prefix[r - 1]] = torch.arange(start[r], start[r] + prefix[r - 1], dtype=torch.int32)
+    q = torch.randn(int(new.sum()), HQ, D, device=dev, dtype=dt, generator=g) * 2
+    scale = D ** -0.5
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    attn = HotExtendAttention(FlashInferDense(ws), dev)
+    attn.begin(plan, req_to_token)
+    attn.check_integrity()
+    o, lse = attn.prefix_part(q, k_buf, v_buf, scale)
+
+    i32 = dict(dtype=torch.int32, device=dev)
+    paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    paged.plan(torch.tensor(np.concatenate([[0], np.cumsum(new)]), **i32),
+               torch.tensor(np.concatenate([[0], np.cumsum(prefix)]), **i32),
+               torch.cat([req_to_token[r, :p] for r, p in zip(rows, prefix)]), torch.ones(bs, **i32),
+               HQ, HKV, D, 1, causal=False, sm_scale=scale, q_data_type=dt, kv_data_type=dt)
+    ro, rl = paged.run(q, (k_buf.view(-1, 1, HKV, D), v_buf.view(-1, 1, HKV, D)), return_lse=True)
+    assert not torch.isnan(o).any()
+    assert (o.float() - ro.float()).abs().max() <= 2 ** -5
+    assert (lse - rl).abs().max() < 1e-3

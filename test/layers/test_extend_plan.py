@@ -1,14 +1,18 @@
 """plan_extend: which extend batches can take their prefix part from HOT extents, and how the
 new tokens are grouped (synthetic batches; host numpy only)."""
 
-import numpy as np
+import dataclasses
 
-from granikv.layers.attention.cascade.extend_plan import MAX_EXTEND_GROUPS, plan_extend
+import numpy as np
+import pytest
+
+from granikv.layers.attention.cascade.extend_plan import plan_extend
+from granikv.layers.attention.cascade.hot_extend import check_call
 
 I64 = np.int64
 
 
-def _table(runs, rows=16):
+def _table(runs, rows=32):
     start, length = np.zeros(rows, I64), np.zeros(rows, I64)
     for row, (s, n) in runs.items():
         start[row], length[row] = s, n
@@ -72,13 +76,54 @@ def test_no_cached_prefix_and_no_new_tokens():
     assert _plan([1], [64], [0], {1: (10, 64)}) == (None, "no new tokens")
 
 
-def test_too_many_extents():
-    n = MAX_EXTEND_GROUPS + 1
-    runs = {r: (1000 * r, 64) for r in range(1, n + 1)}
-    plan, reason = _plan(list(runs), [64] * n, [2] * n, runs)
-    assert plan is None and f"limit {MAX_EXTEND_GROUPS}" in reason
-    plan, _ = _plan(list(runs), [64] * n, [2] * n, runs, max_groups=n)
-    assert len(plan.groups) == n
+def test_a_forest_of_extents_is_one_call_with_gap_entries():
+    # 16 extents (no limit), batch order not slot order, gaps of different sizes, two adjacent
+    n = 16
+    starts = [10000 - 300 * r for r in range(1, n + 1)]
+    starts[2] = starts[1] + 100  # row 3's extent right after row 2's
+    runs = {r: (s, 100) for r, s in zip(range(1, n + 1), starts)}
+    plan, reason = _plan(list(runs), [100] * n, [r % 3 + 1 for r in runs], runs)
+    assert reason == "" and len(plan.groups) == n
+    (call,) = plan.calls
+    check_call(call, plan.groups)
+    assert call.kv_lo == min(starts) and call.kv_hi == max(starts) + 100
+    gaps = [kv for qo, kv in call.shapes if qo == 0]
+    assert len(gaps) == n - 2  # rows 2 and 3 touch: no gap entry between them
+    assert sum(gaps) == call.kv_hi - call.kv_lo - 100 * n
+    assert sorted(call.token_idx.tolist()) == list(range(plan.num_tokens)) and not call.contiguous
+
+
+def test_overlapping_extents_go_to_as_few_calls_as_the_overlap_depth():
+    # extent [50, 350) at HOT lengths 100, 300 and 300 (two rows); a disjoint extent after it
+    runs = {1: (50, 100), 2: (50, 300), 3: (50, 300), 4: (400, 64), 5: (900, 10)}
+    plan, _ = _plan([1, 2, 3, 4, 5], [100, 300, 300, 64, 10], [3, 4, 2, 5, 1], runs)
+    assert [(g.start, g.length) for g in plan.groups] == [(50, 100), (50, 300), (400, 64), (900, 10)]
+    assert len(plan.calls) == 2
+    for c in plan.calls:
+        check_call(c, plan.groups)
+    assert [[plan.groups[i].length for i in c.groups] for c in plan.calls] == [[100, 64, 10], [300]]
+    a = plan.calls[0]
+    assert a.shapes == ((3, 100), (0, 250), (5, 64), (0, 436), (1, 10))
+    assert plan.calls[1].contiguous and plan.calls[1].token_range == (3, 9)
+
+
+def test_max_groups_still_limits_when_given():
+    runs = {r: (1000 * r, 64) for r in range(1, 4)}
+    plan, reason = _plan(list(runs), [64] * 3, [2] * 3, runs, max_groups=2)
+    assert plan is None and "3 HOT extents in one batch (limit 2)" == reason
+
+
+def test_check_call_sees_a_planted_fault():
+    runs = {1: (100, 64), 2: (300, 32)}
+    plan, _ = _plan([1, 2], [64, 32], [2, 3], runs)
+    (call,) = plan.calls
+    check_call(call, plan.groups)
+    bad = call.kv_indptr.copy()
+    bad[1] -= 1  # group 0 one key short, the gap one longer
+    with pytest.raises(AssertionError, match="not its extent"):
+        check_call(dataclasses.replace(call, kv_indptr=bad), plan.groups)
+    with pytest.raises(AssertionError, match="not its tokens"):
+        check_call(dataclasses.replace(call, token_idx=call.token_idx[::-1].copy()), plan.groups)
 
 
 def test_random_batches_cover_each_prefixed_token_once():
@@ -114,3 +159,8 @@ def test_random_batches_cover_each_prefixed_token_once():
                 for t in rem.token_idx[rem.qo_indptr[j]: rem.qo_indptr[j + 1]]:
                     got_rem[int(t)] = (int(rem.rows[j]), int(rem.lo[j]), int(rem.hi[j]))
         assert got_rem == want_rem
+        assert sorted(i for c in plan.calls for i in c.groups) == list(range(len(plan.groups)))
+        for c in plan.calls:
+            check_call(c, plan.groups)
+        depth = max(sum(1 for h in plan.groups if h.start <= g.start < h.start + h.length) for g in plan.groups)
+        assert len(plan.calls) == depth  # as few calls as the deepest overlap

@@ -282,3 +282,54 @@ def test_check_integrity_catches_stale_batch_state():
         attn.check_integrity()
     attn.end()
     attn.check_integrity()
+
+
+# ---- a forest: many HOT extents in one extend batch ------------------------------------------
+
+
+@pytest.mark.parametrize("n_ext, seed", [(12, 0), (17, 1)])
+def test_a_forest_prefill_is_batched_into_few_calls_and_matches_reference(n_ext, seed):
+    """``n_ext`` disjoint extents of odd lengths (more than the old 8-extent limit), requests in
+    random batch order, some matching only the head of their extent (overlapping groups: a
+    second call), some with a COLD tail (the paged remainder): every token's prefix part equals
+    float64 attention over its request's cached prefix."""
+    rng = np.random.default_rng(seed)
+    slots = 4000
+    g = torch.Generator().manual_seed(seed)
+    kb = torch.randn(slots, HKV, D, generator=g).to(DTYPE)
+    vb = torch.randn(slots, HKV, D, generator=g).to(DTYPE)
+    lens = rng.integers(17, 90, n_ext)
+    starts = 200 + np.cumsum(lens + rng.integers(0, 40, n_ext)) - lens  # gaps 0..39 slots
+    assert starts[-1] + lens[-1] < 3000
+    bs = 2 * n_ext + 3
+    rows = np.arange(1, bs + 1, dtype=np.int64)
+    ext_of = rng.permutation(np.concatenate([np.arange(n_ext), rng.integers(0, n_ext, bs - n_ext)]))
+    head = rng.random(bs) < 0.2  # matches only the first half of its extent
+    cold_tail = rng.random(bs) < 0.2  # + 5 COLD tokens after its HOT run
+    table = HotPrefixTable(bs + 2, "cpu")
+    rt = torch.zeros(bs + 1, 256, dtype=torch.int32)
+    prefix, nxt = [], 3000
+    for r, e, h, c in zip(rows, ext_of, head, cold_tail):
+        s, n = int(starts[e]), int(lens[e]) // (2 if h else 1)
+        table.set(int(r), s, n)
+        pre = list(range(s, s + n)) + (list(range(nxt, nxt + 5)) if c else [])
+        nxt += 5 if c else 0
+        rt[r, : len(pre)] = torch.tensor(pre, dtype=torch.int32)
+        prefix.append(len(pre))
+    new = rng.integers(1, 5, bs)
+    plan, reason = plan_extend(rows, np.array(prefix, dtype=np.int64), new.astype(np.int64), table.start_np,
+                               table.length_np)
+    assert reason == "" and len(plan.groups) > 8
+    assert len(plan.calls) == (2 if head.any() else 1)  # the head groups overlap their full extents
+    attn = HotExtendAttention(TorchDense(), "cpu")
+    attn.begin(plan, rt)
+    attn.check_integrity()
+    q = torch.randn(int(new.sum()), HQ, D, generator=g).to(DTYPE)
+    o, lse = attn.prefix_part(q, kb, vb, SCALE)
+    t = 0
+    for r, p, n in zip(rows, prefix, new):
+        slots_r = rt[r, :p].long()
+        ro, rl = attend(q[t: t + n], kb[slots_r], vb[slots_r], SCALE)
+        torch.testing.assert_close(o[t: t + n], ro.to(DTYPE), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(lse[t: t + n], rl.float(), atol=1e-4, rtol=0)
+        t += n

@@ -21,6 +21,12 @@ prompt, a prefix with one sharer; or a HOT run followed by COLD tokens: an agent
 turns) form the paged remainder: ``req_to_token[row, hot_len:prefix_len]`` per request, served
 by one paged call and merged by LSE with the request's dense part. A batch is planned when at
 least one request has a HOT run (else the stock path is as good: ``reason`` says why).
+
+Any number of groups is served. Groups whose extents do not overlap share ONE dense call
+(``ExtendCall``): a ragged call over the KV slot range that spans them, with an entry per group
+and a query-less entry over each gap between two extents, so every group's keys start at its
+own slot (see ``ExtendCall``). Overlapping groups (the same extent at two HOT lengths) go to
+different calls; the calls are as few as the deepest overlap (greedy interval partitioning).
 """
 
 from dataclasses import dataclass
@@ -28,7 +34,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-MAX_EXTEND_GROUPS = 8  # distinct (extent, length) pairs per extend batch; beyond: stock path
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,8 +97,94 @@ class PagedRemainder:
 
 
 @dataclass(frozen=True, eq=False)
+class ExtendCall:
+    """One ragged dense call serving several groups whose extents do not overlap.
+
+    Keys and values are the slot range ``[kv_lo, kv_hi)`` of the KV buffer (a view, no copy);
+    entry e has queries ``qo_indptr[e]:qo_indptr[e+1]`` of the call's stacked tokens and keys
+    ``kv_indptr[e]:kv_indptr[e+1]`` of the view. Groups come in ascending slot order; a gap
+    between two extents is an entry with no query (no work, it only moves the next offset)::
+
+        slots:     kv_lo         gap            kv_hi
+                   | group a |..........| group b |
+        entry:        0          1           2
+        qo_len:      n_a         0          n_b
+        kv_len:      L_a     s_b - e_a      L_b
+
+    ``groups`` indexes ``ExtendPlan.groups``; ``token_idx`` (int64) are the batch's stacked
+    token positions of the call's queries in call order (the groups' tokens, group by group).
+    """
+
+    kv_lo: int
+    kv_hi: int
+    groups: Tuple[int, ...]
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    token_idx: np.ndarray
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.qo_indptr.shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_idx.shape[0])
+
+    @property
+    def contiguous(self) -> bool:
+        """The queries are one range of the stacked tokens, in order (served by slices)."""
+        n = self.num_tokens
+        return n > 0 and bool((np.diff(self.token_idx) == 1).all())
+
+    @property
+    def token_range(self) -> Tuple[int, int]:
+        return int(self.token_idx[0]), int(self.token_idx[-1]) + 1
+
+    @property
+    def shapes(self) -> Tuple[Tuple[int, int], ...]:
+        """``(qo_len, kv_len)`` of every entry (gap entries have qo_len 0)."""
+        return tuple(zip(np.diff(self.qo_indptr).tolist(), np.diff(self.kv_indptr).tolist()))
+
+
+def batch_calls(groups: Tuple[ExtendGroup, ...]) -> Tuple[ExtendCall, ...]:
+    """Pack groups into as few ``ExtendCall`` s as their overlaps allow: groups in ascending
+    start order, each into the first call whose last extent ends at or before its start (the
+    number of calls is the largest number of extents over any one slot)."""
+    order = sorted(range(len(groups)), key=lambda i: (groups[i].start, groups[i].length))
+    members, ends = [], []
+    for i in order:
+        g = groups[i]
+        for c, end in enumerate(ends):
+            if end <= g.start:
+                members[c].append(i)
+                ends[c] = g.start + g.length
+                break
+        else:
+            members.append([i])
+            ends.append(g.start + g.length)
+    return tuple(_call(groups, m) for m in members)
+
+
+def _call(groups, members) -> ExtendCall:
+    lo = groups[members[0]].start
+    qo, kv, prev_end = [0], [0], lo
+    for i in members:
+        g = groups[i]
+        if g.start > prev_end:  # a query-less entry over the gap
+            qo.append(qo[-1])
+            kv.append(g.start - lo)
+        qo.append(qo[-1] + g.num_tokens)
+        kv.append(g.start + g.length - lo)
+        prev_end = g.start + g.length
+    return ExtendCall(kv_lo=lo, kv_hi=prev_end, groups=tuple(members), qo_indptr=np.array(qo, np.int64),
+                      kv_indptr=np.array(kv, np.int64),
+                      token_idx=np.concatenate([groups[i].token_idx for i in members]))
+
+
+@dataclass(frozen=True, eq=False)
 class ExtendPlan:
     groups: Tuple[ExtendGroup, ...]
+    calls: Tuple[ExtendCall, ...]  # every group in exactly one call
     paged: Optional[PagedRemainder]  # None: every cached prefix token is in a HOT run
     token_indptr: np.ndarray  # [bs+1] int64: request i's new tokens are [token_indptr[i], token_indptr[i+1])
 
@@ -125,14 +216,15 @@ def plan_extend(
     table_start: np.ndarray,
     table_length: np.ndarray,
     *,
-    max_groups: int = MAX_EXTEND_GROUPS,
+    max_groups: Optional[int] = None,
 ) -> Tuple[Optional[ExtendPlan], str]:
     """``(plan, "")`` when the batch is planned, else ``(None, reason)``.
 
     All inputs are int64 numpy arrays ``[bs]`` in batch order, except ``table_start`` /
     ``table_length`` (``HotPrefixTable.start_np`` / ``length_np``, indexed by
     ``req_pool_indices``). ``extend_lens[i]`` new tokens of request i follow those of i-1 in
-    the batch's stacked queries.
+    the batch's stacked queries. ``max_groups``: plan at most that many (extent, length)
+    groups (None: any number; they are batched into ``plan.calls``).
     """
     bs = req_pool_indices.shape[0]
     if prefix_lens.shape != (bs,) or extend_lens.shape != (bs,):
@@ -148,7 +240,7 @@ def plan_extend(
     keys = np.stack([table_start[req_pool_indices[members]], hot_len[members]], axis=1)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    if uniq.shape[0] > max_groups:
+    if max_groups is not None and uniq.shape[0] > max_groups:
         return None, f"{uniq.shape[0]} HOT extents in one batch (limit {max_groups})"
     tok_begin = np.zeros(bs + 1, dtype=np.int64)
     np.cumsum(extend_lens, out=tok_begin[1:])
@@ -161,7 +253,8 @@ def plan_extend(
         paged = PagedRemainder(rows=req_pool_indices[rem].astype(np.int64), lo=hot_len[rem].astype(np.int64),
                                hi=prefix_lens[rem].astype(np.int64), qo_lens=extend_lens[rem].astype(np.int64),
                                token_idx=_tokens_of(rem, tok_begin))
-    return ExtendPlan(tuple(groups), paged, tok_begin), ""
+    groups = tuple(groups)
+    return ExtendPlan(groups, batch_calls(groups), paged, tok_begin), ""
 
 
 def _tokens_of(reqs: np.ndarray, tok_begin: np.ndarray) -> np.ndarray:

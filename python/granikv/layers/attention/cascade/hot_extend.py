@@ -1,11 +1,12 @@
-"""Prefill attention of new tokens over their HOT prefix: one dense call per extent group.
+"""Prefill attention of new tokens over their HOT prefixes: one dense call per ``ExtendCall``.
 
 Mechanism for an ``extend_plan.ExtendPlan``. SGLang's flashinfer backend computes an extend
 batch with a cached prefix as ``ragged (new tokens, causal)`` + ``paged (prefix, per
 request)``, merged by LSE (``FlashInferAttnBackend.forward_extend``). ``PrefixPartProxy``
 stands in for the paged prefill wrapper in that batch's forward metadata: its
 ``forward_return_lse`` returns the prefix part computed by ``HotExtendAttention`` (stacked new
-tokens of a group against the contiguous extent, no mask, one call per group). SGLang's own code
+tokens of each group against its contiguous extent, no mask; the groups of non-overlapping
+extents batched into one ragged call, ``extend_plan.ExtendCall``). SGLang's own code
 still writes the new K/V, runs the ragged part and merges; only the prefix part changes kernel.
 
 Runners: ``FlashInferDense`` (FlashInfer's ragged prefill wrapper, ``backend="auto"``: FA3 on
@@ -24,7 +25,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from granikv.layers.attention.cascade.extend_plan import ExtendPlan
+from granikv.layers.attention.cascade.extend_plan import ExtendCall, ExtendPlan
 
 logger = logging.getLogger("granikv")
 
@@ -34,7 +35,9 @@ LOG2E = 1.0 / math.log(2.0)
 class TorchDense:
     """Reference runner: float32 softmax attention, base-2 LSE (as FlashInfer returns)."""
 
-    def plan(self, shapes, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+    def plan(self, calls, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+        """``calls``: ``(qo_indptr, kv_indptr)`` int64 numpy per dense call (``ExtendCall``)."""
+        self.calls = [(np.asarray(qo).tolist(), np.asarray(kv).tolist()) for qo, kv in calls]
         self.ratio = num_q_heads // num_kv_heads
         self.sm_scale, self.cap = sm_scale, logits_soft_cap
 
@@ -53,12 +56,17 @@ class TorchDense:
         o = torch.einsum("hnl,lhd->nhd", torch.exp(s - m[..., None]), vf).to(q.dtype)
         return o, (m * LOG2E).transpose(0, 1).contiguous()
 
-    def run(self, gi: int, q, k, v, out=None, lse=None):
-        o, lse2 = self._attend(q, k, v)
-        if out is not None:
-            out.copy_(o)
-            lse.copy_(lse2)
-            return out, lse
+    def run(self, ci: int, q, k, v, out=None, lse=None):
+        """Dense call ``ci``: entry e's queries ``q[qo[e]:qo[e+1]]`` over ``k[kv[e]:kv[e+1]]``
+        (entries without queries are skipped, as FlashInfer's scheduler gives them no tile)."""
+        qo, kv = self.calls[ci]
+        o = torch.empty_like(q) if out is None else out
+        lse2 = torch.empty(q.shape[:2], dtype=torch.float32) if lse is None else lse
+        for e in range(len(qo) - 1):
+            if qo[e + 1] > qo[e]:
+                oe, le = self._attend(q[qo[e]: qo[e + 1]], k[kv[e]: kv[e + 1]], v[kv[e]: kv[e + 1]])
+                o[qo[e]: qo[e + 1]] = oe
+                lse2[qo[e]: qo[e + 1]] = le
         return o, lse2
 
     def plan_paged(self, qo_indptr, kv_indptr, kv_indices, num_q_heads, num_kv_heads, head_dim, dtype,
@@ -71,8 +79,7 @@ class TorchDense:
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         for j in range(len(qo) - 1):
             slots = idx[kv[j]: kv[j + 1]]
-            self.run(0, q[qo[j]: qo[j + 1]], k_buf[slots], v_buf[slots], out=o[qo[j]: qo[j + 1]],
-                     lse=lse[qo[j]: qo[j + 1]])
+            o[qo[j]: qo[j + 1]], lse[qo[j]: qo[j + 1]] = self._attend(q[qo[j]: qo[j + 1]], k_buf[slots], v_buf[slots])
         return o, lse
 
     def plan_causal(self, qo_indptr, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
@@ -99,7 +106,7 @@ class TorchDense:
 
 
 class FlashInferDense:
-    """FlashInfer ragged prefill wrappers, one per group (plans live in each wrapper's int
+    """FlashInfer ragged prefill wrappers, one per dense call (plans live in each wrapper's int
     workspace); they share the float workspace they are given (calls are stream-ordered)."""
 
     def __init__(self, float_workspace: torch.Tensor):
@@ -108,20 +115,23 @@ class FlashInferDense:
         self.paged = None
         self.causal = None  # ragged causal wrapper (full_extend.py: wrapped backends without ragged + paged)
 
-    def plan(self, shapes, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+    def plan(self, calls, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+        """``calls``: ``(qo_indptr, kv_indptr)`` per dense call (``ExtendCall``); query-less gap
+        entries get no work tile from FlashInfer's schedulers (FA2 and FA3 count tiles per
+        entry from its query length)."""
         import flashinfer
 
-        while len(self.wrappers) < len(shapes):
+        while len(self.wrappers) < len(calls):
             self.wrappers.append(flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 self.float_workspace, "NHD", backend="auto"))
-        for w, (num_tokens, length) in zip(self.wrappers, shapes):
-            w.plan(torch.tensor([0, num_tokens], dtype=torch.int32),
-                   torch.tensor([0, length], dtype=torch.int32),
+        for w, (qo_indptr, kv_indptr) in zip(self.wrappers, calls):
+            w.plan(torch.from_numpy(np.asarray(qo_indptr, dtype=np.int32)),
+                   torch.from_numpy(np.asarray(kv_indptr, dtype=np.int32)),
                    num_q_heads, num_kv_heads, head_dim, causal=False, sm_scale=sm_scale,
                    logits_soft_cap=logits_soft_cap or None, q_data_type=dtype, kv_data_type=dtype)
 
-    def run(self, gi: int, q, k, v, out=None, lse=None):
-        return self.wrappers[gi].run(q, k, v, out=out, lse=lse, return_lse=True)
+    def run(self, ci: int, q, k, v, out=None, lse=None):
+        return self.wrappers[ci].run(q, k, v, out=out, lse=lse, return_lse=True)
 
     def plan_paged(self, qo_indptr, kv_indptr, kv_indices, num_q_heads, num_kv_heads, head_dim, dtype,
                    sm_scale, logits_soft_cap):
@@ -175,7 +185,7 @@ class HotExtendAttention:
         table) here, once per batch (no sync)."""
         self.plan = plan
         self._planned_key = None
-        self._token_idx = [None if g.contiguous else self._h2d(g.token_idx) for g in plan.groups]
+        self._token_idx = [None if c.contiguous else self._h2d(c.token_idx) for c in plan.calls]
         self._paged_idx = self._paged_kv = None
         if plan.paged is not None:
             rows, cols = plan.paged.slot_coords()
@@ -190,19 +200,23 @@ class HotExtendAttention:
     def check_integrity(self) -> None:
         """The batch's device state matches its plan (debug mode and tests; reads device
         tensors): every new token is served by at most one dense group, all within the batch;
-        each gathered token list and the paged remainder's slot list is the plan's."""
+        each gathered token list and the paged remainder's slot list is the plan's; every group
+        is in one call, whose entries put its tokens against its extent's slots."""
         plan = self.plan
         if plan is None:
             assert not self._token_idx and self._paged_idx is None and self._paged_kv is None, "state without a plan"
             return
-        assert len(self._token_idx) == len(plan.groups), "one token list per group"
+        assert len(self._token_idx) == len(plan.calls), "one token list per call"
         seen = np.concatenate([g.token_idx for g in plan.groups])
         assert len(np.unique(seen)) == len(seen), "a token in two dense groups"
         assert seen.min() >= 0 and seen.max() < plan.num_tokens, "a group token outside the batch"
-        for g, idx in zip(plan.groups, self._token_idx):
-            assert g.length > 0 and (idx is None) == g.contiguous, "gathered list vs contiguous group"
+        assert sorted(i for c in plan.calls for i in c.groups) == list(range(len(plan.groups))), \
+            "a group in no call or in two"
+        for c, idx in zip(plan.calls, self._token_idx):
+            check_call(c, plan.groups)
+            assert (idx is None) == c.contiguous, "gathered list vs contiguous call"
             if idx is not None:
-                assert np.array_equal(idx.cpu().numpy(), g.token_idx), "stale gathered token list"
+                assert np.array_equal(idx.cpu().numpy(), c.token_idx), "stale gathered token list"
         rem = plan.paged
         assert (rem is None) == (self._paged_kv is None), "paged remainder state vs plan"
         if rem is not None:
@@ -233,7 +247,7 @@ class HotExtendAttention:
             return pad_rows(*self.prefix_part(q[: plan.num_tokens], k_buf, v_buf, sm_scale, logits_soft_cap), n_tok)
         key = (sm_scale, logits_soft_cap, q.dtype, hq, k_buf.shape[1], d)
         if key != self._planned_key:  # once per batch (every layer has the same shapes)
-            self.runner.plan([(g.num_tokens, g.length) for g in plan.groups], hq, k_buf.shape[1],
+            self.runner.plan([(c.qo_indptr, c.kv_indptr) for c in plan.calls], hq, k_buf.shape[1],
                              d, q.dtype, sm_scale, logits_soft_cap)
             if plan.paged is not None:
                 self.runner.plan_paged(plan.paged.qo_indptr, plan.paged.kv_indptr, self._paged_kv, hq,
@@ -245,15 +259,15 @@ class HotExtendAttention:
         else:
             o = torch.zeros_like(q)
             lse = torch.full((n_tok, hq), float("-inf"), dtype=torch.float32, device=q.device)
-        for gi, g in enumerate(plan.groups):
-            k = k_buf[g.start: g.start + g.length]
-            v = v_buf[g.start: g.start + g.length]
-            idx = self._token_idx[gi]
+        for ci, c in enumerate(plan.calls):
+            k = k_buf[c.kv_lo: c.kv_hi]
+            v = v_buf[c.kv_lo: c.kv_hi]
+            idx = self._token_idx[ci]
             if idx is None:
-                a, b = g.token_range
-                self.runner.run(gi, q[a:b], k, v, out=o[a:b], lse=lse[a:b])
+                a, b = c.token_range
+                self.runner.run(ci, q[a:b], k, v, out=o[a:b], lse=lse[a:b])
             else:
-                og, lg = self.runner.run(gi, q.index_select(0, idx), k, v)
+                og, lg = self.runner.run(ci, q.index_select(0, idx), k, v)
                 o.index_copy_(0, idx, og)
                 lse.index_copy_(0, idx, lg)
         if plan.paged is not None:  # the COLD remainder, merged into what the dense calls wrote
@@ -263,6 +277,20 @@ class HotExtendAttention:
             o.index_copy_(0, idx, om)
             lse.index_copy_(0, idx, lm)
         return o, lse
+
+
+def check_call(call: ExtendCall, groups) -> None:
+    """Assert a dense call's entries put each of its groups' tokens against exactly that group's
+    extent, and that everything else is a query-less gap entry."""
+    qo, kv = call.qo_indptr, call.kv_indptr
+    assert qo[0] == 0 and kv[0] == 0 and (np.diff(qo) >= 0).all() and (np.diff(kv) >= 0).all(), "indptr not CSR"
+    assert qo[-1] == call.num_tokens and kv[-1] == call.kv_hi - call.kv_lo, "indptr totals vs call"
+    served = [e for e in range(call.num_entries) if qo[e + 1] > qo[e]]
+    assert len(served) == len(call.groups), "one entry with queries per group"
+    for e, i in zip(served, call.groups):
+        g = groups[i]
+        assert call.kv_lo + kv[e] == g.start and kv[e + 1] - kv[e] == g.length, "entry keys are not its extent"
+        assert np.array_equal(call.token_idx[qo[e]: qo[e + 1]], g.token_idx), "entry queries are not its tokens"
 
 
 def pad_rows(o: torch.Tensor, lse: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
