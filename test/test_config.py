@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from granikv.config import GraniKVConfig, add_cli_args, cli_flag
+from granikv.config import GraniKVConfig, add_cli_args, cli_flag, given_flags
 
 
 def _parse(argv):
@@ -32,9 +32,9 @@ def test_defaults_and_overrides():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"hot_min_tokens": 3}, "--granikv-hot-min-tokens=3 is outside the allowed range [16, "),
+        ({"hot_min_tokens": 3}, "--granikv-hot-min-tokens=3 is outside [16, "),
         ({"hot_min_sharers": 0}, "--granikv-hot-min-sharers=0"),
-        ({"hot_fraction": 0.95}, "--granikv-hot-fraction=0.95 is outside the allowed range [0.0, 0.9]"),
+        ({"hot_fraction": 0.95}, "--granikv-hot-fraction=0.95 is outside [0.0, 0.9]"),
         ({"attention_path": "magic"}, "--granikv-attention-path='magic' is not one of auto"),
     ],
 )
@@ -55,3 +55,25 @@ def test_missing_cost_model_file_fails_at_startup(tmp_path):
     f = tmp_path / "cm.json"
     f.write_text("{}")
     assert GraniKVConfig(cost_model=str(f)).cost_model == str(f)
+
+
+def test_unknown_option_key_is_an_error():
+    with pytest.raises(ValueError, match="unknown GraniKV option.*granikv_hot_min_token;"):
+        GraniKVConfig.from_mapping({"enable_granikv": True, "granikv_hot_min_token": 9})
+
+
+def test_option_sets_are_checked_by_the_config_not_argparse():
+    """argparse takes any value (a disabled GraniKV must not reject the command line); the
+    config rejects it once GraniKV is enabled."""
+    with pytest.raises(ValueError, match="--granikv-attention-path='magic' is not one of auto"):
+        _parse(["--enable-granikv", "--granikv-attention-path", "magic"])
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert "{auto,cascade,fused,bgemm,paged}" in parser.format_help()
+
+
+def test_given_flags_names_what_a_disabled_granikv_ignores():
+    values = {"enable_granikv": None, "granikv_hot_fraction": 2.0, "granikv_log_interval": None,
+              "model_path": "m"}
+    assert given_flags(values) == ["--granikv-hot-fraction=2.0"]
+    assert given_flags({"enable_granikv": True}) == []

@@ -3,14 +3,17 @@
 Every field becomes ``--granikv-<field-with-dashes>`` (``enable`` becomes ``--enable-granikv``)
 and a keyword of the offline API (``sglang.Engine(enable_granikv=True, granikv_<field>=...)``).
 Ranges and option sets live in the field metadata and are checked in ``__post_init__``, so an
-invalid value fails at startup with the flag, the value and the allowed range in the message.
+invalid value fails at startup with the flag, the value and the allowed range in the message
+(the launcher prints it as one ``error: ...`` line and exits with status 2). The values are
+read only when GraniKV is enabled: without ``--enable-granikv`` the other flags are ignored
+(:func:`given_flags` names them for the warning).
 """
 
 import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Mapping, Optional, get_args
+from typing import Any, Dict, List, Literal, Mapping, Optional, get_args
 
 AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
 ExtendPath = Literal["hot", "paged"]
@@ -103,7 +106,7 @@ class GraniKVConfig:
                 )
             lo, hi = md.get("lo"), md.get("hi")
             if lo is not None and not (lo <= value <= hi):
-                raise ValueError(f"{flag}={value!r} is outside the allowed range [{lo}, {hi}]")
+                raise ValueError(f"{flag}={value!r} is outside [{lo}, {hi}]")
         if self.cost_model is not None and not os.path.isfile(self.cost_model):
             raise ValueError(f"{cli_flag('cost_model')}={self.cost_model!r}: no such file")
 
@@ -114,7 +117,13 @@ class GraniKVConfig:
         """Build from flag-style keys (``enable_granikv``, ``granikv_hot_min_tokens``, ...).
 
         Missing keys take the defaults; ``None`` values too (argparse leaves them ``None``).
+        A ``granikv_*`` key that names no option is an error (a misspelt Engine keyword).
         """
+        known = {attr_name(f.name) for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in values if is_granikv_key(k) and k not in known)
+        if unknown:
+            raise ValueError(f"unknown GraniKV option(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
         kwargs = {}
         for f in dataclasses.fields(cls):
             key = attr_name(f.name)
@@ -139,8 +148,19 @@ def is_granikv_key(key: str) -> bool:
     return key == ENABLE_FLAG or key.startswith(FLAG_PREFIX)
 
 
+def given_flags(values: Mapping[str, Any]) -> List[str]:
+    """``--granikv-<name>=<value>``, sorted, for every GraniKV key set in ``values`` (flag-style
+    keys, ``None`` = not given; ``--enable-granikv`` excluded): what a disabled GraniKV ignores."""
+    return sorted(f"--{k.replace('_', '-')}={v!r}" for k, v in values.items()
+                  if k != ENABLE_FLAG and k.startswith(FLAG_PREFIX) and v is not None)
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per config field to an argparse parser (SGLang's server-args parser)."""
+    """Adds one flag per config field to an argparse parser (SGLang's server-args parser).
+
+    Option sets are shown as the metavar but not given to argparse as ``choices``: like the
+    ranges, they are checked only when GraniKV is enabled (see :class:`GraniKVConfig`).
+    """
     group = parser.add_argument_group("GraniKV (shared-prefix KV storage and attention)")
     for f in dataclasses.fields(GraniKVConfig):
         md = f.metadata
@@ -154,4 +174,5 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             continue
         kind = {int: int, float: float}.get(f.type, str)
         group.add_argument(cli_flag(f.name), dest=attr_name(f.name), type=kind, default=None,
-                           choices=md.get("choices"), help=help_text)
+                           metavar="{" + ",".join(md["choices"]) + "}" if md.get("choices")
+                           else None, help=help_text)

@@ -20,9 +20,10 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
 """
 
 import logging
+import sys
 from typing import Any, Optional
 
-from granikv.config import GraniKVConfig, is_granikv_key
+from granikv.config import ENABLE_FLAG, GraniKVConfig, given_flags, is_granikv_key
 
 logger = logging.getLogger("granikv")
 
@@ -99,10 +100,30 @@ def _after_add_cli_args(result, parser):
     add_cli_args(parser)
 
 
+def _config_from_flags(values) -> GraniKVConfig:
+    """The config of ``--enable-granikv`` / ``granikv_*`` values: validated when enabled;
+    without ``--enable-granikv`` the other values are ignored (one warning names them) and the
+    disabled default is returned, so an installed-but-disabled GraniKV changes nothing."""
+    if not values.get(ENABLE_FLAG):
+        ignored = given_flags(values)
+        if ignored:
+            logger.warning("GraniKV: %s ignored (GraniKV is off; add --enable-granikv)",
+                           ", ".join(ignored))
+        return GraniKVConfig()
+    return GraniKVConfig.from_mapping(values)
+
+
 def _around_from_cli_args(orig, cls, args):
-    cfg = GraniKVConfig.from_mapping(vars(args))
-    _apply_to_server_kwargs(cfg, lambda k: getattr(args, k, None),
-                            lambda k, v: setattr(args, k, v))
+    """Command line -> ``server_args._granikv``. An invalid GraniKV value ends the launcher
+    with one line, ``error: --granikv-hot-fraction=2.0 is outside [0.0, 0.9]``, and exit
+    status 2 (argparse's convention for usage errors), not a traceback."""
+    try:
+        cfg = _config_from_flags(vars(args))
+        _apply_to_server_kwargs(cfg, lambda k: getattr(args, k, None),
+                                lambda k, v: setattr(args, k, v))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     server_args = orig(cls, args)
     server_args._granikv = cfg
     if cfg.enable:
@@ -115,7 +136,7 @@ def _around_server_args_init(orig, self, *args, **kwargs):
     (``enable_granikv``, ``granikv_*``) are taken out, validated and attached as ``_granikv``.
     (``Engine.__init__`` itself cannot be hooked: it loads the plugins.)"""
     values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
-    cfg = GraniKVConfig.from_mapping(values)
+    cfg = _config_from_flags(values)
     _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
     orig(self, *args, **kwargs)
     if getattr(self, "_granikv", None) is None or values:

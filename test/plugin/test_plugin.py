@@ -69,10 +69,9 @@ def test_flags_parse_in_a_fresh_process(model_dir):
         base + ["--enable-granikv", "--granikv-hot-min-tokens", "4096",
                 "--granikv-attention-path", "cascade", "--page-size", "16"],
         base,
-        base + ["--enable-granikv", "--granikv-hot-fraction", "1.5"],
-        base + ["--granikv-attention-path", "magic"],
+        base + ["--granikv-attention-path", "magic", "--granikv-hot-fraction", "2.0"],
     ])
-    on, off, bad_range, bad_choice = rows
+    on, off, ignored = rows
     assert on["ok"] and on["cfg"]["enable_granikv"] is True
     assert on["cfg"]["granikv_hot_min_tokens"] == 4096
     assert on["cfg"]["granikv_attention_path"] == "cascade"
@@ -81,9 +80,43 @@ def test_flags_parse_in_a_fresh_process(model_dir):
     # Installed but not enabled: SGLang's own settings are untouched.
     assert off["ok"] and off["cfg"]["enable_granikv"] is False
     assert off["radix"] is None
-    assert not bad_range["ok"]
-    assert "--granikv-hot-fraction=1.5" in bad_range["error"] and "[0.0, 0.9]" in bad_range["error"]
-    assert not bad_choice["ok"] and bad_choice["exit"] == 2  # argparse rejects the choice
+    # Without --enable-granikv, even invalid GraniKV values are ignored, with one warning.
+    assert ignored["ok"] and ignored["cfg"] == GraniKVConfig().to_mapping()
+    assert ignored["radix"] is None
+    warnings = [l for l in stderr.splitlines() if "ignored (GraniKV is off" in l]
+    assert len(warnings) == 1, stderr[-3000:]
+    assert "--granikv-attention-path='magic', --granikv-hot-fraction=2.0" in warnings[0]
+
+
+LAUNCH = textwrap.dedent(
+    """
+    import sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    prepare_server_args(sys.argv[1:])
+    print("PARSED")
+    """
+)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--granikv-hot-fraction", "2.0"], "error: --granikv-hot-fraction=2.0 is outside [0.0, 0.9]"),
+    (["--granikv-attention-path", "magic"],
+     "error: --granikv-attention-path='magic' is not one of auto, cascade, fused, bgemm, paged"),
+    (["--disable-radix-cache"],
+     "error: --enable-granikv needs the radix cache; drop --disable-radix-cache"),
+])
+def test_invalid_value_with_granikv_on_ends_in_one_line(model_dir, argv, line):
+    """As the launcher runs it: exit status 2 and one ``error: ...`` line, no traceback."""
+    argv = ["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init",
+            "--enable-granikv"] + argv
+    proc = subprocess.run([sys.executable, "-c", LAUNCH] + argv, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "PARSED" not in proc.stdout
+    assert proc.stderr.splitlines()[-1] == line, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 class _FakeConfigurator:
@@ -131,6 +164,10 @@ def test_engine_kwargs_become_config():
     seen.clear()
     plugin._around_server_args_init(orig, off, model_path="m", page_size=4)
     assert seen == {"model_path": "m", "page_size": 4} and not off._granikv.enable
+    ignored = FakeServerArgs()  # GraniKV keywords without enable_granikv: dropped, not checked
+    seen.clear()
+    plugin._around_server_args_init(orig, ignored, model_path="m", granikv_hot_min_tokens=0)
+    assert seen == {"model_path": "m"} and ignored._granikv == GraniKVConfig()
     with pytest.raises(ValueError, match="--granikv-hot-min-tokens=0"):
         plugin._around_server_args_init(orig, FakeServerArgs(), model_path="m",
                                         enable_granikv=True, granikv_hot_min_tokens=0)
