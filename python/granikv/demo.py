@@ -1,38 +1,74 @@
 """``granikv-demo``: the multi-agent workload, short.
 
 With a CUDA GPU and SGLang's GPU stack it runs the short end-to-end benchmark (baseline SGLang
-vs SGLang + GraniKV, ``benchmark/multi_agent/run.py --quick``). Without one it runs the CPU
-walk-through: N agents sharing one long prefix, each with a private suffix, several turns
-(output + a tool result appended each turn), through the REAL SGLang pools (ReqToTokenPool,
-MHATokenToKVPool on CPU) and GraniKV's allocator and radix cache, in SGLang's scheduler call
-order (``granikv.scheduler_sim``). Per decode step it prints HOT/COLD occupancy, promotions,
-the groups the attention planner forms, and the KV bytes one decode step of Llama-3.1-8B
-would read with and without the shared HOT prefix. It ends with an integrity check: every
-slot free again and every request's KV bit-identical to what was written.
+vs SGLang + GraniKV, ``benchmark/multi_agent/run.py --quick``) and writes its results into a new
+temporary folder or ``--out``. Without one it runs the CPU walk-through: N agents sharing one
+long prefix, each with a private suffix, several turns (output + a tool result appended each
+turn), through the REAL SGLang pools (ReqToTokenPool, MHATokenToKVPool on CPU) and GraniKV's
+allocator and radix cache, in SGLang's scheduler call order (``granikv.scheduler_sim``). Per
+decode step it prints HOT/COLD occupancy, promotions, the groups the attention planner forms,
+and the KV bytes one decode step of Llama-3.1-8B would read with and without the shared HOT
+prefix. It ends with an integrity check: every slot free again and every request's KV
+bit-identical to what was written.
 """
 
 import argparse
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 LLAMA_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K+V, 32 layers, 8 kv heads, dim 128, bf16
 
+DESCRIPTION = """\
+The multi-agent workload, short: many agents share one long prefix, each adds a private suffix.
+
+On a machine without a CUDA GPU (or with --cpu) it runs the CPU walk-through: the agents go
+through SGLang's real KV pools and GraniKV's allocator and radix cache in SGLang's scheduler
+order; per decode step it prints HOT/COLD occupancy, promotions, the shared-prefix groups the
+planner forms and the KV bytes a Llama-3.1-8B decode step would read with and without them, and
+it ends with an integrity check. It measures storage and planning, not speed.
+
+On a CUDA GPU with SGLang's GPU stack (pip install "granikv[serve]") and a GraniKV checkout
+(for benchmark/multi_agent/run.py) it runs the short benchmark instead: SGLang vs
+SGLang + GraniKV on Llama-3.1-8B-shaped dummy weights, flashinfer backend (~3 min), and writes
+multi_agent.{json,md,png} into --out (default: a new temporary folder, printed at the end)."""
+
+EPILOG = """\
+The shape options (--agents ... --print-every, --seed) size the CPU walk-through; the GPU
+benchmark has fixed rows (run.py --quick: 16K shared prefix x 64 agents, its no-long-prefix
+ceiling and a no-sharing row). For other GPU rows run benchmark/multi_agent/run.py directly."""
+
 
 def _parse(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="granikv-demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu", action="store_true", help="Run the CPU walk-through even with a GPU.")
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--prefix", type=int, default=2048, help="Shared prefix tokens.")
-    p.add_argument("--suffix", type=int, default=64, help="Private suffix tokens per agent.")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--decode", type=int, default=24, help="Output tokens per agent per turn.")
-    p.add_argument("--tool", type=int, default=16, help="Tool-result tokens appended per turn.")
-    p.add_argument("--print-every", type=int, default=8, help="Print every N decode steps.")
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(prog="granikv-demo", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true",
+                   help="Run the CPU walk-through even when a GPU is present.")
+    p.add_argument("--out", metavar="DIR",
+                   help="GPU: folder for the benchmark's results (default: a new temporary "
+                        "folder). Never the checked-in docs/results. CPU: not used.")
+    p.add_argument("--agents", type=int, default=8,
+                   help="CPU: number of agents sharing the prefix (default 8).")
+    p.add_argument("--prefix", type=int, default=2048,
+                   help="CPU: shared prefix length in tokens (default 2048).")
+    p.add_argument("--suffix", type=int, default=64,
+                   help="CPU: private suffix tokens per agent (default 64).")
+    p.add_argument("--turns", type=int, default=3,
+                   help="CPU: turns per agent; each turn is one prefill and --decode decode "
+                        "steps (default 3).")
+    p.add_argument("--decode", type=int, default=24,
+                   help="CPU: output tokens per agent per turn (default 24).")
+    p.add_argument("--tool", type=int, default=16,
+                   help="CPU: tool-result tokens appended to each agent's context after a "
+                        "turn (default 16).")
+    p.add_argument("--print-every", type=int, default=8,
+                   help="CPU: print a table row every N decode steps (default 8).")
+    p.add_argument("--seed", type=int, default=0,
+                   help="CPU: seed of the random token ids (default 0).")
     args = p.parse_args(argv)
     for name in ("agents", "prefix", "suffix", "turns", "decode", "tool", "print_every"):
         if getattr(args, name) < 1:
@@ -71,10 +107,25 @@ def _run_gpu_benchmark(args: argparse.Namespace) -> int:
         print("granikv-demo: a GPU is present, but benchmark/multi_agent/run.py was not found "
               "(run from a GraniKV checkout); falling back to the CPU walk-through.")
         return run_cpu_walkthrough(args)
-    out = Path("docs/results") if (script.parents[2] / "docs").is_dir() else Path("granikv-results")
+    out = _results_dir(args.out, checkout=script.parents[2])
     cmd = [sys.executable, str(script), "--quick", "--out", str(out)]
     print("granikv-demo: GPU found; running the short benchmark:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    rc = subprocess.call(cmd)
+    print(f"granikv-demo: results in {out}", flush=True)
+    return rc
+
+
+def _results_dir(out, *, checkout: Path) -> Path:
+    """``--out`` or a new temporary folder; never the checkout's checked-in docs/results."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="granikv-demo-"))
+    path = Path(out).resolve()
+    checked_in = (checkout / "docs" / "results").resolve()
+    if path == checked_in or checked_in in path.parents:
+        raise SystemExit(f"granikv-demo: --out={out} is the checked-in {checked_in}; pick "
+                         "another folder (benchmark/multi_agent/run.py regenerates those pages)")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _find_benchmark():
