@@ -134,3 +134,30 @@ def test_cuda_graph_replay_after_refill(path):
     g.replay()
     torch.cuda.synchronize()
     assert _rel_err(out_s, _ref(bb)) < 1e-2
+
+
+GQA_SHAPES = {  # (q heads, kv heads) of the models the kernels are tuned for
+    "llama-3.1-8b": (32, 8), "qwen2.5-7b": (28, 4), "qwen2.5-14b": (40, 8), "gqa3": (24, 8), "mha": (32, 32),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("model", list(GQA_SHAPES))
+@pytest.mark.parametrize("path", ["cascade", "fused"])
+def test_every_gqa_shape_bf16(model, head_dim, path):
+    """Each model's heads at head_dim 64 / 128 with the config ``tile_config`` picks for it
+    (flat-row tiles straddle members at GQA 3 / 5 / 7): a forest of a long prefix with many
+    sharers and short prefixes with few, plus ungrouped requests. Same tolerance as above."""
+    hq, hkv = GQA_SHAPES[model]
+    b = make_batch(groups=((8192, 37), (1500, 5), (3000, 2), (700, 9)), n_ungrouped=3, suffix=200,
+                   ungrouped_len=1500, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                   dtype=torch.bfloat16, device="cuda", seed=hq + head_dim)
+    b.q *= 4
+    ws = CascadeWorkspace(64, hq, hkv, head_dim, "cuda")
+    wl = fill(ws, b)
+    ws.check_integrity()
+    out = torch.full_like(b.q, float("nan"))
+    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    torch.cuda.synchronize()
+    assert _rel_err(out, _ref(b)) < 1e-2
+    assert (ws.counters == 0).all() and wl.num_prefix_items > 0

@@ -14,9 +14,8 @@ def _cdiv(a, b):
 
 def _work_list_loops(b, *, ratio, num_kv_heads, cfg, sm_count, max_splits):
     """Straightforward per-group / per-request loops with the same chunk-size rule."""
-    rpt = cfg.block_m // ratio
     n_mem = np.diff(b.group_req_indptr)
-    tiles = [_cdiv(int(n), rpt) for n in n_mem]
+    tiles = [_cdiv(int(n) * ratio, cfg.block_m) for n in n_mem]
     target = max(1, int(cfg.prefix_waves * sm_count) // num_kv_heads)
     work = sum(t * int(L) for t, L in zip(tiles, b.group_len))
     chunk = max(_cdiv(work, target), cfg.min_prefix_chunk, _cdiv(int(b.group_len.max()), max_splits))
@@ -26,13 +25,15 @@ def _work_list_loops(b, *, ratio, num_kv_heads, cfg, sm_count, max_splits):
     for g in range(len(b.group_len)):
         L, p0, p1 = int(b.group_len[g]), int(b.group_req_indptr[g]), int(b.group_req_indptr[g + 1])
         nc = _cdiv(L, chunk)
+        gc = _cdiv(_cdiv(L, nc), cfg.block_n) * cfg.block_n  # equal chunks within the group
         for i in b.group_req_idx[p0:p1]:
             n_pre[i] = nc
         for c in range(nc):
             for t in range(tiles[g]):
-                lo = p0 + t * rpt
-                n_kv = min(chunk, L - c * chunk)
-                pfx.append((lo, min(lo + rpt, p1), int(b.group_start[g]) + c * chunk, n_kv, c))
+                lo = p0 * ratio + t * cfg.block_m
+                n_kv = min(gc, L - c * gc)
+                assert n_kv > 0
+                pfx.append((lo, min(lo + cfg.block_m, p1 * ratio), int(b.group_start[g]) + c * gc, n_kv, c))
     sfx_len = [int(s - p) for s, p in zip(b.seq_lens, b.prefix_len)]
     target = max(1, int(cfg.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, cfg)))
     sc = max(_cdiv(sum(sfx_len), target), cfg.min_suffix_chunk, _cdiv(max(sfx_len), max_splits))
@@ -64,7 +65,7 @@ def test_build_work_list_matches_loops(seed, ratio):
     if not G:
         b.group_len = np.zeros(1, np.int64)  # loops reference needs a max; no groups -> no prefix items
     chunk, sc, pfx, sfx, indptr = _work_list_loops(b, cfg=SMALL_CONFIG, **kw)
-    got_pfx = np.stack([wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split], 1).reshape(-1, 5)
+    got_pfx = np.stack([wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split], 1).reshape(-1, 5)
     got_sfx = np.stack([wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row], 1).reshape(-1, 4)
     if G:
         assert wl.prefix_chunk == chunk
@@ -90,7 +91,7 @@ def test_workspace_upload_and_capacity(seed):
     P, S = ws.prefix_cap, ws.suffix_cap
     assert list(m[:3]) == [b.bs, wl.num_prefix_items, wl.num_suffix_items]
     pfx = ws.pfx_items.numpy().reshape(5, P)[:, : wl.num_prefix_items]
-    np.testing.assert_array_equal(pfx, np.stack([wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split]))
+    np.testing.assert_array_equal(pfx, np.stack([wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split]))
     sfx = ws.sfx_items.numpy().reshape(4, S)[:, : wl.num_suffix_items]
     np.testing.assert_array_equal(sfx, np.stack([wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row]))
     np.testing.assert_array_equal(ws.part_indptr.numpy()[: b.bs + 1], wl.part_indptr)

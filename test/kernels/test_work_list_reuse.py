@@ -78,7 +78,7 @@ def test_reused_list_equals_a_fresh_build_in_coverage_and_rows():
                             max_splits=4)  # fmt: skip
     wl = ws.work_list
     # same prefix items; the suffix may be cut differently, but both cover the same tokens
-    for f in ("pfx_m_lo", "pfx_m_hi", "pfx_slot_lo", "pfx_n_kv", "pfx_split", "group_req_idx"):
+    for f in ("pfx_row_lo", "pfx_row_hi", "pfx_slot_lo", "pfx_n_kv", "pfx_split", "group_req_idx"):
         assert np.array_equal(getattr(wl, f), getattr(fresh, f)), f
     _check_cover(fresh, b.prefix_len, b.seq_lens, fresh.suffix_chunk)
 

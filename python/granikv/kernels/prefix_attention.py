@@ -1,7 +1,8 @@
 """Grouped shared-prefix attention: every group's stacked decode queries against its HOT extent.
 
-For one kv head h, a prefix work item stacks the q-heads of h of whole requests of one group
-(row = member * ratio + r, at most block_m rows) and streams the group's contiguous K/V chunk
+For one kv head h, a prefix work item stacks q-heads of h of one group's requests (flat rows
+[row_lo, row_hi) of the group, flat row f = member f // ratio, q-head h * ratio + f % ratio; at
+most block_m rows, every tile full but a group's last: work_list.py) and streams the group's contiguous K/V chunk
 ``[slot_lo, slot_lo + n_kv)`` once through tensor-core tiles with an online softmax, writing one
 partial state (o, lse) per row into the workspace's partial table (see work_list.py):
 
@@ -52,16 +53,16 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
     """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
-    m_lo = tl.load(PfxItems + w)
-    m_hi = tl.load(PfxItems + pfx_cap + w)
+    row_lo = tl.load(PfxItems + w)
+    row_hi = tl.load(PfxItems + pfx_cap + w)
     slot_lo = tl.load(PfxItems + 2 * pfx_cap + w).to(tl.int64)
     n_kv = tl.load(PfxItems + 3 * pfx_cap + w)
     split = tl.load(PfxItems + 4 * pfx_cap + w)
 
-    rows = tl.arange(0, BLOCK_M)
-    member = m_lo + rows // RATIO
+    rows = row_lo + tl.arange(0, BLOCK_M)
+    member = rows // RATIO
     qh = h * RATIO + rows % RATIO
-    row_ok = (member < m_hi) & (rows < (BLOCK_M // RATIO) * RATIO)
+    row_ok = rows < row_hi
     b = tl.load(GroupReqIdx + member, mask=row_ok, other=0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b[:, None] * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)

@@ -88,15 +88,18 @@ def merge_state_ref(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
 def partials_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, work_list, sm_scale) -> dict:
     """Expected partial state of every row a work list writes: {row: AttentionState [Hq, D]}.
 
-    Prefix items: rows part_indptr[b] + split over slots [slot_lo, slot_lo + n_kv);
-    suffix items: row over tokens [t_lo, t_hi) of b's req_to_token row.
+    Prefix items: rows part_indptr[b] + split over slots [slot_lo, slot_lo + n_kv) for every
+    member b with a flat row in [row_lo, row_hi) (all its q-heads: the items that share a
+    member's row write disjoint heads of the same state); suffix items: row over tokens
+    [t_lo, t_hi) of b's req_to_token row.
     """
     wl = work_list
+    ratio = q.shape[1] // k_buffer.shape[1]
     r2t = req_to_token.long()
     rpi = np.asarray(req_pool_indices.cpu() if isinstance(req_pool_indices, torch.Tensor) else req_pool_indices)
     out = {}
-    for m_lo, m_hi, s0, n, sp in zip(wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split):
-        for b in wl.group_req_idx[m_lo:m_hi]:
+    for r_lo, r_hi, s0, n, sp in zip(wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split):
+        for b in wl.group_req_idx[r_lo // ratio : -(-r_hi // ratio)]:
             out[int(wl.part_indptr[b] + sp)] = attend_ref(q[b], k_buffer[s0 : s0 + n], v_buffer[s0 : s0 + n], sm_scale)
     for b, lo, hi, row in zip(wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row):
         slots = r2t[int(rpi[b]), lo:hi]

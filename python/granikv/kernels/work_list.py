@@ -2,11 +2,20 @@
 
 A decode batch of ``bs`` requests is cut into two kinds of work items and a partial-state table:
 
-    prefix item (m_lo, m_hi, slot_lo, n_kv, split)      one per (group, request tile, kv chunk)
-        rows   = q-heads of kv head h of members group_req_idx[m_lo:m_hi]  (whole requests,
-                 <= block_m // ratio of them, stacked: row = (m - m_lo) * ratio + r)
+    prefix item (row_lo, row_hi, slot_lo, n_kv, split)  one per (group, row tile, kv chunk)
+        rows   = flat rows [row_lo, row_hi) (<= block_m of them) of the group's stacked queries:
+                 flat row f is q-head h * ratio + f % ratio of member group_req_idx[f // ratio]
         keys   = slots [slot_lo, slot_lo + n_kv) of the group's HOT extent (contiguous)
-        writes = partial row part_indptr[b] + split for every member b
+        writes = those q-heads of partial row part_indptr[b] + split for every member b
+
+Flat rows pack every tile full whatever the GQA ratio: a member's q-heads may straddle two
+tiles (each writes its own heads of the member's partial row), so a group of n members takes
+ceil(n * ratio / block_m) tiles, not ceil(n / (block_m // ratio)) (ratio 3 at 64 members: 3
+tiles, not 4; ratio 5: 5, not 6; ratio 7: 7, not 8)::
+
+    group members  b0        b1        b2        b3      (ratio 3, block_m 4)
+    flat rows      0  1  2 | 3  4  5 | 6  7  8 | 9 10 11
+    tiles          [0 1 2 3] [4 5 6 7] [8 9 10 11]        (b1's heads in tiles 0 and 1)
     suffix item (req, t_lo, t_hi, row)                  one per (request, token chunk)
         rows   = the ratio q-heads of kv head h of batch position req
         keys   = req_to_token[req_pool_indices[req], t_lo:t_hi]   (page size 1, gathered)
@@ -19,7 +28,10 @@ Every kernel grid has a second axis over the kv heads. Partial rows of request i
       (C_g = chunks of i's group, 0 if ungrouped)  (S_i = ceil(suffix_len / suffix_chunk))
 
 Chunk sizes are chosen here so that each launch has about ``waves * sm_count`` programs
-(work items x kv heads) of equal size, whatever the mix of prefix lengths and fan-outs.
+(work items x kv heads) of equal size, whatever the mix of prefix lengths and fan-outs: one
+chunk bound C for the step (total tile-work / target items), each group cut into
+ceil(len / C) EQUAL chunks (a multiple of block_n, only the group's last one shorter), so a
+forest's long prefixes get more items and short ones fewer, all about the same size.
 
 ``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
 states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
@@ -29,63 +41,15 @@ live item counts from ``meta`` (device memory).
 """
 
 import time
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config", "suffix_heads"]
+from .kernel_config import KernelConfig, default_config, tile_config
 
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile sizes and launch shape of the cascade kernels (all compile-time except the waves)."""
-
-    block_m: int = 64
-    """Prefix rows per tile (q-heads x requests stacked); a tile holds block_m // ratio requests."""
-    block_n: int = 64
-    """Prefix keys per inner step (64 measured fastest on H200 with block_m 64, although ptxas
-    reports a ~1 KB stack there; 32 has no spill but was 1.3x slower, docs/results/kernels.md)."""
-    prefix_warps: int = 4
-    prefix_stages: int = 3
-    suffix_block_n: int = 32
-    """Suffix keys (gathered slots) per inner step."""
-    suffix_warps: int = 4
-    suffix_stages: int = 2
-    prefix_waves: float = 1.5
-    """Prefix launch aims at prefix_waves * sm_count programs (1.5 with overlap_suffix: the SMs
-    the prefix leaves run suffix programs; 2.0 was best without overlap, docs/results/kernels.md)."""
-    suffix_waves: float = 4.0
-    """Suffix launch aims at suffix_waves * sm_count programs."""
-    min_prefix_chunk: int = 256
-    """Smallest kv chunk of a prefix item (bounds the partial-state traffic)."""
-    min_suffix_chunk: int = 64
-    even_split: bool = True
-    """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False).
-    Sweep 8 (H200, serving-size grids): prefix alone 59.4 -> 56.5 us at 16K x 64, 106.5 -> 100.3
-    at 16K x 128; cascade equal at 64, 121.3 -> 118.8 at 128 (docs/results/kernels.md)."""
-    overlap_suffix: bool = True
-    """Run the suffix launch on a side CUDA stream, concurrently with the prefix launch (they
-    write disjoint partial rows; the merge waits for both). Tensor-core-bound prefix tiles and
-    latency-bound suffix gathers then share the SMs instead of running back to back. Captured
-    into CUDA graphs as a fork/join. No effect on CPU."""
-    reuse_chunk_factor: float = 1.5
-    """``fill`` reuses the previous step's work list, with each request's last suffix chunk
-    extended to its new ``seq_len``, while the grouping (hence the prefix items) is unchanged and
-    every last suffix chunk stays within ``reuse_chunk_factor * suffix_chunk`` tokens: the steady
-    decode steps of one batch then cost a few numpy calls instead of a full build. After a full
-    build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
-    ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
-    suffix_head_group: bool = True
-    """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
-    instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "suffix_block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two >= 16")
+__all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config", "tile_config",
+           "suffix_heads"]
 
 
 def suffix_tile_rows(ratio: int) -> int:
@@ -117,22 +81,14 @@ def suffix_target(config: KernelConfig, sm_count: int, num_kv_heads: int, ratio:
     return max(1, int(config.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, config)))
 
 
-def default_config(head_dim: int) -> KernelConfig:
-    """Tile sizes for this head_dim (head_dim <= 128 tuned on H200, docs/results/kernels.md;
-    head_dim 256 untuned: smaller tiles to fit the register file)."""
-    if head_dim > 128:
-        return KernelConfig(block_m=32, block_n=32, prefix_warps=4, suffix_block_n=16)
-    return KernelConfig()
-
-
 class WorkList(NamedTuple):
     """One step's work items (numpy int64, see the module docstring for the layout)."""
 
     bs: int
     prefix_chunk: int  # kv tokens per prefix item (last chunk of a group may be shorter)
     suffix_chunk: int  # tokens per suffix item
-    pfx_m_lo: np.ndarray  # [Np] first member (index into group_req_idx)
-    pfx_m_hi: np.ndarray  # [Np] one past the last member
+    pfx_row_lo: np.ndarray  # [Np] first flat row (member index into group_req_idx * ratio + r)
+    pfx_row_hi: np.ndarray  # [Np] one past the last flat row
     pfx_slot_lo: np.ndarray  # [Np] first kv slot
     pfx_n_kv: np.ndarray  # [Np] kv tokens (>= 1)
     pfx_split: np.ndarray  # [Np] chunk index within the group
@@ -145,7 +101,7 @@ class WorkList(NamedTuple):
 
     @property
     def num_prefix_items(self) -> int:
-        return len(self.pfx_m_lo)
+        return len(self.pfx_row_lo)
 
     @property
     def num_suffix_items(self) -> int:
@@ -177,8 +133,8 @@ class PrefixItems(NamedTuple):
     """The prefix half of a work list: depends on the grouping only, not on ``seq_lens``."""
 
     chunk: int
-    m_lo: np.ndarray
-    m_hi: np.ndarray
+    row_lo: np.ndarray
+    row_hi: np.ndarray
     slot_lo: np.ndarray
     n_kv: np.ndarray
     split: np.ndarray
@@ -189,14 +145,14 @@ class PrefixItems(NamedTuple):
 def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs: int, *,
                        ratio: int, num_kv_heads: int, config: KernelConfig, sm_count: int,
                        max_splits: int, single_prefix_chunk: bool = False) -> PrefixItems:
-    """Prefix items (group, chunk, tile), tile fastest so a chunk's tiles run together (L2)."""
+    """Prefix items (group, chunk, tile), tile fastest so a chunk's tiles run together (L2);
+    tiles of ``block_m`` flat rows, chunks equal within a group (module docstring)."""
     g_start = np.asarray(group_start, dtype=np.int64)
     g_len = np.asarray(group_len, dtype=np.int64)
     g_ptr = np.asarray(group_req_indptr, dtype=np.int64)
     g_idx = np.asarray(group_req_idx, dtype=np.int64)
-    rpt = config.block_m // ratio  # requests per prefix tile
     n_mem = np.diff(g_ptr)
-    tiles = _cdiv(n_mem, rpt)
+    tiles = _cdiv(n_mem * ratio, config.block_m)
     if len(g_len):
         if single_prefix_chunk:
             chunk = int(g_len.max())
@@ -206,19 +162,22 @@ def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, 
             chunk = max(_cdiv(work, target), config.min_prefix_chunk, _cdiv(int(g_len.max()), max_splits))
             chunk = _round_up(chunk, config.block_n)
         chunks = _cdiv(g_len, chunk)
+        # equal chunks per group, a multiple of block_n: (chunks - 1) * g_chunk < len as g_chunk <= chunk
+        g_chunk = _cdiv(_cdiv(g_len, chunks), config.block_n) * config.block_n
     else:
-        chunk, chunks = 0, np.zeros(0, np.int64)
+        chunk, chunks, g_chunk = 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
     item_g, local = _segment_arange(tiles * chunks)
     tiles_of = tiles[item_g]
     c = local // np.maximum(tiles_of, 1)
     t = local - c * tiles_of
-    m_lo = g_ptr[item_g] + t * rpt
-    m_hi = np.minimum(m_lo + rpt, g_ptr[item_g + 1])
-    kv_lo = c * chunk
+    row_lo = g_ptr[item_g] * ratio + t * config.block_m
+    row_hi = np.minimum(row_lo + config.block_m, g_ptr[item_g + 1] * ratio)
+    ck = g_chunk[item_g]
+    kv_lo = c * ck
     n_pre = np.zeros(bs, np.int64)
     n_pre[g_idx] = np.repeat(chunks, n_mem)
-    return PrefixItems(chunk=int(chunk), m_lo=m_lo, m_hi=m_hi, slot_lo=g_start[item_g] + kv_lo,
-                       n_kv=np.minimum(chunk, g_len[item_g] - kv_lo), split=c, n_pre=n_pre,
+    return PrefixItems(chunk=int(chunk), row_lo=row_lo, row_hi=row_hi, slot_lo=g_start[item_g] + kv_lo,
+                       n_kv=np.minimum(ck, g_len[item_g] - kv_lo), split=c, n_pre=n_pre,
                        group_req_idx=g_idx)
 
 
@@ -279,8 +238,8 @@ def build_work_list(
         bs=bs,
         prefix_chunk=p.chunk,
         suffix_chunk=int(s_chunk),
-        pfx_m_lo=p.m_lo,
-        pfx_m_hi=p.m_hi,
+        pfx_row_lo=p.row_lo,
+        pfx_row_hi=p.row_hi,
         pfx_slot_lo=p.slot_lo,
         pfx_n_kv=p.n_kv,
         pfx_split=p.split,
@@ -315,9 +274,10 @@ class CascadeWorkspace:
 
     Capacities (all derived from the constructor arguments, never from a batch):
 
-    - prefix items  <= target_p + ceil(max_bs / rpt) + max_groups,  target_p = prefix_waves*SMs/Hkv
+    - prefix items  <= target_p + ceil(max_bs * ratio / block_m) + max_groups,
+                       target_p = prefix_waves * SMs / Hkv
     - suffix items  <= target_s + max_bs
-    - partial rows  <= rpt * target_p + max_bs  (prefix)  +  suffix items
+    - partial rows  <= ceil(block_m * target_p / ratio) + max_bs  (prefix)  +  suffix items
       (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
 
     Device buffers (int32 unless noted):
@@ -344,10 +304,8 @@ class CascadeWorkspace:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.device = torch.device(device)
-        self.config = config or default_config(head_dim)
         self.ratio = num_q_heads // num_kv_heads
-        if self.ratio > self.config.block_m:
-            raise ValueError(f"GQA ratio {self.ratio} exceeds block_m={self.config.block_m}")
+        self.config = config or tile_config(self.ratio, head_dim)
         if sm_count is None:
             sm_count = (
                 torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -358,15 +316,14 @@ class CascadeWorkspace:
         self.max_groups = max_bs if max_groups is None else max_groups
         self.max_splits, self.sm_count = max_splits, sm_count
         cfg = self.config
-        rpt = cfg.block_m // self.ratio
         target_p = prefix_target(cfg, sm_count, num_kv_heads)
         target_s = suffix_target(cfg, sm_count, num_kv_heads, self.ratio)
         self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
         self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
         self.suffix_block_h = suffix_tile_rows(self.ratio)
-        self.prefix_cap = target_p + _cdiv(max_bs, rpt) + self.max_groups
+        self.prefix_cap = target_p + _cdiv(max_bs * self.ratio, cfg.block_m) + self.max_groups
         self.suffix_cap = target_s + max_bs
-        self.partial_cap = rpt * target_p + max_bs + self.suffix_cap
+        self.partial_cap = _cdiv(cfg.block_m * target_p, self.ratio) + max_bs + self.suffix_cap
 
         # meta layout
         P, S = self.prefix_cap, self.suffix_cap
@@ -523,7 +480,7 @@ class CascadeWorkspace:
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
         n = wl.num_prefix_items
-        for j, a in enumerate((wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
+        for j, a in enumerate((wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
             h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a
         n = wl.num_suffix_items
         for j, a in enumerate((wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row)):
@@ -566,9 +523,9 @@ class CascadeWorkspace:
         assert wl is not None, "workspace was never filled"
         assert wl.num_partials <= self.partial_cap, f"{wl.num_partials} partial rows > cap {self.partial_cap}"
         assert (wl.pfx_n_kv > 0).all() and (wl.sfx_hi > wl.sfx_lo).all(), "empty work item"
-        rows = np.zeros(wl.num_partials, np.int64)
-        np.add.at(rows, wl.sfx_row, 1)
-        for m_lo, m_hi, sp in zip(wl.pfx_m_lo, wl.pfx_m_hi, wl.pfx_split):
-            b = wl.group_req_idx[m_lo:m_hi]
-            np.add.at(rows, wl.part_indptr[b] + sp, 1)
-        assert (rows == 1).all(), "partial rows not written exactly once"
+        cover = np.zeros((wl.num_partials, self.ratio), np.int64)  # writes of (partial row, q-head of a kv head)
+        cover[wl.sfx_row] += 1
+        for lo, hi, sp in zip(wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_split):
+            f = np.arange(lo, hi)
+            np.add.at(cover, (wl.part_indptr[wl.group_req_idx[f // self.ratio]] + sp, f % self.ratio), 1)
+        assert (cover == 1).all(), "partial rows not written exactly once (per q-head)"

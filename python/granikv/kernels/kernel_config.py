@@ -1,0 +1,90 @@
+"""Tile sizes and launch shape of the cascade kernels, chosen per (GQA ratio, head_dim).
+
+``KernelConfig`` is the compile-time shape of the prefix / suffix / merge launches (plus the
+planner's wave targets). ``tile_config(ratio, head_dim)`` is the one place that picks it for a
+model's head shape: the prefix tile packs ``block_m`` flat (request, q-head) rows whatever the
+ratio (work_list.py), so every GQA ratio fills its MMA rows; what is left to choose per shape is
+in ``SHAPE_TILES``.
+"""
+
+from dataclasses import dataclass, replace
+
+__all__ = ["KernelConfig", "SHAPE_TILES", "tile_config", "default_config"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of the cascade kernels (all compile-time except the waves)."""
+
+    block_m: int = 64
+    """Prefix rows per tile (q-heads x requests stacked as flat rows, work_list.py: every tile of
+    a group full but its last, whatever the GQA ratio)."""
+    block_n: int = 64
+    """Prefix keys per inner step (64 measured fastest on H200 with block_m 64, although ptxas
+    reports a ~1 KB stack there; 32 has no spill but was 1.3x slower, docs/results/kernels.md)."""
+    prefix_warps: int = 4
+    prefix_stages: int = 3
+    suffix_block_n: int = 32
+    """Suffix keys (gathered slots) per inner step."""
+    suffix_warps: int = 4
+    suffix_stages: int = 2
+    prefix_waves: float = 1.5
+    """Prefix launch aims at prefix_waves * sm_count programs (1.5 with overlap_suffix: the SMs
+    the prefix leaves run suffix programs; 2.0 was best without overlap, docs/results/kernels.md)."""
+    suffix_waves: float = 4.0
+    """Suffix launch aims at suffix_waves * sm_count programs."""
+    min_prefix_chunk: int = 256
+    """Smallest kv chunk of a prefix item (bounds the partial-state traffic)."""
+    min_suffix_chunk: int = 64
+    even_split: bool = True
+    """Prefix inner loop: unmasked full tiles + a masked tail (True) or every tile masked (False).
+    Sweep 8 (H200, serving-size grids): prefix alone 59.4 -> 56.5 us at 16K x 64, 106.5 -> 100.3
+    at 16K x 128; cascade equal at 64, 121.3 -> 118.8 at 128 (docs/results/kernels.md)."""
+    overlap_suffix: bool = True
+    """Run the suffix launch on a side CUDA stream, concurrently with the prefix launch (they
+    write disjoint partial rows; the merge waits for both). Tensor-core-bound prefix tiles and
+    latency-bound suffix gathers then share the SMs instead of running back to back. Captured
+    into CUDA graphs as a fork/join. No effect on CPU."""
+    reuse_chunk_factor: float = 1.5
+    """``fill`` reuses the previous step's work list, with each request's last suffix chunk
+    extended to its new ``seq_len``, while the grouping (hence the prefix items) is unchanged and
+    every last suffix chunk stays within ``reuse_chunk_factor * suffix_chunk`` tokens: the steady
+    decode steps of one batch then cost a few numpy calls instead of a full build. After a full
+    build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
+    ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
+    suffix_head_group: bool = True
+    """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
+    instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "suffix_block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16")
+
+
+SHAPE_TILES = {
+    # head_dim > 128: smaller tiles to fit the register file (untuned)
+    "head_dim>128": dict(block_m=32, block_n=32, prefix_warps=4, suffix_block_n=16),
+}
+"""Overrides of the defaults per head shape. The defaults are the H200 tuning at Llama-3.1-8B
+heads (GQA 4, head_dim 128; docs/results/kernels.md). With flat rows no GQA ratio pads a
+prefix tile by more than its last rows, so ratios 1-8 at head_dim 64 / 128 keep the defaults
+until ``bench_attention.py --shape NAME --sweep`` measures a better tile for one of them; a
+measured winner goes here as ``(ratio, head_dim): overrides``."""
+
+
+def tile_config(ratio: int, head_dim: int) -> KernelConfig:
+    """The kernel config for ``ratio`` q-heads per kv head at ``head_dim``."""
+    if ratio < 1 or head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head shape (GQA ratio {ratio}, head_dim {head_dim}) needs ratio >= 1 and a "
+                         f"power-of-two head_dim >= 16")
+    over = SHAPE_TILES.get((ratio, head_dim))
+    if over is None and head_dim > 128:
+        over = SHAPE_TILES["head_dim>128"]
+    return replace(KernelConfig(), **(over or {}))
+
+
+def default_config(head_dim: int) -> KernelConfig:
+    """``tile_config`` at GQA ratio 4 (the shape the defaults were tuned at)."""
+    return tile_config(4, head_dim)

@@ -1,0 +1,119 @@
+"""Every GQA shape: flat-row prefix tiles (work_list.py) and the per-shape tile choice
+(kernel_config.py), and the cascade paths at GQA 1 / 3 / 5 / 7 and head_dim 64 / 128 against the
+float64 reference (Triton interpreter on CPU).
+
+Tolerances as test_cascade.py: fp32 inputs, full fp32 math, 2e-5; fp16 inputs, softmax
+probabilities rounded to fp16 before the P.V dot plus one fp16 rounding of the output, 4e-3.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_CONFIG, fill, make_batch
+
+from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
+from granikv.kernels.kernel_config import KernelConfig, tile_config
+from granikv.kernels.reference import decode_attention_ref
+from granikv.kernels.work_list import CascadeWorkspace, build_prefix_items
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+MODELS = {  # (q heads, kv heads): the model shapes the kernels are tuned for
+    "llama-3.1-8b": (32, 8), "qwen2.5-7b": (28, 4), "qwen2.5-14b": (40, 8), "gqa3": (24, 8), "mha": (32, 32),
+}
+
+
+@pytest.mark.parametrize("ratio", [1, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("members", [2, 9, 64, 256])
+def test_prefix_tiles_are_full_whatever_the_ratio(ratio, members):
+    """A group of n members takes ceil(n * ratio / block_m) tiles: every tile but the last holds
+    block_m rows, each (member, q-head) row exactly once."""
+    cfg = KernelConfig()
+    items = build_prefix_items([100], [4096], [0, members], np.arange(members), members, ratio=ratio,
+                               num_kv_heads=8, config=cfg, sm_count=132, max_splits=32)
+    chunks = int(items.split.max()) + 1
+    tiles = -(-members * ratio // cfg.block_m)
+    assert items.row_lo.shape[0] == chunks * tiles
+    for c in range(chunks):
+        lo, hi = items.row_lo[items.split == c], items.row_hi[items.split == c]
+        assert lo.tolist() == list(range(0, members * ratio, cfg.block_m)) and hi[-1] == members * ratio
+        assert ((hi - lo)[:-1] == cfg.block_m).all()
+    if ratio in (3, 5, 7) and tiles > 1:
+        assert (items.row_lo % ratio != 0).any()  # a member's q-heads straddle two tiles
+
+
+def test_forest_chunks_are_equal_within_each_group():
+    """Few long and many short prefixes: one chunk bound, each group cut into equal chunks."""
+    g_len = np.array([6000, 1500, 1537, 300, 4100] + [2000] * 11)
+    n = np.array([4, 12, 7, 9, 5] + [6] * 11)
+    ptr = np.concatenate([[0], np.cumsum(n)])
+    start = np.concatenate([[1], 1 + np.cumsum(g_len)[:-1]])
+    items = build_prefix_items(start, g_len, ptr, np.arange(ptr[-1]), int(ptr[-1]), ratio=4, num_kv_heads=8,
+                               config=KernelConfig(), sm_count=132, max_splits=32)
+    assert (items.n_kv <= items.chunk).all()
+    g_of = np.searchsorted(start, items.slot_lo, side="right") - 1
+    for g in range(len(g_len)):
+        mine = g_of == g
+        k = int(items.split[mine].max()) + 1
+        assert k == -(-int(g_len[g]) // items.chunk)  # long prefixes get more chunks
+        gc = -(-(-(-int(g_len[g]) // k)) // 64) * 64  # ceil(len / k) up to a multiple of block_n
+        kv = np.array([items.n_kv[mine & (items.split == c)][0] for c in range(k)])
+        assert (kv[:-1] == gc).all() and 0 < kv[-1] == g_len[g] - (k - 1) * gc <= gc, (g, kv)
+        assert (items.slot_lo[mine] == start[g] + items.split[mine] * gc).all()
+
+
+@pytest.mark.parametrize("path", ["cascade", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ratio,hkv,head_dim", [(1, 2, 64), (3, 2, 64), (5, 1, 128), (7, 1, 64), (3, 1, 128),
+                                                (7, 2, 128)])
+def test_cascade_at_every_gqa_shape(path, dtype, ratio, hkv, head_dim):
+    """Odd group sizes and prefix lengths so that tiles straddle members and chunks have tails."""
+    b = make_batch(groups=((37, 7), (53, 3), (19, 2)), n_ungrouped=2, suffix=13, ungrouped_len=29,
+                   num_q_heads=ratio * hkv, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype, seed=ratio + head_dim)
+    cfg = dataclasses.replace(SMALL_CONFIG, even_split=True)
+    ws = CascadeWorkspace(b.bs + 1, ratio * hkv, hkv, head_dim, "cpu", config=cfg, sm_count=32, max_splits=4)
+    wl = fill(ws, b)
+    ws.check_integrity()
+    if ratio > 1:
+        assert (wl.pfx_row_lo % ratio != 0).any()  # a tile starting mid-member is exercised
+    ws.part_o.fill_(float("nan"))
+    ws.part_lse.fill_(float("nan"))
+    out = torch.full_like(b.q, float("nan"))
+    fn = cascade_attention if path == "cascade" else fused_cascade_attention
+    fn(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert (ws.counters == 0).all()
+
+
+def test_check_integrity_sees_a_q_head_written_twice_or_never():
+    b = make_batch(groups=((37, 5),), n_ungrouped=1, num_q_heads=6, num_kv_heads=2)
+    ws = CascadeWorkspace(b.bs, 6, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+    wl = fill(ws, b)
+    ws.check_integrity()
+    hi = wl.pfx_row_hi.copy()
+    hi[0] -= 1  # one q-head of one member never written
+    ws.work_list = wl._replace(pfx_row_hi=hi)
+    with pytest.raises(AssertionError, match="exactly once"):
+        ws.check_integrity()
+    lo = wl.pfx_row_lo.copy()
+    lo[1] -= 1  # ... and one written by two tiles
+    ws.work_list = wl._replace(pfx_row_lo=lo)
+    with pytest.raises(AssertionError, match="exactly once"):
+        ws.check_integrity()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_model_shape_gets_a_valid_config_and_workspace(model, head_dim):
+    hq, hkv = MODELS[model]
+    cfg = tile_config(hq // hkv, head_dim)
+    ws = CascadeWorkspace(256, hq, hkv, head_dim, "cpu", sm_count=132)
+    assert ws.config == cfg and ws.suffix_heads * (hq // hkv) <= ws.suffix_block_h
+
+
+def test_tile_config_rejects_a_shape_the_kernels_cannot_serve():
+    with pytest.raises(ValueError, match="head_dim 96"):
+        tile_config(4, 96)
+    assert tile_config(4, 256).block_m == 32
