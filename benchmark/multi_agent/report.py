@@ -248,6 +248,17 @@ def floor_section(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) ->
             "prefix-sharing layer on this engine could reach at best):", "", bounds.to_markdown(found)]
 
 
+def with_floors(rows: List[Dict[str, Any]], meta: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """Every row with its ``floor_speedup`` / ``floor_fraction`` (bounds.annotate); the rows
+    unchanged when the run's model has no config under configs/."""
+    import bounds
+
+    try:
+        return bounds.annotate(dict(meta=dict(meta), rows=rows))
+    except (OSError, KeyError):
+        return rows
+
+
 # ---- plot ----------------------------------------------------------------------------------
 
 
@@ -309,6 +320,7 @@ def write(out_dir: str, records: Sequence[Mapping[str, Any]], meta: Mapping[str,
     rows = combine(records, model=model, tp=tp, dp=dp)
     for r in rows:
         r.update(date=meta.get("date"), command=meta.get("command") or meta.get("commands"))
+    rows = with_floors(rows, meta)
     png = out / f"{stem}.png"
     have_png = plot(rows, png, quiet=quiet) if rows else False
     paths = [out / f"{stem}.json", out / f"{stem}.md"]

@@ -42,3 +42,66 @@ def test_bound_rows_on_a_checked_in_run():
         assert r["baseline"] < r["floor_tok_s"] and r["floor_ceiling_pct"] < 100
     md = b.to_markdown(rows)
     assert md.count("\n") == len(rows) + 1 and "| homogeneous × 64 | flashinfer |" in md
+
+
+def test_forest_agent_loop_and_gqa_by_hand():
+    b = _mod()
+    flops, bw = 1e12, 1e11
+    kv = 2 * 8 * 2 * 2  # hkv * d * (K, V) * bf16 bytes
+    # a forest: two prefixes, their own agents and suffix tokens; an agent loop of 3 turns
+    shape = b.Shape((b.Group(1000, 3, 40), b.Group(500, 2, 10)), out=5, turns=3, tool=7)
+    prefill = 4 * (1000 * (40 + 3 * 2 * 7) + 500 * (10 + 2 * 2 * 7)) * 4 * 8 * 2 / flops
+    step = max(4 * (3 * 1000 + 2 * 500) * 4 * 8 / flops, (1000 + 500) * kv / bw)
+    ceiling_read = (3 * 256 + 2 * 256) * kv / bw
+    want = 2.0 + prefill + 3 * 4 * 2 * (step - ceiling_read)
+    assert b.floor_wall_of(shape, 2.0, MODEL, flops, bw) == pytest.approx(want, rel=1e-12)
+    # a prefix shorter than the ceiling's is read at its own length by the ceiling
+    short = b.Shape((b.Group(100, 4, 4),), out=2)
+    read = 4 * 100 * kv / bw
+    assert b.floor_wall_of(short, 1.0, MODEL, flops, bw) == pytest.approx(
+        1.0 + 4 * 100 * 4 * 4 * 8 * 2 / flops + 2 * (max(4 * 400 * 32 / flops, 100 * kv / bw) - read), rel=1e-12)
+    # GQA shapes from the configs: Qwen2.5-7B is 28q / 4kv, Llama-3.2-3B 24q / 8kv
+    assert b.model_shape("qwen2.5-7b") == dict(layers=28, hq=28, hkv=4, d=128)
+    assert b.model_shape("llama-3.2-3b") == dict(layers=28, hq=24, hkv=8, d=128)
+    assert b.model_shape("qwen2.5-14b", tp=2)["hq"] == 20
+
+
+def test_floor_of_rules():
+    b = _mod()
+    one = b.Shape((b.Group(16384, 64, 64 * 256),), out=128)
+    kw = dict(model=b.model_shape("llama-3.1-8b"), flops=650e12, bw=4.8e12)
+    f = b.floor_of(one, baseline=2600.0, granikv=5900.0, ceiling=7700.0, **kw)
+    assert 1.5 < f.floor_speedup < 7700 / 2600 and f.floor_reason is None
+    assert f.floor_fraction == pytest.approx(5900 / f.floor_tok_s, abs=1e-4)
+    # nothing shared (no prefix, or one agent per prefix): the stock engine is the floor
+    for shape in (b.Shape((), out=64), b.Shape((b.Group(2048, 1, 256),) * 4, out=64)):
+        f = b.floor_of(shape, baseline=1000.0, granikv=990.0, ceiling=None, **kw)
+        assert (f.floor_speedup, f.floor_fraction, f.floor_tok_s) == (1.0, 0.99, 1000.0)
+    # a stock engine faster than the formula: the floor is never below stock
+    f = b.floor_of(one, baseline=9000.0, granikv=9000.0, ceiling=7700.0, **kw)
+    assert f.floor_speedup == 1.0
+    assert "ceiling" in b.floor_of(one, baseline=1.0, granikv=1.0, ceiling=None, **kw).floor_reason
+    assert b.floor_of(None, baseline=1.0, granikv=1.0, ceiling=1.0, **kw).floor_reason.startswith("workload shape")
+    assert b.floor_of(one, baseline=None, granikv=1.0, ceiling=1.0, **kw).floor_speedup is None
+
+
+def test_checked_in_multi_agent_rows_carry_their_floor():
+    """Every row of docs/results/multi_agent.json has floor_speedup / floor_fraction, equal to
+    what bounds.annotate computes from the row's own data (null only with a reason)."""
+    b = _mod()
+    doc = json.loads((ROOT / "docs" / "results" / "multi_agent.json").read_text())
+    fresh = b.annotate(doc)
+    for stored, new in zip(doc["rows"], fresh):
+        assert "floor_speedup" in stored and "floor_fraction" in stored
+        assert (stored["floor_speedup"], stored["floor_fraction"]) == (new["floor_speedup"], new["floor_fraction"])
+        assert (stored["floor_speedup"] is None) == bool(stored.get("floor_reason"))
+    by = {(r["workload"], r["agents"]): r for r in fresh}
+    assert by[("homogeneous", 64)]["floor_speedup"] > 2 and by[("no_sharing", 64)]["floor_speedup"] == 1.0
+    assert by[("agent_loop", 64)]["floor_speedup"] is None  # its ceiling (an agent loop) was not run
+    # a ceiling of another shape does not bound a row: plant one
+    planted = json.loads(json.dumps(doc))
+    for r in planted["rows"]:
+        if r["workload"] == "ceiling" and r["agents"] == 64:
+            r["params"]["out"] = 64
+    row = {(r["workload"], r["agents"]): r for r in b.annotate(planted)}[("homogeneous", 64)]
+    assert row["floor_speedup"] is None and "ceiling" in row["floor_reason"]
