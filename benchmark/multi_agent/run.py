@@ -574,7 +574,8 @@ class Child:
         return dict(granikv=after, granikv_delta=counter_delta(after, before or {}))
 
 
-NON_ADDITIVE = ("_mean", "_max", "_rate", "_per_step")  # ratios and extremes: their difference means nothing
+NON_ADDITIVE = ("_mean", "_max", "_rate", "_per_step", "_p50", "_p99", "_window_steps")  # ratios, extremes,
+# percentiles and window sizes: their difference means nothing
 
 
 def counter_delta(after: Dict[str, Any], before: Dict[str, Any]) -> Dict[str, Any]:

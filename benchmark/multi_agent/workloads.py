@@ -216,6 +216,60 @@ def no_sharing(agents: int, prompt_len: int = 2048, out: int = 256, *, seed: int
                     prompts=prompts, group=(-1,) * agents, prefixes=(), sampling=Sampling(out))
 
 
+def grouped(prefixes: Sequence[int], agents_per_prefix: Sequence[int], suffix: Sequence[int] = (256, 256),
+            out: int = 128, *, turns: int = 1, tool: int = 0, seed: int = 0,
+            name: str = "grouped") -> Workload:
+    """A forest: distinct shared prefixes of the given lengths, each with its own agent count,
+    every agent with a private suffix of a seeded length in ``[suffix[0], suffix[1]]``, agents
+    of all groups interleaved in one batch; ``turns`` > 1 makes it an agent loop (a ``tool``
+    -token result appended after each turn's output, as :func:`agent_loop`).
+
+    The suffix lengths, the interleaving and the tool results depend on the agent counts and the
+    seed only, not on the prefix lengths, so the same call with every prefix cut to 256 tokens
+    (:func:`cut_prefixes`) is the same workload with short prefixes: its ceiling. A prefix of
+    0 tokens gives agents without a shared prefix.
+    """
+    if len(prefixes) != len(agents_per_prefix):
+        raise ValueError(f"{len(prefixes)} prefixes but {len(agents_per_prefix)} agent counts")
+    lo, hi = int(suffix[0]), int(suffix[1])
+    _check_positive(out=out, turns=turns, suffix=lo, agents=sum(agents_per_prefix) or 0)
+    if hi < lo or any(n < 1 for n in agents_per_prefix) or any(L < 0 for L in prefixes):
+        raise ValueError(f"grouped: suffix {lo}..{hi}, agents {list(agents_per_prefix)}, prefixes "
+                         f"{list(prefixes)}: need lo <= hi, agents >= 1, prefixes >= 0")
+    if turns > 1 and tool < 1:
+        raise ValueError(f"tool={tool} must be >= 1 with turns={turns}")
+    shape_rng = random.Random(f"{name}:{seed}:{tuple(agents_per_prefix)}:{lo}:{hi}:{turns}:{tool}")
+    order = [g for g, c in enumerate(agents_per_prefix) for _ in range(c)]
+    shape_rng.shuffle(order)
+    lens = [shape_rng.randint(lo, hi) for _ in order]
+    tok_rng = random.Random(f"{name}:tokens:{seed}:{tuple(prefixes)}:{tuple(agents_per_prefix)}")
+    shared = tuple(_tokens(tok_rng, L) for L in prefixes)
+    suffixes = [_tokens(shape_rng, n) for n in lens]
+    prompts = tuple(shared[g] + s for g, s in zip(order, suffixes))
+    per_prefix = [0] * len(prefixes)
+    for g, n in zip(order, lens):
+        per_prefix[g] += n
+    tools = ()
+    if turns > 1:
+        tools = tuple(tuple(_tokens(shape_rng, tool) for _ in range(turns - 1)) for _ in order)
+    kept = tuple(g for g, L in enumerate(prefixes) if L > 0)  # a 0-token prefix shares nothing
+    index = {g: i for i, g in enumerate(kept)}
+    return Workload(name=name,
+                    params=dict(prefixes=list(prefixes), agents_per_prefix=list(agents_per_prefix),
+                                suffix=[lo, hi], suffix_tokens_per_prefix=per_prefix, out=out,
+                                turns=turns, tool=tool, seed=seed, agents=len(order)),
+                    prompts=prompts, group=tuple(index.get(g, -1) for g in order),
+                    prefixes=tuple(shared[g] for g in kept), sampling=Sampling(out), turns=turns,
+                    tool_results=tools)
+
+
+def cut_prefixes(kwargs: Mapping[str, object], length: int = CEILING_PREFIX) -> Dict[str, object]:
+    """:func:`grouped` arguments with every shared prefix cut to ``length`` tokens (0 stays 0)."""
+    out = dict(kwargs)
+    out["prefixes"] = [min(int(L), length) for L in kwargs["prefixes"]]
+    return out
+
+
 def dp_routes(w: Workload, dp: int) -> Tuple[int, ...]:
     """Prefix-affine DP rank of each agent, for SGLang's per-request ``routed_dp_rank``.
 
@@ -263,7 +317,9 @@ class WorkloadSpec:
             return no_sharing(self.agents, **kw)
         if self.name == "ceiling":
             return short_prefix_ceiling(self.agents, **kw)
-        raise ValueError(f"unknown workload {self.name!r}; known: {', '.join(WORKLOAD_NAMES)}")
+        if self.name == "grouped":
+            return grouped(**kw)
+        raise ValueError(f"unknown workload {self.name!r}; known: {', '.join(WORKLOAD_NAMES)}, grouped")
 
     def to_json(self) -> Dict[str, object]:
         return dict(name=self.name, agents=self.agents, prefix_len=self.prefix_len,

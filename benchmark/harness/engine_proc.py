@@ -1,0 +1,111 @@
+"""One engine per subprocess: its own process group, tagged records on stdout, a hard timeout.
+
+A child prints one record per line as ``TAG {json}`` (:func:`emit`); the parent
+(:func:`run_tagged`) echoes every line with the child's name, parses the tagged ones and hands
+them to a callback as they arrive, so the caller can write its results after every record.
+The child runs in a new session: killing its group also kills the scheduler and detokenizer
+processes an ``sglang.Engine`` (or ``launch_server``) spawns, which would otherwise keep the
+GPU's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+
+ROW_TAG, INFO_TAG, ERROR_TAG = "ROW ", "INFO ", "ERROR "
+TAGS: Mapping[str, str] = {ROW_TAG: "row", INFO_TAG: "info", ERROR_TAG: "error"}
+
+
+def emit(tag: str, obj: Mapping[str, Any]) -> None:
+    """Child side: one tagged record on stdout, flushed (the parent reads it at once)."""
+    print(tag + json.dumps(obj, default=str), flush=True)
+
+
+def parse_line(line: str, tags: Mapping[str, str] = TAGS) -> Optional[Dict[str, Any]]:
+    """The record of a tagged line, with ``kind`` set; None for any other line (or bad JSON)."""
+    for tag, kind in tags.items():
+        if line.startswith(tag):
+            try:
+                rec = json.loads(line[len(tag):])
+            except ValueError:
+                return None
+            if isinstance(rec, dict):
+                rec["kind"] = kind
+                return rec
+    return None
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+    """SIGTERM then (after ``grace_s``) SIGKILL to the child's whole process group; a group
+    already gone is fine."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        if sig == signal.SIGTERM and grace_s <= 0:
+            continue
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        if wait:
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@dataclass
+class ChildResult:
+    returncode: Optional[int]
+    timed_out: bool
+    errors: int  # error records the child sent itself
+    seconds: float
+
+
+def run_tagged(cmd: Sequence[str], *, name: str, on_record: Callable[[Dict[str, Any]], None],
+               timeout: float, env: Optional[Mapping[str, str]] = None,
+               extra: Optional[Mapping[str, Any]] = None, tags: Mapping[str, str] = TAGS,
+               echo: bool = True) -> ChildResult:
+    """Runs ``cmd`` in its own process group until it exits or ``timeout`` seconds pass.
+
+    Every tagged stdout line becomes a record (``kind`` + ``extra`` merged in) passed to
+    ``on_record`` at once; other lines are echoed as ``[name] line``. The group is killed at the
+    end whatever happened (a crashed engine's leftovers would hold GPU memory). The caller turns
+    ``timed_out`` / a non-zero ``returncode`` without error records into its own error record.
+    """
+    t0 = time.time()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(env) if env is not None else None, bufsize=1, start_new_session=True)
+    fired = threading.Event()
+    watchdog = threading.Timer(timeout, lambda: (fired.set(), kill_group(proc)))
+    watchdog.start()
+    errors = 0
+    try:
+        for line in proc.stdout:
+            if echo:
+                sys.stdout.write(f"[{name}] {line}")
+            rec = parse_line(line, tags)
+            if rec is not None:
+                rec.update(extra or {})
+                errors += rec["kind"] == "error"
+                on_record(rec)
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        kill_group(proc)
+    return ChildResult(proc.returncode, fired.is_set(), errors, time.time() - t0)
+
+
+def engine_env(backend: str, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Environment of an engine / server process for an SGLang attention ``backend``."""
+    env = dict(os.environ if base is None else base, PYTHONUNBUFFERED="1")
+    if backend == "flashinfer":
+        env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
+    return env

@@ -1,0 +1,312 @@
+"""Regime benchmark report: rows from the engines' records, merge of partial runs, md and png.
+
+Pure (no GPU): regimes.py calls :func:`write` after every record; ``regimes.py --merge`` calls
+:func:`merge_docs` on the partial JSONs of several invocations (one per backend or model
+subset) and writes docs/results/regimes.{json,md,png}.
+
+Records (the children's output, see regimes.py)::
+
+    {"kind": "row", "model": ..., "backend": ..., "config": "baseline" | "granikv",
+     "regime": ..., "variant": "main" | "ceiling", "out_tok_per_s": ..., "params": {...},
+     "granikv": {...} | null, "granikv_delta": {...} | null, ...}
+    {"kind": "info", "model": ..., "backend": ..., "config": ..., "max_total_num_tokens": ...}
+    {"kind": "error", "model": ..., "backend": ..., "config": ..., "error": "..."}
+
+One row per (model, backend, regime): ``baseline_out_tok_s`` / ``granikv_out_tok_s`` and their
+``speedup``; ``ceiling_out_tok_s`` (the same workload with its prefixes cut to 256 tokens, stock
+engine; the row's own stock figure where it has no prefix longer than that); ``floor_speedup``
+/ ``floor_fraction`` (bounds.py); ``plan_us_p50`` / ``plan_us_p99`` as the GraniKV engine's
+snapshot reports them after the row (None when it does not) with the exact mean of the row's
+own decode steps beside them; the dispatch paths the row's decode steps took, the extend
+batches left stock and the skipped promotions, each with its reason and count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import bounds
+
+SIDE_KEYS = ("seconds", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_used_tokens_peak")
+SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.90
+PLAN_P50_MAX_US, PLAN_P99_MAX_US = 30.0, 80.0
+
+
+def find_key(d: Any, key: str) -> Optional[Any]:
+    """The first value of ``key`` in a nested dict (depth first: top level, then children)."""
+    if not isinstance(d, Mapping):
+        return None
+    if key in d:
+        return d[key]
+    for v in d.values():
+        found = find_key(v, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _num(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _ratio(a: Optional[float], b: Optional[float], nd: int = 4) -> Optional[float]:
+    return round(a / b, nd) if a and b else None
+
+
+def granikv_facts(rec: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """What the GraniKV engine said about a row (read defensively: any key may be missing)."""
+    after = (rec or {}).get("granikv") or {}
+    delta = (rec or {}).get("granikv_delta") or {}
+    att = delta.get("attention") if isinstance(delta.get("attention"), Mapping) else {}
+    steps, total = _num(att.get("planned_steps")), _num(att.get("plan_us_total"))
+    window = _num(find_key(after, "plan_window_steps"))
+    return dict(
+        plan_us_p50=_num(find_key(after, "plan_us_p50")),
+        plan_us_p99=_num(find_key(after, "plan_us_p99")),
+        plan_us_mean_row=round(total / steps, 2) if steps and total is not None else None,
+        plan_window_steps=window,
+        plan_window_only_this_row=None if window is None or steps is None else steps >= window,
+        decode_steps=att.get("decode_steps"),
+        dispatch_paths={k: v for k, v in (att.get("steps_per_path") or {}).items() if v},
+        extend_fallbacks={k: v for k, v in (att.get("extend_fallbacks") or {}).items() if v},
+        extend_hot_batches=att.get("extend_hot_batches"),
+        promotions=delta.get("promotions"),
+        promotion_skips={k: v for k, v in (delta.get("skip_reasons") or {}).items() if v},
+    )
+
+
+def _rec_key(r: Mapping[str, Any]) -> Tuple:
+    return (r.get("model"), r.get("backend"), r.get("regime"))
+
+
+def merge_records(record_lists: Iterable[Sequence[Mapping[str, Any]]]) -> List[Dict[str, Any]]:
+    """Concatenation; a later measurement of the same (model, backend, config, regime, variant)
+    replaces the earlier one, likewise the info of an engine; every error is kept."""
+    out: Dict[Tuple, Dict[str, Any]] = {}
+    n = 0
+    for records in record_lists:
+        for r in records:
+            kind = r.get("kind")
+            if kind == "row":
+                k = ("row", r.get("config"), r.get("variant")) + _rec_key(r)
+            elif kind == "info":
+                k = ("info", r.get("model"), r.get("backend"), r.get("config"))
+            else:
+                n += 1
+                k = ("error", n)
+            out.pop(k, None)
+            out[k] = dict(r)
+    return list(out.values())
+
+
+def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
+    """One row per (model, backend, regime) that has a stock or a GraniKV measurement, in the
+    records' order, with the floor (bounds.annotate)."""
+    sides: Dict[Tuple, Dict[Tuple[str, str], Mapping[str, Any]]] = {}
+    for r in records:
+        if r.get("kind") == "row":
+            sides.setdefault(_rec_key(r), {})[(r.get("config"), r.get("variant", "main"))] = r
+    infos = {(r.get("model"), r.get("backend"), r.get("config")): r for r in records if r.get("kind") == "info"}
+    rows = []
+    for (model, backend, regime), by in sides.items():
+        b, g = by.get(("baseline", "main")), by.get(("granikv", "main"))
+        c = by.get(("baseline", "ceiling"))
+        any_side = b or g or c
+        if not (b or g):
+            continue
+        params = (b or g)["params"]
+        b_tps = b["out_tok_per_s"] if b else None
+        g_tps = g["out_tok_per_s"] if g else None
+        own_ceiling = not any_side.get("has_ceiling", True)
+        ceiling = c["out_tok_per_s"] if c else (b_tps if own_ceiling else None)
+        row = dict(model=model, backend=backend, workload=regime, workload_kind=any_side.get("workload"),
+                   priority=any_side.get("priority"), agents=any_side.get("agents"),
+                   prefix_len=any_side.get("prefix_len"), turns=any_side.get("turns", 1), params=params,
+                   baseline_out_tok_s=b_tps, granikv_out_tok_s=g_tps, speedup=_ratio(g_tps, b_tps),
+                   ceiling_out_tok_s=ceiling, ceiling_is_row=own_ceiling,
+                   ceiling_params=c.get("params") if c else None)
+        row.update(granikv_facts(g))
+        for side, r in (("baseline", b), ("granikv", g)):
+            for k in SIDE_KEYS:
+                row[f"{side}_{k}"] = r.get(k) if r else None
+            row[f"{side}_kv_capacity_tokens"] = infos.get((model, backend, side), {}).get("max_total_num_tokens")
+        rows.append(row)
+    return bounds.annotate(dict(meta=dict(meta or {}, tp=1), rows=rows))
+
+
+def verdicts(row: Mapping[str, Any]) -> List[str]:
+    """The targets a row misses (empty when it meets every one it can be judged on)."""
+    out = []
+    s, fs, ff = row.get("speedup"), row.get("floor_speedup"), row.get("floor_fraction")
+    if s is not None and s < SPEEDUP_MIN:
+        out.append(f"speedup < {SPEEDUP_MIN}")
+    if s is not None and fs is not None and fs <= NO_PAY_FLOOR and s < NO_PAY_MIN:
+        out.append(f"no-pay row < {NO_PAY_MIN}")
+    if ff is not None and fs is not None and fs > NO_PAY_FLOOR and ff < FLOOR_FRACTION_MIN:
+        out.append(f"floor_fraction < {FLOOR_FRACTION_MIN}")
+    p50, p99 = row.get("plan_us_p50"), row.get("plan_us_p99")
+    if p50 is not None and p50 > PLAN_P50_MAX_US:
+        out.append(f"plan p50 > {PLAN_P50_MAX_US:g} us")
+    if p99 is not None and p99 > PLAN_P99_MAX_US:
+        out.append(f"plan p99 > {PLAN_P99_MAX_US:g} us")
+    return out
+
+
+def summary(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Worst speedup, the no-pay rows' worst and median, worst floor fraction of sharing rows."""
+    sp = [r for r in rows if r.get("speedup") is not None]
+    no_pay = sorted(r["speedup"] for r in sp if r.get("floor_speedup") is not None
+                    and r["floor_speedup"] <= NO_PAY_FLOOR)
+    frac = [r for r in sp if r.get("floor_fraction") is not None and (r.get("floor_speedup") or 0) > NO_PAY_FLOOR]
+
+    def worst(sel, key):
+        r = min(sel, key=lambda r: r[key], default=None)
+        return None if r is None else dict(row=f"{r['model']}/{r['backend']}/{r['workload']}", value=r[key])
+
+    median = None
+    if no_pay:
+        m = len(no_pay) // 2
+        median = no_pay[m] if len(no_pay) % 2 else (no_pay[m - 1] + no_pay[m]) / 2
+    return dict(rows=len(rows), measured=len(sp), worst_speedup=worst(sp, "speedup"),
+                no_pay_rows=len(no_pay), no_pay_median_speedup=median,
+                worst_floor_fraction=worst(frac, "floor_fraction"),
+                rows_missing_a_target=sum(1 for r in sp if verdicts(r)))
+
+
+# ---- markdown ------------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str = "{:,.0f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _counts(d: Optional[Mapping[str, Any]]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted((d or {}).items(), key=lambda kv: -kv[1])) or "–"
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    head = ("| model | backend | workload | agents | stock tok/s | GraniKV tok/s | speedup | ceiling tok/s "
+            "| floor_speedup | floor_fraction | plan µs p50 / p99 (row mean) | decode paths | extend left stock "
+            "| targets missed |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        plan = f"{_f(r.get('plan_us_p50'), '{:.0f}')} / {_f(r.get('plan_us_p99'), '{:.0f}')} " \
+               f"({_f(r.get('plan_us_mean_row'), '{:.0f}')})"
+        reason = f" ({r['floor_reason']})" if r.get("floor_reason") else ""
+        lines.append("| " + " | ".join([
+            r["model"], r["backend"], r["workload"], _f(r.get("agents")), _f(r.get("baseline_out_tok_s")),
+            _f(r.get("granikv_out_tok_s")), _f(r.get("speedup"), "{:.3f}x"),
+            _f(r.get("ceiling_out_tok_s")) + (" (row)" if r.get("ceiling_is_row") else ""),
+            _f(r.get("floor_speedup"), "{:.2f}x") + reason, _f(r.get("floor_fraction"), "{:.0%}"), plan,
+            _counts(r.get("dispatch_paths")), _counts(r.get("extend_fallbacks")),
+            "; ".join(verdicts(r)) or "–",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
+             meta: Mapping[str, Any], png: Optional[str]) -> str:
+    infos = [r for r in records if r.get("kind") == "info"]
+    errors = [r for r in records if r.get("kind") == "error"]
+    gpus = sorted({str(i.get("gpu")) for i in infos if i.get("gpu")})
+    version = next((i.get("version") for i in infos if i.get("version")), "?")
+    s = summary(rows)
+    out = ["# Regime benchmark: where sharing pays and where it must cost nothing", "",
+           f"GPU: {', '.join(gpus) or 'unknown'}; SGLang {version}; dummy bf16 weights; "
+           f"dates: {', '.join(meta.get('dates') or [str(meta.get('date'))])}.", "",
+           "Each row runs its workload on the stock engine and on the GraniKV engine of the same "
+           "(model, backend), and its ceiling (the same workload with every shared prefix cut to "
+           "256 tokens) on the stock engine; `floor_speedup` = the `bounds.py` floor's tok/s ÷ "
+           "stock tok/s, `floor_fraction` = GraniKV tok/s ÷ the floor's. Targets: every row "
+           f"≥ {SPEEDUP_MIN}x; rows with floor_speedup ≤ {NO_PAY_FLOOR} ≥ {NO_PAY_MIN}x (median ≥ 1.00x); "
+           f"sharing rows ≥ {FLOOR_FRACTION_MIN:.0%} of their floor; planning ≤ {PLAN_P50_MAX_US:g} µs "
+           f"p50 and ≤ {PLAN_P99_MAX_US:g} µs p99 (the engine's window of recent decode steps; the "
+           "row's own mean beside it). How the grid was chosen: benchmark/multi_agent/regime_grid.py.",
+           "", "Commands:", ""]
+    out += [f"    {c}" for c in meta.get("commands") or [meta.get("command")] if c]
+    out += ["", markdown_table(rows), ""]
+    ws, wf = s["worst_speedup"], s["worst_floor_fraction"]
+    out.append(f"Summary: {s['measured']} of {s['rows']} rows measured on both engines; worst speedup "
+               f"{_f(ws and ws['value'], '{:.3f}x')} ({ws and ws['row']}); rows where sharing cannot pay: "
+               f"{s['no_pay_rows']}, median {_f(s['no_pay_median_speedup'], '{:.3f}x')}; worst floor fraction of "
+               f"a sharing row {_f(wf and wf['value'], '{:.0%}')} ({wf and wf['row']}); rows missing a target: "
+               f"{s['rows_missing_a_target']}.")
+    if png:
+        out += ["", f"![speedup against floor_speedup]({png})"]
+    skipped = meta.get("skipped") or []
+    if skipped:
+        out += ["", "Not run (time budget):", ""] + [f"- {k}: {why}" for k, why in skipped]
+    if errors:
+        out += ["", "Errors:", ""] + [f"- {e.get('model')}/{e.get('backend')}/{e.get('config')}: {e.get('error')}"
+                                      for e in errors]
+    return "\n".join(out) + "\n"
+
+
+# ---- plot ----------------------------------------------------------------------------------
+
+
+def plot(rows: Sequence[Mapping[str, Any]], path: Path, *, quiet: bool = False) -> bool:
+    """Speedup against floor_speedup, one point per row (marker per backend, colour per model),
+    the y = x line (the floor) and y = 1 (stock). False when matplotlib is missing."""
+    from harness.results import pyplot
+
+    pts = [r for r in rows if r.get("speedup") is not None and r.get("floor_speedup") is not None]
+    plt = pyplot(quiet, str(path))
+    if plt is None or not pts:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 6))
+    models = list(dict.fromkeys(r["model"] for r in pts))
+    markers = {"flashinfer": "o", "triton": "s"}
+    for i, m in enumerate(models):
+        for backend, mk in markers.items():
+            sel = [r for r in pts if r["model"] == m and r["backend"] == backend]
+            if sel:
+                ax.scatter([r["floor_speedup"] for r in sel], [r["speedup"] for r in sel], marker=mk,
+                           color=f"C{i}", label=f"{m}, {backend}", alpha=0.85)
+    top = max(max(r["floor_speedup"] for r in pts), max(r["speedup"] for r in pts)) * 1.05
+    ax.plot([1, top], [1, top], "k--", lw=1, label="at the floor")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.axhline(SPEEDUP_MIN, color="red", lw=0.8, ls=":", label=f"{SPEEDUP_MIN}x stock")
+    ax.set_xlabel("floor_speedup (bounds.py floor ÷ stock)")
+    ax.set_ylabel("speedup (GraniKV ÷ stock)")
+    ax.set_title("Regime grid: GraniKV against its floor")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---- files ---------------------------------------------------------------------------------
+
+
+def write(out_dir: str, stem: str, records: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], *,
+          quiet: bool = False, png: bool = True) -> List[Path]:
+    """Writes ``stem``.json (meta, summary, rows, measurements) and .md; with ``png``, the plot
+    too when matplotlib is there (the run leaves it to its final write)."""
+    from harness.results import write_json, write_text
+
+    out = Path(out_dir)
+    rows = assemble(records, meta)
+    png_path = out / f"{stem}.png"
+    have_png = plot(rows, png_path, quiet=quiet) if rows and png else False
+    paths = [write_json(out / f"{stem}.json", dict(meta=dict(meta), summary=summary(rows), rows=rows,
+                                                   measurements=list(records))),
+             write_text(out / f"{stem}.md", markdown(rows, records, meta, png_path.name if have_png else None))]
+    return paths + ([png_path] if have_png else [])
+
+
+def merge_docs(docs: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Measurements and meta of several partial runs (a later file wins for the same row)."""
+    records = merge_records(d.get("measurements", []) for d in docs)
+    metas = [d.get("meta", {}) for d in docs]
+    commands = [c for m in metas for c in (m.get("commands") or [m.get("command")]) if c]
+    dates = [d for m in metas for d in (m.get("dates") or [m.get("date")]) if d]
+    skipped = [s for m in metas for s in (m.get("skipped") or [])]
+    done = {(r.get("model"), r.get("regime")) for r in records if r.get("kind") == "row"}
+    skipped = [s for s in skipped if tuple(s[0].split("/", 1)) not in done]
+    meta = dict(commands=list(dict.fromkeys(commands)), dates=list(dict.fromkeys(dates)),
+                backends=sorted({b for m in metas for b in (m.get("backends") or [m.get("backend")]) if b}),
+                skipped=skipped, engine_kwargs={k: v for m in metas for k, v in (m.get("engine_kwargs") or {}).items()})
+    return records, meta

@@ -1,0 +1,363 @@
+"""benchmark/multi_agent/regimes.py and its pure parts (regime_grid, regime_report) on fake
+engine results: the grid and its budget, the rows built from records, merge, report, and the
+parent / child loops with the engines replaced."""
+
+import json
+import sys
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
+sys.path.insert(0, str(ROOT / "benchmark"))
+
+import regime_grid  # noqa: E402
+import regime_report  # noqa: E402
+import regimes as regimes_mod  # noqa: E402
+import workloads  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return regime_grid
+
+
+@pytest.fixture(scope="module")
+def rep():
+    return regime_report
+
+
+@pytest.fixture(scope="module")
+def wl():
+    return workloads
+
+
+# ---- the grid ------------------------------------------------------------------------------
+
+
+def test_grid_covers_the_required_regimes(grid):
+    rows = grid.default_grid()
+    keys = {r.key for r in rows}
+    L = "llama-3.1-8b"
+    for need in ("hom16k_x64", "hom16k_x128", "kv_bound_no_sharing", "short1k_3sharers", "forest16",
+                 "agent_loop_10k_x24"):
+        assert f"{L}/{need}" in keys
+    assert {r.model for r in rows} == set(grid.MODEL_NAMES) and len(grid.MODEL_NAMES) >= 4
+    assert "llama-3.1-8b-4layers/forest16" in keys
+    assert 20 <= len(rows) <= 60 and len(keys) == len(rows)  # tens of rows, each once
+    assert all(r.agents <= 256 for r in rows)  # within the decode CUDA graphs
+    forest = next(r for r in rows if r.key == f"{L}/forest16")
+    assert len(forest.kwargs["prefixes"]) == 16 and min(forest.kwargs["prefixes"]) == 1536
+    assert max(forest.kwargs["prefixes"]) == 6144 and set(forest.kwargs["agents_per_prefix"]) <= set(range(4, 13))
+    # the KV-bound row holds more prompt tokens than the capped Llama pool
+    kv = next(r for r in rows if r.key == f"{L}/kv_bound_no_sharing")
+    assert kv.kwargs["agents"] * kv.kwargs["prompt_len"] > grid.LLAMA_POOL_TOKENS
+    # every other Llama row fits it with the prefixes once
+    for r in rows:
+        if r.model == L and r.kind == "grouped":
+            lo, hi = r.kwargs["suffix"]
+            need = sum(r.kwargs["prefixes"]) + r.agents * (hi + r.kwargs["out"] * r.kwargs.get("turns", 1)
+                                                           + r.kwargs.get("tool", 0) * 3)
+            assert need < grid.LLAMA_POOL_TOKENS * 0.75, r.key
+
+
+def test_ceiling_spec_cuts_prefixes_only(grid):
+    r = next(r for r in grid.default_grid() if r.name == "forest16")
+    main, ceil = r.spec_json(), r.spec_json(ceiling=True)
+    assert r.has_ceiling and max(ceil["kwargs"]["prefixes"]) == 256 and ceil["agents"] == main["agents"]
+    assert {k: v for k, v in ceil["kwargs"].items() if k != "prefixes"} == \
+        {k: v for k, v in main["kwargs"].items() if k != "prefixes"}
+    ns = next(r for r in grid.default_grid() if r.kind == "no_sharing")
+    assert not ns.has_ceiling and ns.spec_json()["name"] == "no_sharing"
+
+
+def test_select_subsets_and_budget(grid):
+    rows = grid.default_grid()
+    full = grid.select(rows)
+    assert len(full.rows) == len(rows) and not full.skipped
+    only = grid.select(rows, models=["qwen2.5-7b"], rows=["forest16", "short1k_3sharers"])
+    assert {r.key for r in only.rows} == {"qwen2.5-7b/forest16", "qwen2.5-7b/short1k_3sharers"}
+    with pytest.raises(ValueError, match="--models"):
+        grid.select(rows, models=["gpt-9"])
+    with pytest.raises(ValueError, match="--rows"):
+        grid.select(rows, rows=["nope"])
+    tight = grid.select(rows, budget_s=full.estimate_s * 0.6)
+    assert tight.estimate_s <= full.estimate_s * 0.6 and tight.skipped
+    kept_p = [r.priority for r in tight.rows]
+    dropped = {k for k, _ in tight.skipped}
+    # lower priorities go first: nothing of priority p is dropped while a worse one is kept
+    worst_kept = max(kept_p)
+    assert all(r.priority >= worst_kept for r in rows if r.key in dropped)
+    # run order stays grouped by model, in the grid's order
+    order = [r.key for r in tight.rows]
+    assert order == [r.key for r in rows if r.key in set(order)]
+    # the default budget fits its own estimate, starts included (2 engines per model)
+    d = grid.select(rows, budget_s=450)
+    starts = sum(2 * m.start_s for m in grid.MODELS if m.name in {r.model for r in d.rows})
+    assert d.estimate_s <= 450 and d.estimate_s == pytest.approx(
+        starts + sum(grid.estimate_s(r, {m.name: m for m in grid.MODELS}[r.model]) for r in d.rows))
+
+
+def test_estimate_tracks_checked_in_stock_rows(grid):
+    """The budget estimate against the stock rows of docs/results/multi_agent.json (same GPU)."""
+    doc = json.loads((ROOT / "docs" / "results" / "multi_agent.json").read_text())
+    cfg = grid.MODELS[0].config()
+    for r in doc["rows"]:
+        if r["workload"] not in ("homogeneous", "no_sharing") or r["agents"] < 64:
+            continue
+        p = r["params"]
+        if r["workload"] == "homogeneous":
+            spec = dict(name="grouped", agents=r["agents"], kwargs=dict(
+                prefixes=[p["prefix_len"]], agents_per_prefix=[p["agents"]], suffix=[p["suffix"]] * 2, out=p["out"]))
+        else:
+            spec = dict(name="no_sharing", agents=r["agents"], kwargs=dict(prompt_len=p["prompt_len"], out=p["out"]))
+        est = grid.run_estimate_s(spec, cfg) - grid.ROW_OVERHEAD_S
+        assert est == pytest.approx(r["baseline_seconds"], rel=0.5), (r["workload"], r["agents"])
+
+
+# ---- workloads.grouped ---------------------------------------------------------------------
+
+
+def test_grouped_workload_and_its_ceiling(wl):
+    kw = dict(prefixes=[700, 300, 0], agents_per_prefix=[3, 2, 2], suffix=[5, 40], out=7, turns=3, tool=4, seed=1)
+    w = wl.grouped(**kw)
+    c = wl.grouped(**wl.cut_prefixes(kw))
+    assert w.agents == 7 and w.turns == 3 and len(w.prefixes) == 2  # the 0-token prefix shares nothing
+    assert sorted(w.group) == [-1, -1, 0, 0, 0, 1, 1]
+    for i, p in enumerate(w.prompts):
+        g = w.group[i]
+        if g >= 0:
+            assert p[:len(w.prefixes[g])] == w.prefixes[g]
+    # same suffix lengths, interleaving and tool results; only the prefixes are shorter
+    assert c.group == w.group and [len(t) for t in c.tool_results[0]] == [4, 4]
+    for pw, pc, g in zip(w.prompts, c.prompts, w.group):
+        cut = (len(w.prefixes[g]) - 256) if g >= 0 and len(w.prefixes[g]) > 256 else 0
+        assert len(pw) - len(pc) == cut
+    assert w.params["suffix_tokens_per_prefix"] == c.params["suffix_tokens_per_prefix"]
+    sums = [0, 0, 0]
+    for i, p in enumerate(w.prompts):
+        gi = [700, 300, 0].index(len(w.prefixes[w.group[i]])) if w.group[i] >= 0 else 2
+        sums[gi] += len(p) - (len(w.prefixes[w.group[i]]) if w.group[i] >= 0 else 0)
+    assert sums == w.params["suffix_tokens_per_prefix"]
+    assert w.out_tokens == 7 * 3 * 7
+    assert wl.grouped(**kw).prompts == w.prompts  # seeded
+    spec = wl.WorkloadSpec("grouped", 7, 700, kw)
+    assert wl.WorkloadSpec.from_json(spec.to_json()).build().prompts == w.prompts
+    with pytest.raises(ValueError, match="agent counts"):
+        wl.grouped(prefixes=[10], agents_per_prefix=[1, 2])
+    with pytest.raises(ValueError, match="tool"):
+        wl.grouped(prefixes=[10], agents_per_prefix=[2], turns=2)
+
+
+# ---- rows from records -----------------------------------------------------------------------
+
+
+def _rec(config, regime, tps, variant="main", *, model="llama-3.1-8b", backend="flashinfer", agents=64,
+         prefixes=(16384,), out=128, gkv=None, has_ceiling=True, kind="grouped"):
+    params = dict(prefixes=list(prefixes), agents_per_prefix=[agents // len(prefixes)] * len(prefixes),
+                  suffix=[256, 256], suffix_tokens_per_prefix=[256 * (agents // len(prefixes))] * len(prefixes),
+                  out=out, turns=1, tool=0, seed=0, agents=agents)
+    if kind == "no_sharing":
+        params = dict(agents=agents, prompt_len=6144, out=out, seed=0)
+    return dict(kind="row", model=model, backend=backend, config=config, regime=regime, variant=variant,
+                priority=0, has_ceiling=has_ceiling, workload=kind, agents=agents,
+                prefix_len=max(prefixes), turns=1, params=params, out_tok_per_s=tps,
+                seconds=agents * out / tps, granikv=(gkv or {}).get("after"), granikv_delta=(gkv or {}).get("delta"))
+
+
+GKV = dict(after=dict(attention=dict(plan_us_p50=21.0, plan_us_p99=70.5, plan_window_steps=4096)),
+           delta=dict(promotions=1, skip_reasons={"short": 2, "never": 0},
+                      attention=dict(planned_steps=127, plan_us_total=2540.0, decode_steps=127,
+                                     steps_per_path={"cascade": 120, "paged": 7, "split": 0},
+                                     extend_fallbacks={"no HOT prefix in the batch": 3})))
+
+
+def test_assemble_pairs_sides_ceiling_floor_and_counters(rep):
+    recs = [_rec("baseline", "hom16k_x64", 2600.0), _rec("baseline", "hom16k_x64", 7700.0, "ceiling", prefixes=(256,)),
+            _rec("granikv", "hom16k_x64", 5900.0, gkv=GKV),
+            _rec("baseline", "kv", 1160.0, kind="no_sharing", has_ceiling=False, prefixes=(0,)),
+            _rec("granikv", "kv", 1116.0, kind="no_sharing", has_ceiling=False, prefixes=(0,)),
+            _rec("baseline", "orphan", 1000.0, "ceiling"),  # a ceiling alone is no row
+            dict(kind="info", model="llama-3.1-8b", backend="flashinfer", config="granikv", max_total_num_tokens=1234)]
+    rows = rep.assemble(recs)
+    assert [r["workload"] for r in rows] == ["hom16k_x64", "kv"]
+    h, k = rows
+    assert h["speedup"] == pytest.approx(5900 / 2600, abs=1e-4) and h["ceiling_out_tok_s"] == 7700.0
+    assert 1.5 < h["floor_speedup"] < 7700 / 2600 and h["floor_fraction"] == pytest.approx(
+        5900 / (h["floor_speedup"] * 2600), rel=1e-3)
+    assert (h["plan_us_p50"], h["plan_us_p99"], h["plan_us_mean_row"]) == (21.0, 70.5, 20.0)
+    assert h["plan_window_only_this_row"] is False  # 127 steps of a 4096-step window
+    assert h["dispatch_paths"] == {"cascade": 120, "paged": 7}
+    assert h["extend_fallbacks"] == {"no HOT prefix in the batch": 3} and h["promotion_skips"] == {"short": 2}
+    assert h["granikv_kv_capacity_tokens"] == 1234 and h["baseline_kv_capacity_tokens"] is None
+    # no shared prefix: its own ceiling, floor = stock
+    assert k["ceiling_is_row"] and k["ceiling_out_tok_s"] == 1160.0 and k["floor_speedup"] == 1.0
+    assert k["floor_fraction"] == pytest.approx(1116 / 1160, abs=1e-4)
+    assert k["plan_us_p50"] is None and k["dispatch_paths"] == {}  # nothing reported: None / empty
+    assert rep.verdicts(k) == ["speedup < 0.97", "no-pay row < 0.99"]
+    assert rep.verdicts(h) == []
+
+
+def test_a_row_without_its_ceiling_has_no_floor(rep):
+    rows = rep.assemble([_rec("baseline", "r", 2600.0), _rec("granikv", "r", 5900.0)])
+    assert rows[0]["floor_speedup"] is None and "ceiling" in rows[0]["floor_reason"]
+
+
+def test_verdicts_and_summary(rep):
+    rows = [dict(model="m", backend="b", workload=f"w{i}", speedup=s, floor_speedup=f, floor_fraction=ff,
+                 plan_us_p50=p50, plan_us_p99=p99)
+            for i, (s, f, ff, p50, p99) in enumerate([(0.96, 1.0, 0.96, 10, 20), (0.995, 1.02, 0.97, 31, 20),
+                                                      (1.01, 1.0, 1.01, 10, 81), (2.0, 2.5, 0.8, 10, 20),
+                                                      (2.4, 2.5, 0.96, 10, 20)])]
+    assert rep.verdicts(rows[0]) == ["speedup < 0.97", "no-pay row < 0.99"]
+    assert rep.verdicts(rows[1]) == ["plan p50 > 30 us"]
+    assert rep.verdicts(rows[2]) == ["plan p99 > 80 us"]
+    assert rep.verdicts(rows[3]) == ["floor_fraction < 0.9"] and rep.verdicts(rows[4]) == []
+    s = rep.summary(rows)
+    assert s["worst_speedup"] == dict(row="m/b/w0", value=0.96) and s["no_pay_rows"] == 3
+    assert s["no_pay_median_speedup"] == 0.995 and s["worst_floor_fraction"]["row"] == "m/b/w3"
+    assert s["rows_missing_a_target"] == 4
+
+
+def test_merge_later_wins_and_prunes_skips(rep, tmp_path):
+    a = dict(meta=dict(command="c1", date="d1", backend="flashinfer", skipped=[["llama-3.1-8b/x", "budget"]]),
+             measurements=[_rec("baseline", "x", 100.0), _rec("granikv", "x", 90.0),
+                           dict(kind="error", model="m", backend="flashinfer", config="granikv", error="boom")])
+    b = dict(meta=dict(command="c2", date="d2", backend="triton", skipped=[["qwen2.5-7b/y", "budget"]]),
+             measurements=[_rec("granikv", "x", 110.0)])
+    records, meta = rep.merge_docs([a, b])
+    rows = rep.assemble(records, meta)
+    assert len(rows) == 1 and rows[0]["granikv_out_tok_s"] == 110.0  # the later file wins
+    assert meta["commands"] == ["c1", "c2"] and meta["backends"] == ["flashinfer", "triton"]
+    assert meta["skipped"] == [["qwen2.5-7b/y", "budget"]]  # x was measured after all
+    paths = rep.write(str(tmp_path), "regimes", records, meta, quiet=True)
+    doc = json.loads((tmp_path / "regimes.json").read_text())
+    assert set(doc) == {"meta", "summary", "rows", "measurements"} and len(doc["rows"]) == 1
+    for key in ("model", "backend", "workload", "baseline_out_tok_s", "granikv_out_tok_s", "speedup",
+                "ceiling_out_tok_s", "floor_speedup", "floor_fraction", "plan_us_p50", "plan_us_p99"):
+        assert key in doc["rows"][0]
+    md = (tmp_path / "regimes.md").read_text()
+    assert "| llama-3.1-8b | flashinfer | x | 64 | 100 | 110 | 1.100x |" in md and "boom" in md
+    assert "c1" in md and "c2" in md and "qwen2.5-7b/y" in md
+    assert [p.name for p in paths][:2] == ["regimes.json", "regimes.md"]
+
+
+# ---- the parent and child loops, engines replaced -------------------------------------------
+
+
+@pytest.fixture()
+def regimes():
+    return regimes_mod
+
+
+def test_parent_writes_after_every_record_and_pairs_engines(regimes, tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run_tagged(cmd, *, name, on_record, timeout, env, extra, **_):
+        job = json.loads(open(cmd[-1]).read())
+        assert timeout > 0 and job["config"] in ("baseline", "granikv")
+        for i, row in enumerate(job["rows"]):
+            if job["config"] == "baseline" and row["regime"] == "forest16" and job["model"] == "qwen2.5-7b":
+                on_record(dict(kind="error", error="forest16 (main): skipped, time budget", **extra))
+                continue
+            spec = row["spec"]
+            for variant, sp in (("main", spec), ("ceiling", row["ceiling"])):
+                if sp is None:
+                    continue
+                on_record(dict(_rec(job["config"], row["regime"], 1000.0 + i, variant, model=job["model"],
+                                    agents=spec["agents"]), **extra))
+                seen.append((tmp_path / "regimes_flashinfer.json").exists())
+        return regimes.engine_proc.ChildResult(0, False, 0, 1.0)
+
+    monkeypatch.setattr(regimes.engine_proc, "run_tagged", fake_run_tagged)
+    argv = ["--models", "qwen2.5-7b", "--rows", "forest16,short1k_3sharers", "--out", str(tmp_path),
+            "--time-budget-s", "0"]
+    assert regimes.main(argv) == 1  # an error record was sent
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    assert all(seen[1:])  # the JSON exists from the first record on
+    rows = {r["workload"]: r for r in doc["rows"]}
+    assert set(rows) == {"short1k_3sharers"}  # forest16 never reached the GraniKV engine
+    assert rows["short1k_3sharers"]["ceiling_out_tok_s"] is not None
+    assert ["qwen2.5-7b/forest16", "stock engine ran out of its share of the budget"] in doc["meta"]["skipped"]
+    kw = doc["meta"]["engine_kwargs"]
+    assert kw["qwen2.5-7b/flashinfer/granikv"]["enable_granikv"] is True
+    assert "enable_granikv" not in kw["qwen2.5-7b/flashinfer/baseline"]
+
+
+def test_child_loop_runs_rows_then_ceilings_and_stops_at_deadline(regimes, tmp_path, monkeypatch, capsys):
+    import run as run_mod
+
+    class FakeEngine:
+        def generate(self, **_):
+            return []
+
+        def shutdown(self):
+            pass
+
+    class FakeChild:
+        def __init__(self, job):
+            self.engine = FakeEngine()
+
+        def info(self):
+            return dict(engine_up_s=1.0)
+
+        def run(self, spec):
+            if spec.agents == 13:
+                raise RuntimeError("bad row")
+            return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=1.0, params={})
+
+    monkeypatch.setattr(run_mod, "Child", FakeChild)
+    row = lambda name, agents, ceil: dict(regime=name, priority=0, has_ceiling=ceil,  # noqa: E731
+                                          spec=dict(name="no_sharing", agents=agents, kwargs=dict(out=1)),
+                                          ceiling=dict(name="no_sharing", agents=agents, kwargs=dict(out=1)) if ceil else None)
+    job = dict(rows=[row("a", 2, True), row("b", 13, False)], deadline=1e18)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    assert regimes.main_child(str(path)) == 1
+    lines = [regimes.engine_proc.parse_line(x) for x in capsys.readouterr().out.splitlines()]
+    recs = [x for x in lines if x]
+    assert [(r["kind"], r.get("regime"), r.get("variant")) for r in recs] == [
+        ("info", None, None), ("row", "a", "main"), ("row", "a", "ceiling"), ("error", "b", "main")]
+    job["deadline"] = 1.0
+    path.write_text(json.dumps(job))
+    assert regimes.main_child(str(path)) == 1
+    recs = [x for x in map(regimes.engine_proc.parse_line, capsys.readouterr().out.splitlines()) if x]
+    assert [r["kind"] for r in recs] == ["info", "error", "error", "error"]
+    assert all("time budget" in r["error"] for r in recs[1:])
+
+
+def test_end_to_end_with_a_fake_engine(tmp_path):
+    """The real parent and children (subprocesses) on a fake ``sglang`` package."""
+    import os
+    import subprocess
+
+    from test_multi_agent_workloads import FAKE_SGLANG
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_SGLANG)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    out = tmp_path / "out"
+    script = ROOT / "benchmark" / "multi_agent" / "regimes.py"
+    cmd = [sys.executable, str(script), "--backend", "triton", "--models", "llama-3.1-8b-4layers",
+           "--rows", "hom4k_x64,no_sharing_1k_x64", "--time-budget-s", "0", "--out", str(out), "--tag", "t"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((out / "regimes_triton_t.json").read_text())
+    rows = {r["workload"]: r for r in doc["rows"]}
+    assert set(rows) == {"hom4k_x64", "no_sharing_1k_x64"}
+    h, n = rows["hom4k_x64"], rows["no_sharing_1k_x64"]
+    assert h["speedup"] > 1.5 and h["ceiling_out_tok_s"] > h["baseline_out_tok_s"]  # fake: 3x per context token
+    assert h["floor_speedup"] >= 1.0 and h["floor_fraction"] is not None
+    assert n["ceiling_is_row"] and n["floor_speedup"] == 1.0
+    assert h["plan_us_p50"] is None  # the fake engine reports no GraniKV counters
+    assert {(m["config"], m["variant"]) for m in doc["measurements"] if m["kind"] == "row"
+            and m["regime"] == "hom4k_x64"} == {("baseline", "main"), ("baseline", "ceiling"), ("granikv", "main")}
+    merged = tmp_path / "merged"
+    res = subprocess.run([sys.executable, str(script), "--merge", str(out / "regimes_triton_t.json"),
+                          "--out", str(merged)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((merged / "regimes.json").read_text())["rows"] == doc["rows"]
+    assert "| llama-3.1-8b-4layers | triton | hom4k_x64 | 64 |" in (merged / "regimes.md").read_text()
