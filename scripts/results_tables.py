@@ -1,0 +1,225 @@
+"""Regenerates the results tables from the JSON they come from, or checks them (CI runs --check).
+
+    python scripts/results_tables.py --check    # exit 1, with a diff, if a checked-in table differs
+    python scripts/results_tables.py --write    # rewrite every table from its JSON
+
+Two kinds of table:
+
+- **Run pages.** Every ``docs/results/<name>.json`` written by ``benchmark/multi_agent/run.py``
+  (``{"meta", "rows", ...}``) has ``<name>.md`` beside it; that page's row table is
+  ``report.markdown_table(rows)``.
+- **Marked tables.** In README.md and docs/**.md a line ``<!-- table: KIND ARG -->`` is followed
+  by a table (the next block of lines starting with ``|``) that KIND generates:
+
+  ``floor <name>.json``   bounds.py's floor table of that run (``docs/results/<name>.json``)
+  ``status <name>``       one of the README's status tables, from :data:`STATUS` below
+
+Nothing here needs a GPU: the tables are pure functions of the checked-in JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
+
+import bounds  # noqa: E402
+import report  # noqa: E402
+
+MARK = re.compile(r"^<!-- table: (\w+) (\S+) -->$")
+
+# A status cell: (run JSON under docs/results, backend, workload, agents).
+Cell = Tuple[str, str, str, int]
+# A status row: (label, cells); a row with several cells prints "a / b" in every column.
+StatusRow = Tuple[str, Sequence[Cell]]
+
+_FI, _TR = "multi_agent.json", "multi_agent_triton.json"
+STATUS: Dict[str, Tuple[str, Sequence[StatusRow]]] = {
+    "one_gpu": (
+        "Llama-3.1-8B, 256-token suffixes, 256 output tokens, output tok/s", (
+            ("16K shared prefix, 64 agents, flashinfer backend",
+             [(_FI, "flashinfer", "homogeneous", 64)]),
+            ("16K shared prefix, 128 agents, flashinfer",
+             [(_FI, "flashinfer", "homogeneous", 128)]),
+            ("8 shared prefixes 2K–16K, 64 / 128 agents, flashinfer",
+             [(_FI, "flashinfer", "heterogeneous", 64), (_FI, "flashinfer", "heterogeneous", 128)]),
+            ("agent loop (4 turns) on a 16K prefix, 64 / 128 agents, flashinfer",
+             [(_FI, "flashinfer", "agent_loop", 64), (_FI, "flashinfer", "agent_loop", 128)]),
+            ("no shared prefix, 64 / 128 agents, flashinfer",
+             [(_FI, "flashinfer", "no_sharing", 64), (_FI, "flashinfer", "no_sharing", 128)]),
+            ("16K shared prefix, 64 / 128 agents, triton backend",
+             [(_TR, "triton", "homogeneous", 64), (_TR, "triton", "homogeneous", 128)]),
+            ("8 shared prefixes 2K–16K, 64 / 128 agents, triton",
+             [(_TR, "triton", "heterogeneous", 64), (_TR, "triton", "heterogeneous", 128)]),
+            ("agent loop (4 turns) on a 16K prefix, 64 / 128 agents, triton",
+             [("multi_agent_triton_loop.json", "triton", "agent_loop", 64),
+              ("multi_agent_triton_loop.json", "triton", "agent_loop", 128)]),
+            ("no shared prefix, 64 / 128 agents, triton",
+             [("multi_agent_triton_loop.json", "triton", "no_sharing", 64),
+              ("multi_agent_triton_loop.json", "triton", "no_sharing", 128)]),
+            ("`sglang.bench_serving` generated-shared-prefix, 16K, 64 prompts, flashinfer",
+             [("bench_serving/bench_serving_flashinfer.json", "flashinfer", "bench_serving", 64)]),
+        )),
+    "two_gpus": (
+        "two H200s ([docs/results/multi_gpu.md](docs/results/multi_gpu.md)), 16K shared prefix, "
+        "flashinfer", (
+            ("TP=2, Qwen2.5-14B architecture, 64 / 128 agents",
+             [("multi_agent_tp2_full.json", "flashinfer", "homogeneous", 64),
+              ("multi_agent_tp2_full.json", "flashinfer", "homogeneous", 128)]),
+            ("DP=2, Llama-3.1-8B, 64 / 128 agents, prefix-affine routing (`routed_dp_rank`)",
+             [("multi_agent_dp2.json", "flashinfer", "homogeneous", 64),
+              ("multi_agent_dp2.json", "flashinfer", "homogeneous", 128)]),
+            ("TP=2, Qwen2.5-32B architecture, 64 agents",
+             [("multi_agent_tp2_qwen32b.json", "flashinfer", "homogeneous", 64)]),
+        )),
+}
+
+
+# ---- generators ----------------------------------------------------------------------------
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _row(cell: Cell) -> Tuple[float, float, float]:
+    """(baseline tok/s, GraniKV tok/s, speedup) of one cell; KeyError names a missing row."""
+    name, backend, workload, agents = cell
+    doc = _load(name)
+    if workload == "bench_serving":  # benchmark/multi_agent/bench_serving.sh's summary
+        return (doc["baseline"]["output_throughput"], doc["granikv"]["output_throughput"],
+                doc["speedup"])
+    for r in doc["rows"]:
+        if (r["backend"], r["workload"], r["agents"]) == (backend, workload, agents):
+            return r["baseline_out_tok_s"], r["granikv_out_tok_s"], r["speedup"]
+    raise KeyError(f"{name}: no row {backend}/{workload}/{agents} agents")
+
+
+def status_table(key: str) -> str:
+    title, rows = STATUS[key]
+    lines = [f"| {title} | SGLang | + GraniKV | speedup |", "|---|---:|---:|---:|"]
+    for label, cells in rows:
+        vals = [_row(c) for c in cells]
+        col = lambda i, fmt: " / ".join(fmt.format(v[i]) for v in vals)  # noqa: E731
+        lines.append(f"| {label} | {col(0, '{:,.0f}')} | {col(1, '{:,.0f}')} | "
+                     f"{col(2, '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
+def floor_table(name: str) -> str:
+    doc = _load(name)
+    found = bounds.bound_rows(doc, bounds.DEFAULT_TFLOPS * 1e12, bounds.DEFAULT_TBPS * 1e12)
+    return bounds.to_markdown(found)
+
+
+GENERATORS = {"status": status_table, "floor": floor_table}
+
+
+# ---- pages ---------------------------------------------------------------------------------
+
+
+def _table_end(lines: List[str], start: int) -> int:
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return end
+
+
+def regenerate_marked(text: str, where: str) -> str:
+    """``text`` with every marked table replaced by its generated form."""
+    lines = text.split("\n")
+    out: List[str] = []
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = MARK.match(lines[i])
+        i += 1
+        if not m:
+            continue
+        kind, arg = m.groups()
+        if kind not in GENERATORS:
+            raise ValueError(f"{where}: unknown table kind {kind!r} (known: {sorted(GENERATORS)})")
+        if i >= len(lines) or not lines[i].startswith("|"):
+            raise ValueError(f"{where}:{i}: no table after the {kind} {arg} marker")
+        out.extend(GENERATORS[kind](arg).split("\n"))
+        i = _table_end(lines, i)
+    return "\n".join(out)
+
+
+def regenerate_run_page(text: str, rows: Sequence[Mapping], where: str) -> str:
+    """``text`` (a run page) with its row table replaced by ``report.markdown_table(rows)``."""
+    table = report.markdown_table(rows)
+    head = table.split("\n", 1)[0]
+    lines = text.split("\n")
+    try:
+        start = lines.index(head)
+    except ValueError:
+        raise ValueError(f"{where}: no row table (a line equal to report.py's header)") from None
+    return "\n".join(lines[:start] + table.split("\n") + lines[_table_end(lines, start):])
+
+
+def _is_run(doc) -> bool:
+    """A run.py result: ``{"meta", "rows": [{"baseline_out_tok_s", ...}, ...]}``."""
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    return bool(rows) and isinstance(rows[0], dict) and "baseline_out_tok_s" in rows[0]
+
+
+def pages(root: Path = ROOT) -> List[Tuple[Path, Optional[Path]]]:
+    """(markdown page, its run JSON or None) for every page that holds a generated table."""
+    found: List[Tuple[Path, Optional[Path]]] = []
+    for md in [root / "README.md"] + sorted((root / "docs").rglob("*.md")):
+        if "runs" in md.relative_to(root).parts:
+            continue
+        js = md.with_suffix(".json")
+        run = js if js.is_file() and _is_run(json.loads(js.read_text())) else None
+        if run is not None or "<!-- table: " in md.read_text():
+            found.append((md, run))
+    return found
+
+
+def regenerate(md: Path, run: Optional[Path]) -> str:
+    where = str(md.relative_to(ROOT))
+    text = md.read_text()
+    if run is not None:
+        text = regenerate_run_page(text, json.loads(run.read_text())["rows"], where)
+    return regenerate_marked(text, where)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="Fail with a diff if a table differs.")
+    mode.add_argument("--write", action="store_true", help="Rewrite the tables in place.")
+    args = p.parse_args(argv)
+    stale = []
+    for md, run in pages():
+        old, new = md.read_text(), regenerate(md, run)
+        if old == new:
+            continue
+        stale.append(md)
+        if args.write:
+            md.write_text(new)
+        else:
+            rel = str(md.relative_to(ROOT))
+            sys.stdout.writelines(difflib.unified_diff(
+                old.splitlines(True), new.splitlines(True), rel + " (checked in)",
+                rel + " (from its JSON)"))
+    verb = "rewrote" if args.write else "differ from their JSON"
+    if stale:
+        print(f"results tables: {len(stale)} page(s) {verb}: "
+              + ", ".join(str(m.relative_to(ROOT)) for m in stale))
+    else:
+        print(f"results tables: {len(pages())} page(s) match their JSON")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The checked-in results tables equal what scripts/results_tables.py generates from their JSON,
+and the check fails when a figure or its JSON is changed."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import results_tables as rt  # noqa: E402
+
+
+def test_every_checked_in_table_matches_its_json():
+    found = rt.pages()
+    names = {md.name for md, _ in found}
+    assert {"README.md", "multi_agent.md", "multi_agent_triton.md", "multi_gpu.md"} <= names
+    stale = [str(md) for md, run in found if rt.regenerate(md, run) != md.read_text()]
+    assert not stale, f"run `python scripts/results_tables.py --write`: {stale}"
+
+
+def test_a_changed_figure_in_a_marked_table_is_caught():
+    readme = rt.ROOT / "README.md"
+    text = readme.read_text()
+    assert "| 2,639 | 5,984 | 2.27x |" in text
+    tampered = text.replace("| 2,639 | 5,984 | 2.27x |", "| 2,639 | 5,984 | 2.50x |")
+    assert rt.regenerate_marked(tampered, "README.md") == text
+
+
+def test_a_changed_json_row_is_caught():
+    md = rt.RESULTS / "multi_agent_triton.md"
+    rows = json.loads(md.with_suffix(".json").read_text())["rows"]
+    rows[0] = dict(rows[0], granikv_out_tok_s=rows[0]["granikv_out_tok_s"] * 2)
+    assert rt.regenerate_run_page(md.read_text(), rows, md.name) != md.read_text()
+
+
+def test_a_marker_without_a_table_or_of_an_unknown_kind_is_an_error():
+    with pytest.raises(ValueError, match="no table after the status one_gpu marker"):
+        rt.regenerate_marked("<!-- table: status one_gpu -->\n\ntext", "x.md")
+    with pytest.raises(ValueError, match="unknown table kind 'nope'"):
+        rt.regenerate_marked("<!-- table: nope x -->\n| a |", "x.md")
+    with pytest.raises(KeyError, match="no row flashinfer/homogeneous/3 agents"):
+        rt._row(("multi_agent.json", "flashinfer", "homogeneous", 3))
