@@ -13,6 +13,7 @@ Two kinds of table:
 
   ``floor <name>.json``   bounds.py's floor table of that run (``docs/results/<name>.json``)
   ``status <name>``       one of the README's status tables, from :data:`STATUS` below
+  ``history <name>``      the speedups of a topic's earlier runs, from :data:`HISTORY` below
 
 Nothing here needs a GPU: the tables are pure functions of the checked-in JSON.
 """
@@ -120,7 +121,44 @@ def floor_table(name: str) -> str:
     return bounds.to_markdown(found)
 
 
-GENERATORS = {"status": status_table, "floor": floor_table}
+# Earlier runs of one topic, oldest first: (column label, run JSON(s) under docs/results, "+" between
+# the files of one column).
+HISTORY: Dict[str, Sequence[Tuple[str, str]]] = {
+    "flashinfer": (
+        ("`285ab5a`", "runs/multi_agent_285ab5a.json"),
+        ("`54beeaa`", "runs/multi_agent_54beeaa.json"),
+        ("`0473eeb`", "runs/multi_agent_0473eeb.json"),
+        ("`bd83186`", "runs/multi_agent_bd83186.json"),
+        ("`f092400` (current)", "multi_agent.json"),
+    ),
+    "triton": (
+        ("`54beeaa`", "runs/multi_agent_triton_54beeaa.json"),
+        ("`0473eeb`", "runs/multi_agent_triton_0473eeb.json"),
+        ("`4d120ec` / `0a27a23` (current)", "multi_agent_triton.json+multi_agent_triton_loop.json"),
+    ),
+}
+HISTORY_ROWS = ("homogeneous", "heterogeneous", "agent_loop", "no_sharing")
+
+
+def history_table(key: str) -> str:
+    """Speedup over stock SGLang per workload x agents (64, 128) across the runs of ``key``."""
+    runs = [(label, {(r["workload"], r["agents"]): r["speedup"]
+                     for name in names.split("+") for r in _load(name)["rows"]})
+            for label, names in HISTORY[key]]
+    backend = key
+    lines = [f"| {backend}, speedup | " + " | ".join(label for label, _ in runs) + " |",
+             "|---|" + "---:|" * len(runs)]
+    for workload in HISTORY_ROWS:
+        for agents in (64, 128):
+            cells = [by.get((workload, agents)) for _, by in runs]
+            if all(c is None for c in cells):
+                continue
+            lines.append(f"| {workload} × {agents} | " + " | ".join(
+                "–" if c is None else f"{c:.2f}x" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+GENERATORS = {"status": status_table, "floor": floor_table, "history": history_table}
 
 
 # ---- pages ---------------------------------------------------------------------------------

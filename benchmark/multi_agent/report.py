@@ -18,7 +18,7 @@ Input records (run.py's child output, one per engine configuration and workload 
 Output rows (one per backend / workload / prefix / agents): both throughputs, ``speedup`` =
 granikv / baseline, ``ceiling_ratio`` = granikv / the 256-token-prefix ceiling at the same
 agent count and backend (baseline engine's ceiling row; the granikv engine's if the baseline
-has none), latencies of both, KV figures, and the targets of issue 4 where one applies.
+has none), latencies of both, KV figures, and the project's target where one applies.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SIDE_KEYS = LATENCY_KEYS + ("kv_used_tokens_peak", "cached_tokens", "seconds")
 CEILING = "ceiling"
 
 # Targets per (model, TP, DP) of the run: (workload, backend, agents or None for any, prefix or
-# None) -> min speedup. Issue 4: Llama-3.1-8B on one GPU; issue 6: Qwen2.5-14B at TP=2; issue 7:
+# None) -> min speedup: Llama-3.1-8B on one GPU, Qwen2.5-14B at TP=2 and
 # Qwen2.5-32B at TP=4. Other runs (DP=2, dry runs at another TP) show no target.
 Target = Tuple[str, str, Optional[int], Optional[int], float]
 TARGETS: Tuple[Target, ...] = (
@@ -45,9 +45,9 @@ TARGETS: Tuple[Target, ...] = (
     ("no_sharing", "*", None, None, 0.97),
 )
 TARGETS_BY_RUN: Dict[Tuple[str, int, int], Tuple[str, Tuple[Target, ...]]] = {
-    ("llama-3.1-8b", 1, 1): ("issue 4", TARGETS),
-    ("qwen2.5-14b", 2, 1): ("issue 6", (("homogeneous", "flashinfer", 64, 16384, 2.2),)),
-    ("qwen2.5-32b", 4, 1): ("issue 7", (("homogeneous", "flashinfer", 64, 16384, 1.8),)),
+    ("llama-3.1-8b", 1, 1): ("the single-GPU targets (Llama-3.1-8B)", TARGETS),
+    ("qwen2.5-14b", 2, 1): ("the TP=2 target (Qwen2.5-14B)", (("homogeneous", "flashinfer", 64, 16384, 2.2),)),
+    ("qwen2.5-32b", 4, 1): ("the TP=4 target (Qwen2.5-32B)", (("homogeneous", "flashinfer", 64, 16384, 1.8),)),
 }
 DEFAULT_MODEL = "llama-3.1-8b"
 
@@ -187,7 +187,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def _target_source(meta: Mapping[str, Any]) -> str:
     key = _run_key(meta)
     source = TARGETS_BY_RUN.get(key, ("",))[0]
-    return source or f"none (no issue sets one for {key[0]} at TP {key[1]}, DP {key[2]})"
+    return source or f"none (none is set for {key[0]} at TP {key[1]}, DP {key[2]})"
 
 
 def _pct(x: Optional[float]) -> Optional[float]:

@@ -138,8 +138,9 @@ def test_estimates_grow_with_work_and_layers():
 
 
 def test_default_model_matches_the_design_anchors():
-    """The conservative default reproduces the measured orderings of DESIGN.md (one H200):
-    at 16K x 64 a cascade is several times faster than paged; at 4K x 8 paged wins."""
+    """The conservative default reproduces the orderings measured on one H200 (FlashInfer's
+    cascade vs its paged decode, docs/results/kernels.md key points): at 16K x 64 a cascade is
+    several times faster than paged; at 4K x 8 paged wins."""
     model = default_model()
     big = one_group(64, 16384)
     assert model.paged_time(big) > 1.5 * model.cascade_time(big)

@@ -66,9 +66,10 @@ CASES = [
     (["--granikv-min-group-size", "0"], ["--granikv-min-group-size=0", "[1, 4096]"]),
     (["--granikv-debug-compare-every", "-1"], ["--granikv-debug-compare-every=-1", "[0, "]),
     (["--granikv-log-interval", "-5"], ["--granikv-log-interval=-5", "[0, "]),
-    # argparse rejects these before GraniKV sees them (exit 2, message on stderr)
+    # an option set, checked by the config like the ranges (one "error:" line, exit 2)
     (["--granikv-attention-path", "magic"], ["exit 2", "--granikv-attention-path", "'magic'",
                                              "auto", "paged"]),
+    # argparse rejects these before GraniKV sees them (exit 2, message on stderr)
     (["--granikv-hot-min-tokens", "many"], ["exit 2", "--granikv-hot-min-tokens", "'many'"]),
     (["--granikv-hot-fraction", "half"], ["exit 2", "--granikv-hot-fraction", "'half'"]),
     # unsupported combinations
