@@ -15,6 +15,7 @@ Two kinds of table:
   ``status <name>``       one of the README's status tables, from :data:`STATUS` below
   ``history <name>``      the speedups of a topic's earlier runs, from :data:`HISTORY` below
 
+``--check`` also fails when a page cites a log under ``docs/results/runs/`` that is not there.
 Nothing here needs a GPU: the tables are pure functions of the checked-in JSON.
 """
 
@@ -231,6 +232,28 @@ def regenerate(md: Path, run: Optional[Path]) -> str:
     return regenerate_marked(text, where)
 
 
+_CITED = re.compile(r"runs/([A-Za-z0-9_.-]*[A-Za-z0-9_])(\.\*|<)?")
+
+
+def missing_logs(pages: Optional[Sequence[Path]] = None) -> List[str]:
+    """``page: runs/<file>`` for every log under docs/results/runs/ that a page names but that
+    is not there (default pages: README.md, docs/**.md outside runs/, benchmark/**.md)."""
+    if pages is None:
+        pages = [ROOT / "README.md"] + [p for p in sorted((ROOT / "docs").rglob("*.md"))
+                                        if "runs" not in p.relative_to(ROOT).parts]
+        pages += sorted((ROOT / "benchmark").rglob("*.md"))
+    runs = RESULTS / "runs"
+    missing = []
+    for page in pages:
+        for name, tail in _CITED.findall(Path(page).read_text()):
+            if tail == "<":  # a pattern such as runs/multi_agent_<commit>.md
+                continue
+            found = list(runs.glob(name + ".*")) if tail else (runs / name).exists()
+            if not found:
+                missing.append(f"{page}: runs/{name}{tail}")
+    return missing
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
@@ -256,7 +279,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + ", ".join(str(m.relative_to(ROOT)) for m in stale))
     else:
         print(f"results tables: {len(pages())} page(s) match their JSON")
-    return 1 if stale and args.check else 0
+    missing = missing_logs()
+    for m in missing:
+        print(f"results tables: cited log missing: {m}")
+    return 1 if (stale or missing) and args.check else 0
 
 
 if __name__ == "__main__":

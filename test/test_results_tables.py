@@ -14,7 +14,7 @@ import results_tables as rt  # noqa: E402
 def test_every_checked_in_table_matches_its_json():
     found = rt.pages()
     names = {md.name for md, _ in found}
-    assert {"README.md", "multi_agent.md", "multi_agent_triton.md", "multi_gpu.md"} <= names
+    assert {"README.md", "multi_agent.md", "multi_agent_triton.md", "multi_agent_dp2.md"} <= names
     stale = [str(md) for md, run in found if rt.regenerate(md, run) != md.read_text()]
     assert not stale, f"run `python scripts/results_tables.py --write`: {stale}"
 
@@ -41,3 +41,14 @@ def test_a_marker_without_a_table_or_of_an_unknown_kind_is_an_error():
         rt.regenerate_marked("<!-- table: nope x -->\n| a |", "x.md")
     with pytest.raises(KeyError, match="no row flashinfer/homogeneous/3 agents"):
         rt._row(("multi_agent.json", "flashinfer", "homogeneous", 3))
+
+
+
+def test_every_cited_log_exists(tmp_path):
+    """Every ``runs/<file>`` a results page, the README or a benchmark README names is there;
+    a page citing a missing log is reported."""
+    assert rt.missing_logs() == []
+    page = tmp_path / "p.md"
+    page.write_text("log `runs/soak.md`, `runs/kernels_285ab5a.*`, `runs/multi_agent_<commit>.md`"
+                    ", and `runs/nope_log.txt`.")
+    assert rt.missing_logs([page]) == [f"{page}: runs/nope_log.txt"]

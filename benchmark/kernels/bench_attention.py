@@ -296,7 +296,7 @@ def print_table(rows, bw, tf):
     print("(cells: ms and effective TB/s of unique bytes; floor = max(bytes/copy BW, FLOPs/matmul rate))")
 
 
-SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweeps 1-4 tried tile sizes,
+SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried tile sizes,
     # stages 2/4, block_m 128/256, suffix blocks/waves, prefix waves 1/3; sweep 5 TMA prefix loads
     # (10-18x slower, removed) and the overlapped suffix launch; sweep 7 grid-stride launches at
     # serving capacity (slower at 16K, removed): see docs/results/kernels.md)
@@ -307,7 +307,7 @@ SWEEP = {  # measured on the H200: docs/results/runs/kernels_sweep_*.json (sweep
     "pw1.5_swv3": dict(suffix_waves=3.0),
     "pw1.5_swv6": dict(suffix_waves=6.0),
     "pw1.5_sb64": dict(suffix_block_n=64),
-    # sweep 8 (session 6): a one-pass merge (online max, two partial rows per iteration) and
+    # sweep 8: a one-pass merge (online max, two partial rows per iteration) and
     # 2 merge warps changed nothing (removed); prefix 8 warps 1.6-2x slower; even_split won
     # (prefix alone 5-6% faster at 16K, cascade equal or 2% faster): now the default
     "pw2.0": dict(prefix_waves=2.0),

@@ -24,7 +24,7 @@ as a merge needs):
                       4x the rows, each tile full and each K/V chunk read once per kv head (the
                       unpacked calls above read it once per q head, from half-empty 128-row
                       tiles); S chunks as above (S = 1: one entry). Pack, q copies, run, merge
-                      and unpack are all timed. Session 5 idea for the decode prefix part, where
+                      and unpack are all timed. A candidate for the decode prefix part, where
                       GraniKV's Triton kernel runs at ~300 TFLOP/s and FA3 at ~650 on prefill
     fi_paged_{fa3,fa2}_mhaS    the same through the paged wrapper (page size 1, kv_indices = the
                       extent's slots): the CUDA-graph-capturable form that can also take several
@@ -33,7 +33,7 @@ as a merge needs):
 Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
 with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
 
-    bash .offline-gpu/setup.sh python3 benchmark/kernels/bench_extend.py --out $OUT     # GPU host
+    python benchmark/kernels/bench_extend.py --out $OUT     # GPU
 
 Writes OUT/extend.json. This is a measurement to decide whether to build a shared-prefix extend
 path in the backend; nothing in the serving path uses it.

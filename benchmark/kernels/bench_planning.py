@@ -2,7 +2,7 @@
 
 Prints microseconds per plan (median of --repeats runs of --iters plans each, one CPU thread)
 for batch sizes 1..256 and 1..16 groups of unequal sizes, 16K-token prefixes, suffix 256,
-Llama-3.1-8B heads (32q/8kv/128, bf16 KV). Target (issue 3): group + choose < 50 us at bs 256.
+Llama-3.1-8B heads (32q/8kv/128, bf16 KV). Target: group + choose < 50 us at bs 256.
 
     python benchmark/kernels/bench_planning.py [--iters 2000] [--repeats 5] [--no-work-list]
 

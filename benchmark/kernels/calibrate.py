@@ -17,7 +17,7 @@ graph-safe paths are captured in a CUDA graph of one call per layer and replayed
 launch overhead, as under SGLang's decode CUDA graphs); bgemm runs eagerly, as in production.
 Time per call = median replay time / L.
 
-    bash .offline-gpu/setup.sh python3 benchmark/kernels/calibrate.py [--out PATH] [--paged auto]
+    python benchmark/kernels/calibrate.py [--out PATH] [--paged auto]
 
 Prints every case (measured vs fitted, relative error) and the coefficients; takes < 60 s on
 one H200. Default shapes: Llama-3.1-8B per-GPU heads (32q/8kv/128), bf16.

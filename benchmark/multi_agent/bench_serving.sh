@@ -5,8 +5,7 @@
 #       --gsp-num-groups 1 --gsp-prompts-per-group $AGENTS --gsp-system-prompt-len $PREFIX ...
 #
 # Usage (from the repo root):
-#   bash benchmark/multi_agent/bench_serving.sh                       # normal GPU machine
-#   bash .offline-gpu/setup.sh bash benchmark/multi_agent/bench_serving.sh   # offline GPU host
+#   bash benchmark/multi_agent/bench_serving.sh                       # any GPU machine
 # Settings (environment): BACKEND=flashinfer|triton  PREFIX=16384  AGENTS=64  SUFFIX=256
 #   OUT_LEN=256  GSP_GROUPS=1  MODEL=llama-3.1-8b  TP=1  PORT=30000  CONFIGS="baseline granikv"
 #   OUT=docs/results/bench_serving (or $OUT if set)  EXTRA_SERVER_ARGS=""  PY=python3

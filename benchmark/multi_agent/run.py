@@ -55,8 +55,8 @@ CONFIG_DIR = HERE / "configs"
 CONFIGS = ("baseline", "granikv")
 ROW_TAG, INFO_TAG, ERROR_TAG = "ROW ", "INFO ", "ERROR "
 
-# Engine arguments of the offline GPU host recipe (../shared/offline-gpu/baseline_bench.py):
-# pytorch sampling (FlashInfer's sampling kernels are not carried; greedy never reaches them),
+# Engine arguments of every published run: pytorch sampling (greedy never reaches
+# FlashInfer's sampling kernels, so an install without them works),
 # no grammar backend, decode CUDA graphs up to 256, no prefill CUDA graph (faster start).
 BASE_ENGINE_KWARGS: Dict[str, Any] = dict(
     load_format="dummy", skip_tokenizer_init=True, sampling_backend="pytorch",
@@ -159,7 +159,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="Suffix of the output names: multi_agent[_TAG].*")
     p.add_argument("--latency", choices=("stream", "none"), default="stream",
                    help="stream: per-request TTFT/TPOT (default); none: one batched generate "
-                        "call per row exactly like offline-gpu/baseline_bench.py, no TTFT/TPOT.")
+                        "call per row, no TTFT/TPOT.")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="Extra sglang.Engine keyword (repeatable); granikv_* keys apply only to "
                         "the granikv engines.")

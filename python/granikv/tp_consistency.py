@@ -1,4 +1,4 @@
-"""Runtime check that the attention-TP ranks took the same storage decisions (issue 6).
+"""Runtime check that the attention-TP ranks took the same storage decisions.
 
 Under SGLang's tensor parallelism every TP rank runs its own scheduler, radix cache and GraniKV
 allocator over its share of the KV heads, and nothing is shared: the ranks must promote,

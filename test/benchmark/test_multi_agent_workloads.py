@@ -498,7 +498,7 @@ def test_child_leaves_routing_to_sglang_when_asked():
 
 
 def test_targets_follow_the_runs_model_and_parallelism():
-    # Llama on one GPU: issue 4; Qwen2.5-14B at TP=2: issue 6; Qwen2.5-32B at TP=4: issue 7
+    # targets: Llama on one GPU; Qwen2.5-14B at TP=2; Qwen2.5-32B at TP=4
     assert report.target_for("homogeneous", "flashinfer", 64, 16384) == 2.5
     q14, q32 = "qwen2.5-14b", "qwen2.5-32b"
     assert report.target_for("homogeneous", "flashinfer", 64, 16384, model=q14, tp=2) == 2.2
@@ -513,5 +513,5 @@ def test_targets_follow_the_runs_model_and_parallelism():
     assert report.combine(rec, model=q14, tp=2)[0]["target_speedup"] == 2.2
     assert report.combine(rec, dp=2)[0]["target_speedup"] is None
     md = report.markdown(report.combine(rec, model=q14, tp=2), rec, dict(model=q14, tp=2, dp=1), None)
-    assert "issue 6" in md
-    assert "none (no issue sets one for qwen2.5-32b at TP 2, DP 1)" in report.markdown([], rec, dict(model=q32, tp=2, dp=1), None)
+    assert "Targets: the TP=2 target (Qwen2.5-14B)." in md
+    assert "none (none is set for qwen2.5-32b at TP 2, DP 1)" in report.markdown([], rec, dict(model=q32, tp=2, dp=1), None)

@@ -1,4 +1,4 @@
-"""Churn soak (issue 5, CPU part): thousands of random scheduler events under a small slot
+"""Churn soak (CPU part): thousands of random scheduler events under a small slot
 budget; ``check()`` (integrity + KV oracle) after every event; at the end everything drains
 to free: every slot, every row, every lock, the HotPrefixTable, the promotion queue.
 

@@ -1,4 +1,4 @@
-"""TP consistency (issue 6, CPU part): simulated TP ranks take identical storage decisions.
+"""TP consistency (CPU part): simulated TP ranks take identical storage decisions.
 
 Each ``Sim`` is one TP rank: its own pools with its share of the KV heads (and, for one rank,
 other KV values), fed the same scheduler events (``ChurnWorkload`` applies each event to every
