@@ -1,6 +1,6 @@
-"""GPU soak of a launched SGLang server with GraniKV on (issue 5), then a baseline server.
+"""GPU soak of a launched SGLang server with GraniKV on, then a baseline server.
 
-    bash .offline-gpu/setup.sh python3 benchmark/reliability/soak.py --out $OUT
+    python benchmark/reliability/soak.py --out $OUT
     python3 benchmark/reliability/soak.py --dry-run          # the plan, nothing launched
 
 Method. One process, stdlib only on the client side (no aiohttp, no sglang import):
@@ -479,7 +479,7 @@ def compare_outputs(a: Sequence[Optional[Sequence[int]]], b: Sequence[Optional[S
 
 
 def evaluate(result: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Pass/fail of each requirement of issue 5 from the collected result."""
+    """Pass/fail of each requirement of the soak from the collected result."""
     soak = result.get("soak") or {}
     g = (result.get("servers") or {}).get("granikv") or {}
     ident = result.get("identity") or {}
@@ -604,7 +604,7 @@ def markdown(result: Dict[str, Any]) -> str:
     g = (result.get("servers") or {}).get("granikv") or {}
     ok = result.get("ok")
     lines = [
-        f"# GraniKV soak (issue 5): {'PASS' if ok else 'FAIL'}",
+        f"# GraniKV soak: {'PASS' if ok else 'FAIL'}",
         "",
         f"Date {meta.get('date', '?')}, {meta.get('gpu') or 'GPU ?'}, SGLang {meta.get('sglang') or '?'}, "
         f"model {meta.get('model')} (dummy weights), backend {meta.get('backend')}. "

@@ -335,7 +335,7 @@ def test_write_report_json_and_markdown(tmp_path):
     back = json.loads(paths[0].read_text())
     assert back["soak"]["served"] == 1800 and back["ok"] is True
     md = paths[1].read_text()
-    assert md.startswith("# GraniKV soak (issue 5): PASS")
+    assert md.startswith("# GraniKV soak: PASS")
     for needle in ("| requests sent | 2,000 |", "| requests served (complete output) | 1,800 |",
                    "| errors (non-aborted requests) | 0 |", "| promotions | 77 |",
                    "| COLD evicted tokens (sglang:evicted_tokens_total) | 123,456 |",
@@ -354,7 +354,7 @@ def test_markdown_of_a_failed_run_names_the_failure():
     r["checks"] = soak.evaluate(r)
     r["ok"] = False
     md = soak.markdown(r)
-    assert md.startswith("# GraniKV soak (issue 5): FAIL")
+    assert md.startswith("# GraniKV soak: FAIL")
     assert "    granikv phase: RuntimeError: server died" in md and "    log tail line" in md
 
 
