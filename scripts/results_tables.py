@@ -14,6 +14,8 @@ Two kinds of table:
   ``floor <name>.json``   bounds.py's floor table of that run (``docs/results/<name>.json``)
   ``status <name>``       one of the README's status tables, from :data:`STATUS` below
   ``history <name>``      the speedups of a topic's earlier runs, from :data:`HISTORY` below
+  ``kernels <a>.json[+<b>.json]``  the key points of a bench_attention.py --quick run (and the
+                          cascade time of run b beside them)
 
 ``--check`` also fails when a page cites a log under ``docs/results/runs/`` that is not there.
 Nothing here needs a GPU: the tables are pure functions of the checked-in JSON.
@@ -159,7 +161,39 @@ def history_table(key: str) -> str:
     return "\n".join(lines)
 
 
-GENERATORS = {"status": status_table, "floor": floor_table, "history": history_table}
+def _point(groups: Sequence[Sequence[int]]) -> str:
+    k = lambda n: f"{n // 1024}K" if n % 1024 == 0 else str(n)  # noqa: E731
+    if len(groups) == 1:
+        return f"{k(groups[0][0])} × {groups[0][1]} req"
+    return (f"{len(groups)} groups {'/'.join(k(p) for p, _ in groups)} × "
+            f"{'/'.join(str(n) for _, n in groups)}")
+
+
+def kernels_table(name: str) -> str:
+    """Key points of one ``bench_attention.py --quick`` run (ms, CUDA-graph replays for
+    GraniKV's paths), with the cascade time of the run given after ``+`` for comparison."""
+    current, _, earlier = name.partition("+")
+    then = {json.dumps(r["groups"]): r["gkv_cascade_ms"] for r in _load(earlier)["rows"]} \
+        if earlier else {}
+    label = earlier.rsplit("_", 1)[-1].split(".")[0] if earlier else ""
+    cols = ("floor_ms", "sgl_triton_ms", "fi_decode_tc_ms", "fi_cascade_fa2_ms",
+            "fi_cascade_fa3_ms", "gkv_cascade_ms", "gkv_fused_ms", "gkv_bgemm_ms")
+    head = ("| point | floor | SGLang triton | FI paged TC | FI cascade fa2 | FI cascade fa3 "
+            "| **GraniKV cascade** | GraniKV fused | bgemm (eager) |")
+    lines = [head + (f" cascade at `{label}` |" if earlier else ""),
+             "|---|" + "---:|" * (len(cols) + bool(earlier))]
+    ms = lambda x: "–" if x is None else f"{x:#.3g}"  # noqa: E731
+    for r in _load(current)["rows"]:
+        cells = [ms(r.get(c)) for c in cols]
+        cells[5] = f"**{cells[5]}**"
+        if earlier:
+            cells.append(ms(then.get(json.dumps(r["groups"]))))
+        lines.append(f"| {_point(r['groups'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+GENERATORS = {"status": status_table, "floor": floor_table, "history": history_table,
+              "kernels": kernels_table}
 
 
 # ---- pages ---------------------------------------------------------------------------------
