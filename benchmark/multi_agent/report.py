@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmark/: the shared harness
+
+from harness.results import pyplot, write_json  # noqa: E402
 
 LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 SIDE_KEYS = LATENCY_KEYS + ("kv_used_tokens_peak", "cached_tokens", "seconds")
@@ -265,14 +270,8 @@ def with_floors(rows: List[Dict[str, Any]], meta: Mapping[str, Any]) -> List[Dic
 def plot(rows: Sequence[Mapping[str, Any]], path: Path, *, quiet: bool = False) -> bool:
     """Grouped bars per backend: baseline vs granikv tok/s per row, ceiling as a marker.
     Returns False (and says so) when matplotlib is not importable."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        if not quiet:
-            print(f"matplotlib not importable: skipping {path} (re-run report.py where it is)")
+    plt = pyplot(quiet, str(path))
+    if plt is None:
         return False
     backends = sorted({r["backend"] for r in rows}, key=lambda b: (b != "flashinfer", b))
     if not backends:
@@ -324,8 +323,7 @@ def write(out_dir: str, records: Sequence[Mapping[str, Any]], meta: Mapping[str,
     png = out / f"{stem}.png"
     have_png = plot(rows, png, quiet=quiet) if rows else False
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(dict(meta=dict(meta), rows=rows, measurements=list(records)),
-                                   indent=1, default=str) + "\n")
+    write_json(paths[0], dict(meta=dict(meta), rows=rows, measurements=list(records)))
     paths[1].write_text(markdown(rows, records, meta, png.name if have_png else None))
     return paths + ([png] if have_png else [])
 

@@ -33,10 +33,8 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -46,14 +44,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import agreement  # noqa: E402
 import report  # noqa: E402
 import workloads as wl  # noqa: E402
+from harness.engine_proc import ERROR_TAG, INFO_TAG, ROW_TAG, emit, engine_env, run_tagged  # noqa: E402,F401
 
 CONFIG_DIR = HERE / "configs"
 CONFIGS = ("baseline", "granikv")
-ROW_TAG, INFO_TAG, ERROR_TAG = "ROW ", "INFO ", "ERROR "
 
 # Engine arguments of every published run: pytorch sampling (greedy never reaches
 # FlashInfer's sampling kernels, so an install without them works),
@@ -247,14 +246,6 @@ def print_plan(args, configs: Sequence[EngineConfig], specs: Sequence[wl.Workloa
 # ------------------------------------------------------------------------------------------
 
 
-def engine_env(backend: str) -> Dict[str, str]:
-    """Environment of an engine / server process for ``backend``."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if backend == "flashinfer":
-        env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
-    return env
-
-
 def server_flags(kwargs: Dict[str, Any]) -> List[str]:
     """Engine kwargs as ``launch_server`` flags: ``True`` -> ``--key``, other values ``--key value``."""
     flags: List[str] = []
@@ -275,37 +266,20 @@ def run_child(cfg: EngineConfig, args, specs, timeout: float,
                model_config=str(model_config_path(args.model)), latency=args.latency,
                specs=[s.to_json() for s in specs], deadline=deadline,
                agreement=not args.no_agreement, dp_routing=args.dp_routing)
-    env = engine_env(cfg.backend)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    errors = 0
-    # Own process group: the engine's scheduler / detokenizer processes are killed with it.
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f.name],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            bufsize=1, start_new_session=True)
-    fired = threading.Event()
-    watchdog = threading.Timer(timeout, lambda: (fired.set(), _kill_group(proc)))
-    watchdog.start()
     try:
-        for line in proc.stdout:  # child output is echoed, tagged lines parsed
-            sys.stdout.write(f"[{cfg.name}] {line}")
-            for tag, kind in ((ROW_TAG, "row"), (INFO_TAG, "info"), (ERROR_TAG, "error")):
-                if line.startswith(tag):
-                    rec = json.loads(line[len(tag):])
-                    rec.update(kind=kind, backend=cfg.backend, config=cfg.config)
-                    errors += kind == "error"
-                    on_record(rec)
-        proc.wait()
+        res = run_tagged([sys.executable, str(Path(__file__).resolve()), "--child", f.name], name=cfg.name,
+                         on_record=on_record, timeout=timeout, env=engine_env(cfg.backend),
+                         extra=dict(backend=cfg.backend, config=cfg.config))
     finally:
-        watchdog.cancel()
-        _kill_group(proc)  # leftovers of a crashed engine would hold GPU memory
         os.unlink(f.name)
-    if fired.is_set():
+    if res.timed_out:
         on_record(dict(kind="error", backend=cfg.backend, config=cfg.config,
                        error=f"killed after --child-timeout {timeout:.0f} s"))
-    elif proc.returncode != 0 and not errors:
+    elif res.returncode != 0 and not res.errors:
         on_record(dict(kind="error", backend=cfg.backend, config=cfg.config,
-                       error=f"child exited with status {proc.returncode}"))
+                       error=f"child exited with status {res.returncode}"))
 
 
 def agreement_summaries(records: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -319,13 +293,6 @@ def agreement_summaries(records: List[Dict[str, Any]]) -> Dict[str, Any]:
             out[backend] = agreement.summarize(base, rec)
             print(f"agreement {backend}: {json.dumps(out[backend])}", flush=True)
     return out
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def main_parent(args, argv: Sequence[str]) -> int:
@@ -371,10 +338,6 @@ def main_parent(args, argv: Sequence[str]) -> int:
 # ------------------------------------------------------------------------------------------
 # child: one engine, every row
 # ------------------------------------------------------------------------------------------
-
-
-def emit(tag: str, obj: Dict[str, Any]) -> None:
-    print(tag + json.dumps(obj, default=str), flush=True)
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
