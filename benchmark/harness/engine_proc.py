@@ -44,21 +44,25 @@ def parse_line(line: str, tags: Mapping[str, str] = TAGS) -> Optional[Dict[str, 
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
-    """SIGTERM then (after ``grace_s``) SIGKILL to the child's whole process group; a group
-    already gone is fine."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        if sig == signal.SIGTERM and grace_s <= 0:
-            continue
+    """Kills the child's whole process group: SIGTERM, then SIGKILL after ``grace_s`` (at once
+    when 0); the group is SIGKILLed even when its leader exits in time, for the children it
+    leaves. A group already gone is fine."""
+    sigs = ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)) if grace_s > 0 else ((signal.SIGKILL, 10.0),)
+    for sig, wait in sigs:
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             return
-        if wait:
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # leader gone: make sure its children are too
             try:
-                proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
+        return
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""CPU tests of the GPU soak (benchmark/reliability/soak.py): the request plan (count, abort
+"""CPU tests of the GPU soak (benchmark/reliability/soak*.py): the request plan (count, abort
 fraction, determinism, workload mix, sliding family windows, sample), the log scanner, the
 metrics parser, the output comparison, the checks and the JSON / markdown writer. Nothing is
 launched and SGLang is not imported."""
@@ -12,13 +12,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
+sys.path.insert(0, str(ROOT / "benchmark"))
 
 import soak  # noqa: E402
+import soak_checks  # noqa: E402
+import soak_load  # noqa: E402
+import soak_report  # noqa: E402
+from harness import server_proc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def plan():
-    return soak.build_plan(2000, seed=0, abort_frac=0.1, sample_size=48)
+    return soak_load.build_plan(2000, seed=0, abort_frac=0.1, sample_size=48)
 
 
 # ---- plan ----------------------------------------------------------------------------------
@@ -39,10 +44,10 @@ def test_plan_has_the_requested_count_and_consistent_jobs(plan):
 
 @pytest.mark.parametrize("frac", [0.0, 0.1, 0.25])
 def test_abort_fraction_is_exact_and_kinds_are_balanced(frac):
-    p = soak.build_plan(600, seed=3, abort_frac=frac, sample_size=24)
+    p = soak_load.build_plan(600, seed=3, abort_frac=frac, sample_size=24)
     aborted = [r for r in p.requests if r.abort]
     assert abs(len(aborted) / 600 - frac) <= 1 / 600
-    counts = [sum(r.abort == k for r in aborted) for k in soak.ABORT_KINDS]
+    counts = [sum(r.abort == k for r in aborted) for k in soak_load.ABORT_KINDS]
     assert max(counts) - min(counts) <= 1
     for r in aborted:
         assert not r.sample
@@ -55,10 +60,10 @@ def test_abort_fraction_is_exact_and_kinds_are_balanced(frac):
 
 
 def test_plan_is_deterministic_in_the_seed(plan):
-    again = soak.build_plan(2000, seed=0, abort_frac=0.1, sample_size=48)
+    again = soak_load.build_plan(2000, seed=0, abort_frac=0.1, sample_size=48)
     assert again.requests == plan.requests and again.jobs == plan.jobs and again.sample == plan.sample
     assert all(again.first_prompt(r) == plan.first_prompt(r) for r in plan.requests[:300])
-    other = soak.build_plan(2000, seed=1, abort_frac=0.1, sample_size=48)
+    other = soak_load.build_plan(2000, seed=1, abort_frac=0.1, sample_size=48)
     assert [r.abort for r in other.requests] != [r.abort for r in plan.requests]
     assert other.first_prompt(other.requests[0]) != plan.first_prompt(plan.requests[0])
 
@@ -66,14 +71,14 @@ def test_plan_is_deterministic_in_the_seed(plan):
 def test_plan_mixes_the_multi_agent_workloads(plan):
     by_kind = plan.counts()["by_kind"]
     assert set(by_kind) == {"shared", "agent_loop", "no_sharing"}
-    for kind, share in soak.MIX.items():
+    for kind, share in soak_load.MIX.items():
         assert abs(by_kind[kind] / 2000 - share) < 0.01
     prefixes = {f.prefix_len for f in plan.families.values() if f.kind == "shared"}
-    assert prefixes == set(soak.SHARED_PREFIXES)
+    assert prefixes == set(soak_load.SHARED_PREFIXES)
     assert all(plan.jobs)  # no empty job
     sessions = [len(j) for j in plan.jobs if plan.requests[j[0]].kind == "agent_loop"]
-    assert max(sessions) == max(soak.AGENT_TURNS) and min(sessions) >= 1
-    assert {r.max_new_tokens for r in plan.requests} == set(soak.OUT_CHOICES)
+    assert max(sessions) == max(soak_load.AGENT_TURNS) and min(sessions) >= 1
+    assert {r.max_new_tokens for r in plan.requests} == set(soak_load.OUT_CHOICES)
 
 
 def test_prompts_share_their_family_prefix_and_agent_turns_grow(plan):
@@ -81,7 +86,7 @@ def test_prompts_share_their_family_prefix_and_agent_turns_grow(plan):
         fam = plan.families[r.family]
         prompt = plan.first_prompt(r)
         if fam.kind == "no_sharing":
-            assert plan.prefix_of(r) == [] and len(prompt) in soak.NO_SHARING_LENS
+            assert plan.prefix_of(r) == [] and len(prompt) in soak_load.NO_SHARING_LENS
         else:
             assert prompt[: fam.prefix_len] == plan.prefix_of(r)
             assert len(prompt) > fam.prefix_len
@@ -91,7 +96,7 @@ def test_prompts_share_their_family_prefix_and_agent_turns_grow(plan):
     out = [7] * r0.max_new_tokens
     nxt = plan.prompt(r1, ctx, out)
     assert nxt[: len(ctx)] == ctx and nxt[len(ctx): len(ctx) + len(out)] == out
-    assert len(nxt) == len(ctx) + len(out) + soak.AGENT_TOOL
+    assert len(nxt) == len(ctx) + len(out) + soak_load.AGENT_TOOL
 
 
 def test_families_slide_so_prefixes_go_cold(plan):
@@ -100,9 +105,9 @@ def test_families_slide_so_prefixes_go_cold(plan):
     shared = [r for r in plan.requests if r.kind == "shared"]
     fam = lambda r: int(r.family[len("shared"):])  # noqa: E731
     first, last = shared[:100], shared[-100:]
-    assert max(map(fam, first)) < soak.SHARED_WINDOW + 1
-    assert min(map(fam, last)) >= soak.SHARED_FAMILIES - soak.SHARED_WINDOW - 1
-    budget = soak.kv_budget(98304, 0.25)
+    assert max(map(fam, first)) < soak_load.SHARED_WINDOW + 1
+    assert min(map(fam, last)) >= soak_load.SHARED_FAMILIES - soak_load.SHARED_WINDOW - 1
+    budget = soak_load.kv_budget(98304, 0.25)
     assert budget == {"slots": 98304, "hot": 24576, "cold": 73728}
     kv = plan.kv_tokens_distinct()
     assert kv["shared_prefix_tokens"] > budget["cold"] and kv["total"] > 5 * budget["cold"]
@@ -120,16 +125,16 @@ def test_sample_is_first_turns_with_sharers_and_never_aborted(plan):
 
 
 def test_describe_plan_lists_budget_and_shapes(plan):
-    text = "\n".join(soak.describe_plan(plan, soak.kv_budget(98304, 0.25), shapes=5))
+    text = "\n".join(soak_load.describe_plan(plan, soak_load.kv_budget(98304, 0.25), shapes=5))
     assert "2,000 requests" in text and "COLD 73,728" in text and "eviction is forced" in text
     assert text.count("\n  #") == 5
 
 
 def test_bad_plan_arguments_are_rejected():
     with pytest.raises(ValueError):
-        soak.build_plan(0)
+        soak_load.build_plan(0)
     with pytest.raises(ValueError):
-        soak.build_plan(100, abort_frac=1.0)
+        soak_load.build_plan(100, abort_frac=1.0)
 
 
 # ---- log, metrics, outputs -------------------------------------------------------------------
@@ -155,7 +160,7 @@ ERROR:    Exception in ASGI application
 
 
 def test_scan_log_lists_errors_and_peaks():
-    s = soak.scan_log(LOG.splitlines())
+    s = soak_checks.scan_log(LOG.splitlines())
     assert s["errors"] == 6
     joined = "\n".join(s["error_lines"])
     for needle in ("Traceback", "RuntimeError: boom", "Error: bad input", "memory leak",
@@ -170,17 +175,17 @@ def test_scan_log_lists_errors_and_peaks():
 
 
 def test_scan_log_ignore_and_line_offset():
-    s = soak.scan_log(LOG.splitlines(), ignore=[r"Exception in ASGI", r"Health check"], first_line=101)
+    s = soak_checks.scan_log(LOG.splitlines(), ignore=[r"Exception in ASGI", r"Health check"], first_line=101)
     assert s["errors"] == 4 and s["ignored"] == 2
     assert s["error_lines"][0].startswith("110: ")
-    assert soak.scan_log(["all fine", "Decode batch, token usage: 0.20"])["errors"] == 0
+    assert soak_checks.scan_log(["all fine", "Decode batch, token usage: 0.20"])["errors"] == 0
 
 
 def test_scan_server_log_splits_startup_from_serving(tmp_path):
     log = tmp_path / "server.log"
     boot = "ImportError: optional module xyz missing\nready\n"
     log.write_text(boot + "serving\nValueError: broken\n")
-    s = soak.scan_server_log(log, len(boot.encode()), log.stat().st_size, [])
+    s = soak_checks.scan_server_log(log, len(boot.encode()), log.stat().st_size, [])
     assert s["errors"] == 1 and s["error_lines"] == ["4: ValueError: broken"]
     assert s["startup_errors"] == 1 and s["scanned"]
 
@@ -190,7 +195,7 @@ def test_trim_log_keeps_head_tail_and_errors(tmp_path):
     lines = [f"line {i} ok" for i in range(20000)]
     lines[10000] = "RuntimeError: in the middle"
     log.write_text("\n".join(lines) + "\n")
-    soak.trim_log(log, limit=40000)
+    soak_checks.trim_log(log, limit=40000)
     text = log.read_text()
     assert log.stat().st_size < 40000 * 1.2
     assert text.startswith("line 0 ok") and text.rstrip().endswith("line 19999 ok")
@@ -206,12 +211,12 @@ sglang:num_aborted_requests_total{model_name="m"} 12
 granikv:hot_used_tokens{tp_rank="0"} 4096
 sglang:token_usage 0.5
 """
-    m = soak.parse_metrics(text)
+    m = server_proc.parse_metrics(text)
     assert m["sglang:evicted_tokens_total"] == 2000.0
     assert m["sglang:num_aborted_requests_total"] == 12 and m["granikv:hot_used_tokens"] == 4096
     assert m["sglang:token_usage"] == 0.5
     before = {"sglang:evicted_tokens_total": 500.0}
-    d = soak.metric_delta(m, before)
+    d = soak_checks.metric_delta(m, before)
     assert d["cold_evicted_tokens"] == 1500.0 and d["retracted_requests"] is None
 
 
@@ -224,12 +229,12 @@ def test_numeric_delta_recurses():
 def test_compare_outputs():
     a = [[1, 2, 3], [4, 5, 6], [7, 8], None]
     b = [[1, 2, 3], [4, 9, 6], [7, 8], [1]]
-    c = soak.compare_outputs(a, b)
+    c = soak_checks.compare_outputs(a, b)
     assert c["n"] == 4 and c["identical"] == 2 and c["identical_pct"] == 50.0
     assert c["token_agreement_pct"] == pytest.approx(100 * (3 + 1 + 2) / (3 + 3 + 2 + 1), abs=0.01)
-    p = soak.compare_outputs([[1, 2, 3, 4]], [[1, 2]], prefix=True)
+    p = soak_checks.compare_outputs([[1, 2, 3, 4]], [[1, 2]], prefix=True)
     assert p["identical"] == 1
-    assert soak.compare_outputs([], [])["identical_pct"] is None
+    assert soak_checks.compare_outputs([], [])["identical_pct"] is None
 
 
 # ---- checks and report ------------------------------------------------------------------------
@@ -239,7 +244,7 @@ def _result(**over):
     r = {
         "meta": {"command": "python3 benchmark/reliability/soak.py", "date": "2026-11-29",
                  "model": "llama-3.1-8b", "backend": "flashinfer", "concurrency": 64,
-                 "abort_frac": 0.1, "seed": 0, "kv_budget": soak.kv_budget(98304, 0.25),
+                 "abort_frac": 0.1, "seed": 0, "kv_budget": soak_load.kv_budget(98304, 0.25),
                  "server_commands": {"granikv": "python -m sglang.launch_server --enable-granikv"}},
         "plan": {"requests": 2000},
         "soak": {"sent": 2000, "served": 1800, "aborted": 200, "errors": 0, "abort_errors": 0,
@@ -265,7 +270,7 @@ def _result(**over):
 
 
 def test_evaluate_passes_a_clean_result():
-    checks = soak.evaluate(_result())
+    checks = soak_checks.evaluate(_result())
     assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
     assert len(checks) == 10
 
@@ -291,7 +296,7 @@ def test_evaluate_passes_a_clean_result():
 def test_evaluate_flags_each_failure(mutate, failing):
     r = _result()
     mutate(r)
-    bad = [c["name"] for c in soak.evaluate(r) if not c["ok"]]
+    bad = [c["name"] for c in soak_checks.evaluate(r) if not c["ok"]]
     assert bad == [failing]
 
 
@@ -305,32 +310,32 @@ def _edge(**over):
 
 
 def test_edge_inputs_must_match_the_baseline():
-    ok, detail = soak.compare_edge(_edge(), _edge())
+    ok, detail = soak_checks.compare_edge(_edge(), _edge())
     assert ok and "empty_prompt -> 400 refused" in detail
-    assert not soak.compare_edge(_edge(empty_prompt={"http_status": 500, "error": "x"}), _edge())[0]
-    assert not soak.compare_edge(_edge(huge_max_new_tokens={"http_status": 400, "error": "x"}), _edge())[0]
-    assert not soak.compare_edge(_edge(empty_prompt={"http_status": 200, "output_ids": [1], "finish": "length"}),
+    assert not soak_checks.compare_edge(_edge(empty_prompt={"http_status": 500, "error": "x"}), _edge())[0]
+    assert not soak_checks.compare_edge(_edge(huge_max_new_tokens={"http_status": 400, "error": "x"}), _edge())[0]
+    assert not soak_checks.compare_edge(_edge(empty_prompt={"http_status": 200, "output_ids": [1], "finish": "length"}),
                                  _edge(empty_prompt={"http_status": 200, "output_ids": [2], "finish": "length"}))[0]
-    assert not soak.compare_edge(_edge(_health_after={"alive": False}), _edge())[0]
-    assert not soak.compare_edge(_edge(), None)[0]
+    assert not soak_checks.compare_edge(_edge(_health_after={"alive": False}), _edge())[0]
+    assert not soak_checks.compare_edge(_edge(), None)[0]
     r = _result()
     r["servers"]["granikv"]["edge_inputs"] = _edge()
     r["servers"]["baseline"] = {"edge_inputs": _edge(prompt_longer_than_context={"http_status": 200, "output_ids": []})}
-    assert [c["name"] for c in soak.evaluate(r) if not c["ok"]] == ["edge inputs handled as plain SGLang"]
+    assert [c["name"] for c in soak_checks.evaluate(r) if not c["ok"]] == ["edge inputs handled as plain SGLang"]
 
 
 def test_identity_pass_is_relative_to_the_baselines_own_agreement():
     r = _result(identity={"granikv_post_vs_baseline": {"identical_pct": 95.0},
                           "baseline_self": {"identical_pct": 95.0}})
-    assert all(c["ok"] for c in soak.evaluate(r))
+    assert all(c["ok"] for c in soak_checks.evaluate(r))
 
 
 def test_write_report_json_and_markdown(tmp_path):
     r = _result()
-    r["checks"] = soak.evaluate(r)
+    r["checks"] = soak_checks.evaluate(r)
     r["ok"] = all(c["ok"] for c in r["checks"])
     r["servers"]["granikv"]["log"]["error_lines"] = ["12: RuntimeError: boom"]
-    paths = soak.write_report(str(tmp_path / "out"), r)
+    paths = soak_report.write_report(str(tmp_path / "out"), r)
     assert [p.name for p in paths] == ["soak.json", "soak.md"]
     back = json.loads(paths[0].read_text())
     assert back["soak"]["served"] == 1800 and back["ok"] is True
@@ -345,15 +350,15 @@ def test_write_report_json_and_markdown(tmp_path):
                    "| sample outputs identical to the baseline | pass |", "RuntimeError: boom",
                    "--enable-granikv"):
         assert needle in md, needle
-    lines = soak.summary_lines(r)
+    lines = soak_report.summary_lines(r)
     assert lines[-1] == "RESULT: PASS" and any(ln.startswith("PASS  no failed request") for ln in lines)
 
 
 def test_markdown_of_a_failed_run_names_the_failure():
     r = _result(failure="granikv phase: RuntimeError: server died\nlog tail line")
-    r["checks"] = soak.evaluate(r)
+    r["checks"] = soak_checks.evaluate(r)
     r["ok"] = False
-    md = soak.markdown(r)
+    md = soak_report.markdown(r)
     assert md.startswith("# GraniKV soak: FAIL")
     assert "    granikv phase: RuntimeError: server died" in md and "    log tail line" in md
 
