@@ -67,6 +67,14 @@ class GraniKVConfig:
         lo=1,
         hi=4096,
     )
+    cascade_graph_bs: str = _opt(
+        "auto",
+        "Decode batch sizes that get a second CUDA graph, with the cascade kernels, beside the "
+        "stock graph every captured size has: auto = the captured sizes where the cost model says "
+        "cascade can beat paged for a batch sharing one long prefix; none = stock graphs only "
+        "(steps that replay a graph run paged); or a comma-separated list of batch sizes. Each "
+        "cascade graph costs about the memory of one more stock graph of its size.",
+    )
     cost_model: Optional[str] = _opt(
         None,
         "Path to a cost-model JSON (benchmark/kernels/calibrate.py writes one); default: the "
@@ -107,6 +115,7 @@ class GraniKVConfig:
             lo, hi = md.get("lo"), md.get("hi")
             if lo is not None and not (lo <= value <= hi):
                 raise ValueError(f"{flag}={value!r} is outside [{lo}, {hi}]")
+        parse_graph_bs(self.cascade_graph_bs)  # raises ValueError naming the flag
         if self.cost_model is not None and not os.path.isfile(self.cost_model):
             raise ValueError(f"{cli_flag('cost_model')}={self.cost_model!r}: no such file")
 
@@ -133,6 +142,23 @@ class GraniKVConfig:
 
     def to_mapping(self) -> Dict[str, Any]:
         return {attr_name(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def parse_graph_bs(spec: str) -> Optional[frozenset]:
+    """``--granikv-cascade-graph-bs``: None for ``auto``, else the set of batch sizes."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return None
+    if spec == "none":
+        return frozenset()
+    try:
+        sizes = frozenset(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        sizes = frozenset([0])
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{cli_flag('cascade_graph_bs')}={spec!r} must be auto, none or a "
+                         "comma-separated list of batch sizes >= 1")
+    return sizes
 
 
 def attr_name(field_name: str) -> str:

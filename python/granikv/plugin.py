@@ -15,6 +15,9 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
     KVCacheConfigurator.configure                  AFTER   scheduler token budget = COLD capacity
     register_radix_cache_backend("granikv")        registry GraniKVRadixCache
     _build_full_attention_backend_from_str         AROUND  wrap the stock backend in GraniKVAttnBackend
+    DecodeCudaGraphRunner.capture_one_shape        AROUND  stock graph, then the cascade graph of that size
+    DecodeCudaGraphRunner.load_batch               AROUND  replay the cascade graph when the plan chose it
+    DecodeCudaGraphRunner.capture                  AFTER   log which sizes have a cascade graph
     Scheduler.run_batch                            BEFORE  promotions, per-request HOT table, plan staging
     Scheduler.get_internal_state                   AFTER   GraniKV counters in server info
 """
@@ -29,6 +32,7 @@ logger = logging.getLogger("granikv")
 
 CACHE_BACKEND_NAME = "granikv"
 _SA = "sglang.srt.server_args.ServerArgs"
+_DGR = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 _TARGETS = {
     "add_cli_args": f"{_SA}.add_cli_args",
     "from_cli_args": f"{_SA}.from_cli_args",
@@ -38,6 +42,9 @@ _TARGETS = {
     "configure": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
     "attn_backend": "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
     "._build_full_attention_backend_from_str",
+    "capture_one_shape": f"{_DGR}.capture_one_shape",
+    "load_batch": f"{_DGR}.load_batch",
+    "graph_capture": f"{_DGR}.capture",
     "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
     "internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
 }
@@ -55,6 +62,9 @@ def register() -> None:
         ("allocator", _after_build_allocator, HookType.AFTER),
         ("configure", _after_configure, HookType.AFTER),
         ("attn_backend", _around_build_attn_backend, HookType.AROUND),
+        ("capture_one_shape", _around_capture_one_shape, HookType.AROUND),
+        ("load_batch", _around_load_batch, HookType.AROUND),
+        ("graph_capture", _after_graph_capture, HookType.AFTER),
         ("run_batch", _before_run_batch, HookType.BEFORE),
         ("internal_state", _after_get_internal_state, HookType.AFTER),
     ]
@@ -205,6 +215,56 @@ def _around_build_attn_backend(orig, *, model_runner, backend_str, init_new_work
 
     return GraniKVAttnBackend.wrap(inner, model_runner=model_runner, cfg=cfg,
                                    backend_name=backend_str)
+
+
+# ---- decode CUDA graphs (graph_variants.py) ---------------------------------------------------
+
+
+def _graph_backend(runner):
+    """The GraniKV backend a decode graph runner captures / replays, or None (stock)."""
+    backend = getattr(runner, "attn_backend", None)
+    if backend is None or getattr(runner, "enable_pdmux", False):
+        return None
+    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+
+    return backend if isinstance(backend, GraniKVAttnBackend) else None
+
+
+def _around_capture_one_shape(orig, runner, size, forward, stream_idx=None, variant_label=None):
+    """SGLang's capture of one size (the stock graph), then GraniKV's cascade graph of that
+    size under the label ``graph_variants.cascade_label(variant_label)`` where it can pay."""
+    out = orig(runner, size, forward, stream_idx, variant_label)
+    backend = _graph_backend(runner)
+    if backend is None or getattr(runner, "ragged_verify_mode", False) or not backend.graphs.wants_cascade(size):
+        return out
+    from granikv.layers.attention.cascade.graph_variants import cascade_label
+
+    backend.graphs.begin_capture(size)
+    ok = False
+    try:
+        orig(runner, size, forward, stream_idx, cascade_label(variant_label))
+        ok = True
+    finally:
+        backend.graphs.end_capture(ok)
+    return out
+
+
+def _around_load_batch(orig, runner, forward_batch, *args, **kwargs):
+    """After SGLang's ``load_batch`` (which runs the backend's plan): the cascade graph's key
+    when the plan chose cascade, else SGLang's (stock) key."""
+    out = orig(runner, forward_batch, *args, **kwargs)
+    backend = _graph_backend(runner)
+    key = getattr(runner, "_replay_graph_key", None)
+    if backend is not None and key is not None:
+        runner._replay_graph_key = backend.graphs.replay_key(key)
+    return out
+
+
+def _after_graph_capture(result, runner, *args, **kwargs):
+    backend = _graph_backend(runner)
+    if backend is not None:
+        logger.info("GraniKV decode CUDA graphs: %s", backend.graphs.summary())
+    return None
 
 
 # ---- scheduler step ------------------------------------------------------------------------

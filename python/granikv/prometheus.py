@@ -59,6 +59,11 @@ class PrometheusExporter:
         self._plan = Gauge("granikv:plan_us_mean",
                            "Mean host time of a decode step's planning (grouping, path choice, workspace fill).",
                            labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+        self._plan_pct = Gauge("granikv:plan_us",
+                               "Host time of a decode step's planning (staging, grouping, path choice, "
+                               "workspace fill), percentile over the last decode steps.",
+                               labelnames=names + ["quantile"], multiprocess_mode="mostrecent",
+                               registry=reg)
         self._reuse = Gauge("granikv:work_list_fills_total",
                             "Decode-step workspace fills: 'built' from scratch or 'reused' from the previous step.",
                             labelnames=names + ["kind"], multiprocess_mode="mostrecent", registry=reg)
@@ -77,6 +82,8 @@ class PrometheusExporter:
                 self._steps.labels(**self.labels, path=path).set(float(n))
             self._hit.labels(**self.labels).set(float(attention.get("hot_hit_rate", 0.0)))
             self._plan.labels(**self.labels).set(float(attention.get("plan_us_mean", 0.0)))
+            for q, key in (("0.5", "plan_us_p50"), ("0.99", "plan_us_p99")):
+                self._plan_pct.labels(**self.labels, quantile=q).set(float(attention.get(key, 0.0)))
             for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses")):
                 self._reuse.labels(**self.labels, kind=kind).set(float(attention.get(key, 0)))
             hot = float(attention.get("extend_hot_batches", 0))

@@ -18,6 +18,7 @@ not been launched, which makes it the safe point to:
 """
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -37,9 +38,11 @@ def on_run_batch(scheduler, batch, cfg) -> None:
         cache.apply_pending_promotions()
     backend = _granikv_backend(scheduler)
     if backend is not None:
+        t0 = time.perf_counter()
         rows = np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64,
                            count=len(batch.reqs))
-        backend.stage_batch(rows if mode.is_decode() or mode.is_extend() else None)
+        backend.stage_batch(rows if mode.is_decode() or mode.is_extend() else None,
+                            seconds=time.perf_counter() - t0)
     if cfg.debug_integrity:
         cache.check_integrity()  # pools, table and tree
     if mode.is_decode():

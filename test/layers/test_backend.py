@@ -18,6 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from granikv.config import GraniKVConfig
 from granikv.kernels.reference import decode_attention_ref
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.layers.attention.cascade.dispatcher import Path
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
 HQ, HKV, D = 8, 2, 64
@@ -218,25 +219,40 @@ def _replay_view(fb, padded):
     return view
 
 
+def _capture(be, view, *, cascade=True):
+    """SGLang's capture of one size, as the graph-runner hooks drive it: the stock graph, then
+    (if ``cascade``) the cascade graph of the same size; each runs its forward once."""
+    be.init_forward_metadata_out_graph(view, in_capture=True)
+    stock_path = be._path
+    if cascade:
+        be.graphs.begin_capture(view.batch_size)
+        be.init_forward_metadata_out_graph(view, in_capture=True)
+        cascade_path = be._path
+        be.graphs.end_capture(ok=True)
+        return stock_path, cascade_path
+    return stock_path, None
+
+
 def test_graph_mode_replays_any_grouping_with_fixed_buffers():
     runner = _runner()
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     ws = be.workspace
     buffers = (ws.meta.data_ptr(), ws.part_o.data_ptr())
-    # "capture": no plan, the kernels run with bs = 0 and leave the stock output alone
     fb, rows = _batch(runner, hot={0, 2, 3})
     view = _replay_view(fb, 8)
-    be.init_forward_metadata_out_graph(view, in_capture=True)
+    assert _capture(be, view) == (Path.PAGED, Path.CASCADE)
+    # the cascade capture's forward: the kernels run over an empty work list (values unused)
     q, k, v = _qkv(8, 3)
-    o = be.forward_decode(q, k, v, LAYER, view)
-    torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
-    # "replays": a grouped batch, then an ungrouped one, through the same buffers
+    be.forward_decode(q, k, v, LAYER, view)
+    assert be._ws.work_list.bs == 0
+    # "replays": a grouped batch (cascade graph), an ungrouped one (stock graph), same buffers
     for hot, path in (({0, 2, 3}, "cascade"), ({4}, "paged")):
         fb, rows = _batch(runner, hot=hot)
         view = _replay_view(fb, 8)
         be.stage_batch(rows)
         be.init_forward_metadata_out_graph(view)
+        assert be.graphs.planned_cascade == (path == "cascade")
         q, k, v = _qkv(8, 4)
         o = be.forward_decode(q, k, v, LAYER, view)
         torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
@@ -244,27 +260,85 @@ def test_graph_mode_replays_any_grouping_with_fixed_buffers():
     assert (ws.meta.data_ptr(), ws.part_o.data_ptr()) == buffers and be.workspace is ws
 
 
-def test_paged_steps_in_a_row_skip_the_empty_fill_and_stay_exact():
-    """Graph replays: paged, paged, cascade, paged, paged. The second paged step of each run
-    finds the empty work list already on the device and copies nothing (fill_empty); every
-    output still matches paged attention."""
+def test_paged_graph_steps_launch_nothing_and_fill_nothing(monkeypatch):
+    """Replays: paged, paged, cascade, paged. A paged step replays the stock graph: no GraniKV
+    kernel (Python would not even run for a replay; here forward_decode is called as the
+    stock graph's capture recorded it), no workspace fill, the wrapped backend planned with the
+    real seq_lens; every output matches paged attention."""
     runner = _runner()
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     ws = be.workspace
     fb, _ = _batch(runner, hot={0, 2, 3})
-    be.init_forward_metadata_out_graph(_replay_view(fb, 8), in_capture=True)  # capture: empty fill
-    skipped = ws.fills_skipped
-    for i, hot in enumerate(({4}, {4}, {0, 2, 3}, {4}, {4})):
+    _capture(be, _replay_view(fb, 8))
+    fills, calls = [], []
+    real_fill = ws.fill
+    monkeypatch.setattr(ws, "fill", lambda *a, **kw: fills.append(1) or real_fill(*a, **kw))
+    real_run = be._run_shared_prefix
+    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: calls.append(1) or real_run(*a))
+    for i, hot in enumerate(({4}, {4}, {0, 2, 3}, {4})):
         fb, rows = _batch(runner, hot=hot)
         view = _replay_view(fb, 8)
         be.stage_batch(rows)
         be.init_forward_metadata_out_graph(view)
+        paged = not be.graphs.planned_cascade
+        if paged:
+            assert torch.equal(be.inner.seq_lens, view.seq_lens)
         q, k, v = _qkv(8, 10 + i)
         o = be.forward_decode(q, k, v, LAYER, view)
         torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
-    assert ws.fills_skipped - skipped == 3  # both paged steps after capture, the second after cascade
-    assert be.stats.paths["cascade"] == 1 and be.stats.paths["paged"] == 4
+    assert len(fills) == 1 and len(calls) == 1  # the cascade step only
+    assert be.stats.paths["cascade"] == 1 and be.stats.paths["paged"] == 3
+
+
+def test_sizes_without_a_cascade_graph_always_replay_stock(monkeypatch):
+    """A size captured with its stock graph only is never planned cascade (the plan skips the
+    grouping), and its capture has no GraniKV kernel."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    calls = []
+    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: calls.append(a))
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    view = _replay_view(fb, 8)
+    assert _capture(be, view, cascade=False) == (Path.PAGED, None)
+    q, k, v = _qkv(8, 6)
+    be.forward_decode(q, k, v, LAYER, view)  # the stock capture's forward
+    be.stage_batch(rows)
+    be.init_forward_metadata_out_graph(view)
+    o = be.forward_decode(q, k, v, LAYER, view)
+    assert calls == [] and not be.graphs.planned_cascade
+    assert be.stats.paths["paged"] == 1 and "no cascade graph" in be.stats.last_reason
+    torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
+
+
+def test_cascade_capture_reuses_the_stock_capture_metadata():
+    """The cascade graph of a size must read the wrapped backend's buffers of the stock graph
+    of that size: its capture refills them as a replay does (in_capture=False) and restores the
+    stock capture's forward_metadata."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    calls = []
+
+    class Recording(PagedStandIn):
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            calls.append(in_capture)
+            if in_capture:
+                self.forward_metadata = object()  # new per-size buffers, as flashinfer creates
+            self.init_forward_metadata(fb)
+
+    be.inner = Recording(runner)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, _ = _batch(runner, hot={0, 2, 3})
+    be.init_forward_metadata_out_graph(_replay_view(fb, 8), in_capture=True)
+    stock_md = be.inner.forward_metadata
+    be.graphs.begin_capture(8)
+    be.init_forward_metadata_out_graph(_replay_view(fb, 8), in_capture=True)
+    be.graphs.end_capture(ok=True)
+    assert calls == [True, False] and be.inner.forward_metadata is stock_md
+    assert torch.equal(be.inner.seq_lens, torch.ones(8, dtype=torch.int64))  # seq_len = 1 view
+    assert be.graphs.has_cascade_graph(8) and not be.graphs.has_cascade_graph(4)
+    be.graphs.check_integrity()
 
 
 def test_extend_is_delegated():
@@ -303,26 +377,6 @@ def test_debug_compare_reports_the_difference(caplog):
         be.forward_decode(q, k, v, LAYER, fb)
     assert "max |diff| vs paged" in caplog.text
     assert 0 < be.stats.max_compare_diff < ATOL  # fp16 output vs float64 reference
-
-
-def test_graphs_too_small_for_a_group_run_no_extra_kernels(monkeypatch):
-    """A captured bs=1 graph never needs the shared-prefix kernels: they are not captured."""
-    runner = _runner()
-    be = _backend(runner, "cascade")
-    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    calls = []
-    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: calls.append(a))
-    fb, _ = _batch(runner, hot={0})
-    one = _replay_view(fb, 5)
-    one.batch_size, one.num_padding = 1, 0
-    be.init_forward_metadata_out_graph(one, in_capture=True)
-    q, k, v = _qkv(1, 6)
-    be.forward_decode(q, k, v, LAYER, one)
-    assert calls == []
-    be.init_forward_metadata_out_graph(_replay_view(fb, 8), in_capture=True)
-    q, k, v = _qkv(8, 6)
-    be.forward_decode(q, k, v, LAYER, _replay_view(fb, 8))
-    assert len(calls) == 1
 
 
 def test_eager_step_larger_than_the_graphs_uses_its_own_workspace():

@@ -4,20 +4,22 @@ Idle batches, and extend batches without a HOT prefix, go to the wrapped backend
 (extend batches over HOT prefixes: below). For a decode batch, the plan
 (``plan.group_requests`` + ``dispatcher.Dispatcher``) picks a path once per step, on the host:
 
-- ``paged``: the wrapped backend with the batch's real metadata; GraniKV adds nothing (eager) or
-  three empty launches per layer (CUDA graph: the captured cascade kernels read ``bs = 0``).
+- ``paged``: the wrapped backend with the batch's real metadata; GraniKV adds no device work
+  (eager steps run no GraniKV kernel; graph steps replay the stock graph, see below).
 - ``cascade`` / ``fused`` / ``bgemm``: the wrapped backend still runs (it writes the step's K/V
   into the pool exactly as stock SGLang does) but plans every request with ``seq_len = 1``, so
   its attention costs next to nothing; GraniKV's kernels then compute every request's
   attention (HOT prefix once per group + COLD suffix + LSE merge) and overwrite the wrapped
   backend's output rows in place.
 
-CUDA graphs: the graph captures ``wrapped decode -> cascade kernels``. All plan-dependent data
-lives in the fixed-capacity ``CascadeWorkspace`` (refilled in ``init_forward_metadata_out_graph``
-before every replay), and the wrapped backend's metadata is refilled from a view whose
-``seq_lens`` reflect the path; so a replay with any grouping, or with none, is valid. Only the
-cascade kernels are captured (the dispatcher's ``graph_safe_only`` choice is paged or cascade);
-fused and bgemm run on eager steps.
+CUDA graphs (``graph_variants``): every captured batch size has the stock graph (the wrapped
+backend alone) and, where the cost model says cascade can win at that size, a cascade graph
+(``wrapped decode with seq_len = 1 -> cascade kernels``). The plan, made in
+``init_forward_metadata_out_graph`` before the replay, picks the graph: paged steps replay the
+stock graph (exactly the stock work), cascade steps the cascade graph. All plan-dependent data
+lives in the fixed-capacity ``CascadeWorkspace`` and the wrapped backend's per-size metadata
+buffers, shared by both graphs of a size and refilled before every replay. Fused and bgemm run
+on eager steps only.
 
 Extend batches with a cached prefix (``extend_plan`` / ``hot_extend``): when some cached prefix
 in the batch starts with a HOT run and the wrapped backend is flashinfer (ragged + paged
@@ -39,8 +41,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from granikv.config import parse_graph_bs
 from granikv.layers.attention.cascade.dispatcher import Path
 from granikv.layers.attention.cascade.extend_plan import plan_extend
+from granikv.layers.attention.cascade.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, graph_reason, layer_reason
 from granikv.layers.attention.cascade.hot_extend import (
     FlashInferDense,
@@ -108,8 +112,11 @@ class GraniKVAttnBackend(AttentionBackend):
         self.stats = StepStats()
         self._grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self._staged: Optional[np.ndarray] = None
+        self._stage_seconds = 0.0
         self._path = Path.PAGED  # path of the current step
         self._graph_mode = False  # True once CUDA-graph state exists
+        self.graphs = GraphVariants(parse_graph_bs(cfg.cascade_graph_bs), can_win=self._cascade_can_win)
+        self._capture_metadata = {}  # bs -> the wrapped backend's forward_metadata of its stock capture
         self._ones = None
         self._hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
         self._full_extend = None  # FullExtend around it (wrapped backends without ragged + paged)
@@ -147,10 +154,17 @@ class GraniKVAttnBackend(AttentionBackend):
         out["upload_wait_us_total"] = 1e6 * sum(w.upload_wait_seconds for w in wss)
         return out
 
-    def stage_batch(self, req_pool_indices: np.ndarray) -> None:
+    def stage_batch(self, req_pool_indices: np.ndarray, *, seconds: float = 0.0) -> None:
         """The next decode or extend batch's ``req_pool_idx`` per request, in batch order
-        (host ints)."""
+        (host ints); ``seconds``: the host time the caller spent building it (counted in the
+        step's planning time)."""
         self._staged = req_pool_indices
+        self._stage_seconds = seconds
+
+    def _cascade_can_win(self, bs: int) -> bool:
+        context = getattr(self.model_runner.model_config, "context_len", None) or AUTO_PREFIX_TOKENS
+        return cascade_can_win(self.dispatcher, bs, prefix_tokens=min(context, AUTO_PREFIX_TOKENS),
+                               min_group_size=self.cfg.min_group_size)
 
     def _new_workspace(self, max_bs: int):
         from granikv.kernels.work_list import CascadeWorkspace
@@ -179,20 +193,24 @@ class GraniKVAttnBackend(AttentionBackend):
 
     # ---- planning (host side, once per step) -----------------------------------------
 
-    def _plan_decode(self, fb, *, graph: bool, in_capture: bool = False):
+    def _plan_decode(self, fb, *, graph: bool):
         """A decode step's host work: plan, fill the workspace; returns the batch the wrapped
         backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view).
-        The time of both parts is recorded (not while capturing a graph: nothing is planned)."""
+        ``graph``: the step replays a graph of ``fb.batch_size`` (paged, or cascade where that
+        size has a cascade graph). The time of both parts is recorded, with the staging time
+        the scheduler hook measured for this step."""
         t0 = time.perf_counter()
-        plan = None if in_capture else self._plan(fb, graph=graph)
+        plan = self._plan(fb, graph=graph)
         t1 = time.perf_counter()
         self._path = Path.PAGED if plan is None else plan[2].path  # graph steps: paged or cascade
-        if plan is not None or self._kernels_always_run(fb.batch_size):
-            self._fill_workspace(plan, fb)  # no plan: the kernels run with bs = 0
-        if not in_capture:
-            t2 = time.perf_counter()
-            self.stats.record_plan_time(t2 - t0, choose=t1 - t0, fill=t2 - t1)
-        return fb if plan is None else self._inner_view(fb)
+        if plan is not None:
+            self._fill_workspace(plan, fb)
+        self.graphs.planned_cascade = graph and plan is not None
+        view = fb if plan is None else self._inner_view(fb)
+        t2 = time.perf_counter()
+        stage, self._stage_seconds = self._stage_seconds, 0.0
+        self.stats.record_plan_time(t2 - t0 + stage, choose=t1 - t0, fill=t2 - t1, stage=stage)
+        return view
 
     def _plan(self, fb, graph: bool):
         """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
@@ -200,6 +218,9 @@ class GraniKVAttnBackend(AttentionBackend):
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
             self.stats.unplanned += 1
+            return None
+        if graph and not self.graphs.has_cascade_graph(fb.batch_size):
+            self.stats.record_paged(bs, "no cascade graph of this batch size")
             return None
         table = self.hot_prefix_table
         desc = BatchDescription.from_table(
@@ -222,9 +243,6 @@ class GraniKVAttnBackend(AttentionBackend):
 
     def _fill_workspace(self, plan, fb) -> None:
         ws = self._ws = self._workspace_for(fb.batch_size)
-        if plan is None:
-            ws.fill_empty()
-            return
         grouping, desc, decision = plan
         padded = fb.batch_size
         prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens,
@@ -254,16 +272,46 @@ class GraniKVAttnBackend(AttentionBackend):
         self.inner.init_forward_metadata(self._plan_decode(forward_batch, graph=False))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        self.graphs.planned_cascade = False
         if not (self._graph_mode and forward_batch.forward_mode.is_decode()):
+            self._path = Path.PAGED
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        view = self._plan_decode(forward_batch, graph=True, in_capture=in_capture)
-        self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
+        if in_capture:
+            return self._capture_metadata_for(forward_batch)
+        view = self._plan_decode(forward_batch, graph=True)
+        self.inner.init_forward_metadata_out_graph(view)
+
+    def _capture_metadata_for(self, fb) -> None:
+        """Metadata of a decode graph capture. The stock graph of a size (``graphs.capturing``
+        is not this size): the wrapped backend alone, as stock SGLang captures it. The cascade
+        graph of a size (captured right after its stock graph): GraniKV's kernels over an empty
+        work list (they read the live counts at replay), and the wrapped backend with ``seq_len =
+        1`` through the buffers of the stock capture, refilled as a replay refills them (a
+        second ``in_capture`` would make the wrapped backend allocate new per-size buffers, and
+        the stock graph would then read stale ones)."""
+        bs = fb.batch_size
+        if self.graphs.capturing != bs:
+            self._path = Path.PAGED
+            self.inner.init_forward_metadata_out_graph(fb, in_capture=True)
+            self._capture_metadata[bs] = getattr(self.inner, "forward_metadata", None)
+            return
+        self._path = Path.CASCADE
+        self._ws = self._workspace_for(bs)
+        self._ws.fill_empty()
+        view = self._inner_view(fb)
+        if bs in self._capture_metadata:
+            self.inner.init_forward_metadata_out_graph(view)
+            self.inner.forward_metadata = self._capture_metadata[bs]
+        else:  # no stock capture of this size before (not SGLang's order): a fresh one
+            self.inner.init_forward_metadata_out_graph(view, in_capture=True)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         self.inner.init_forward_metadata_in_graph(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        self.graphs.captured.clear()
+        self._capture_metadata.clear()
         self._graph_mode = False
         self.workspace = None
         self._workspace_for(max_bs)
@@ -420,18 +468,11 @@ class GraniKVAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
-        if self._path is not Path.PAGED or self._kernels_always_run(q.shape[0]):
+        if self._path is not Path.PAGED:  # paged: the stock work only
             self._run_shared_prefix(q, layer, o)
-            if self._path is not Path.PAGED and self._compare_due(layer):
+            if self._compare_due(layer):
                 self._compare_with_reference(q, layer, forward_batch, o)
         return o
-
-    def _kernels_always_run(self, bs: int) -> bool:
-        """Graph-sized decode steps run the kernels whatever the plan: a captured graph cannot
-        skip them (with ``bs = 0`` in the workspace they exit at once), and warm-up compiles
-        them before capture. Graphs too small to hold a group, and eager steps larger than the
-        largest graph, run them only when planned."""
-        return self._graph_mode and self.cfg.min_group_size <= bs <= self.workspace.max_bs
 
     def _compare_due(self, layer) -> bool:
         n = self.cfg.debug_compare_every

@@ -3,6 +3,34 @@
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
+PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most recent ones)
+
+
+class RecentTimes:
+    """The last ``capacity`` samples (seconds) in a ring buffer; percentiles in microseconds.
+
+    ``add`` is one store into a preallocated float64 array (no allocation on the step's path);
+    ``percentiles`` sorts a copy, at snapshot time only."""
+
+    def __init__(self, capacity: int = PLAN_WINDOW):
+        self._buf = np.zeros(capacity, dtype=np.float64)
+        self._n = 0
+
+    def add(self, seconds: float) -> None:
+        self._buf[self._n % self._buf.shape[0]] = seconds
+        self._n += 1
+
+    def __len__(self) -> int:
+        return min(self._n, self._buf.shape[0])
+
+    def percentiles_us(self, *qs: float):
+        n = len(self)
+        if n == 0:
+            return tuple(0.0 for _ in qs)
+        return tuple(float(v) * 1e6 for v in np.percentile(self._buf[:n], qs))
+
 
 @dataclass
 class StepStats:
@@ -20,6 +48,8 @@ class StepStats:
     plan_max_seconds: float = 0.0
     choose_seconds: float = 0.0  # part of plan_seconds: description, grouping, path choice
     fill_seconds: float = 0.0  # part of plan_seconds: workspace fill + upload
+    stage_seconds: float = 0.0  # part of plan_seconds: the scheduler hook's staging of the batch rows
+    recent_plan: RecentTimes = field(default_factory=RecentTimes)  # per-step plan time, last PLAN_WINDOW
     extend_batches: int = 0  # extend batches planned (prefill with a cached prefix considered)
     extend_hot_batches: int = 0  # ... whose prefix part ran as dense calls over HOT extents
     extend_hot_tokens: int = 0  # new tokens served that way
@@ -35,12 +65,23 @@ class StepStats:
             self.groups += grouping.num_groups
         self.last_reason = decision.reason
 
-    def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0) -> None:
-        """A decode step's planning time, and its two parts (plan + path choice, workspace fill)."""
+    def record_paged(self, batch_size: int, reason: str) -> None:
+        """A decode step sent to paged without a grouping (e.g. no cascade graph of its size)."""
+        self.steps += 1
+        self.paths["paged"] += 1
+        self.requests += batch_size
+        self.last_reason = reason
+
+    def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0,
+                         stage: float = 0.0) -> None:
+        """A decode step's host time, and its parts (staging the rows in the scheduler hook,
+        plan + path choice, workspace fill + the wrapped backend's view)."""
         self.plan_seconds += seconds
         self.choose_seconds += choose
         self.fill_seconds += fill
+        self.stage_seconds += stage
         self.plan_max_seconds = max(self.plan_max_seconds, seconds)
+        self.recent_plan.add(seconds)
 
     def record_extend(self, plan, reason: str) -> None:
         self.extend_batches += 1
@@ -66,10 +107,13 @@ class StepStats:
             "max_compare_diff": self.max_compare_diff,
             "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
             "plan_us_max": 1e6 * self.plan_max_seconds,
+            **dict(zip(("plan_us_p50", "plan_us_p99"), self.recent_plan.percentiles_us(50, 99))),
+            "plan_window_steps": len(self.recent_plan),
             "plan_us_total": 1e6 * self.plan_seconds,  # totals: deltas between snapshots give exact means
             "planned_steps": self.planned,
             "plan_choose_us_total": 1e6 * self.choose_seconds,
             "plan_fill_us_total": 1e6 * self.fill_seconds,
+            "plan_stage_us_total": 1e6 * self.stage_seconds,
             "extend_batches": self.extend_batches,
             "extend_hot_batches": self.extend_hot_batches,
             "extend_hot_tokens": self.extend_hot_tokens,

@@ -1,0 +1,158 @@
+"""Stock and cascade decode CUDA graphs per batch size: capture and replay selection on CPU.
+
+SGLang's real ``DecodeCudaGraphRunner`` class (its ``_make_graph_key`` and ``ShapeKey``) with
+the plugin's hooks around ``capture_one_shape`` / ``load_batch``; only the CUDA graph object is
+a stand-in (a dict of captured keys, as ``FullCudaGraphBackend._graphs``). The backend is the
+real GraniKVAttnBackend over test_backend's paged stand-in.
+"""
+
+import inspect
+
+import pytest
+import torch
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+from granikv import plugin
+from granikv.config import GraniKVConfig, parse_graph_bs
+from granikv.layers.attention.cascade.graph_variants import CASCADE_LABEL, GraphVariants, cascade_can_win, cascade_label
+from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _expected, _qkv, _replay_view, _runner  # noqa: E402
+
+
+class FakeRunner(DecodeCudaGraphRunner):
+    """The real class without its CUDA-only ``__init__``: the attributes the hooks and SGLang's
+    key helpers read."""
+
+    def __init__(self, backend, capture_bs):
+        self.attn_backend = backend
+        self.enable_pdmux = False
+        self.ragged_verify_mode = False
+        self.capture_bs = capture_bs
+        self.graphs = {}  # ShapeKey -> recorded path of the capture (the CUDA graph stand-in)
+        self._replay_graph_key = None
+
+
+def _capture_orig(fb_of):
+    """SGLang's capture_one_shape as far as the backend sees it: metadata, one forward, a graph
+    stored under the runner's key."""
+
+    def capture_one_shape(runner, size, forward, stream_idx=None, variant_label=None):
+        fb = fb_of(size)
+        runner.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = runner.attn_backend._path.value
+
+    return capture_one_shape
+
+
+def _load_orig(runner, fb):
+    """SGLang's load_batch as far as the backend sees it: the plan, then the stock key."""
+    runner.attn_backend.init_forward_metadata_out_graph(fb)
+    runner._replay_graph_key = runner._make_graph_key(fb.batch_size, None, None)
+
+
+def test_hooks_match_sglangs_signatures():
+    params = list(inspect.signature(DecodeCudaGraphRunner.capture_one_shape).parameters)
+    assert params[:5] == ["self", "size", "forward", "stream_idx", "variant_label"]
+    assert list(inspect.signature(DecodeCudaGraphRunner.load_batch).parameters)[:2] == ["self", "forward_batch"]
+    assert "_replay_graph_key" in inspect.getsource(DecodeCudaGraphRunner.load_batch)
+    for key in ("capture_one_shape", "load_batch", "graph_capture"):
+        assert plugin._TARGETS[key].startswith(plugin._DGR)
+
+
+def test_capture_and_replay_pick_the_graph_the_plan_chose():
+    runner_ = _runner()
+    be = _backend(runner_, "cascade")
+    be.graphs = GraphVariants(frozenset({8}), can_win=None)  # a cascade graph for bs 8 only
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, rows = _batch(runner_, hot={0, 2, 3})
+    gr = FakeRunner(be, capture_bs=[8, 5])
+    cap = _capture_orig(lambda size: _replay_view(fb, 8) if size == 8 else fb)
+    for size in reversed(gr.capture_bs):  # SGLang captures the largest first
+        plugin._around_capture_one_shape(cap, gr, size, forward=None)
+    assert gr.graphs == {ShapeKey(8): "paged", ShapeKey(8, variant_label=CASCADE_LABEL): "cascade",
+                         ShapeKey(5): "paged"}
+    be.graphs.check_integrity()
+    assert "cascade graphs for 1 batch sizes [8]" in be.graphs.summary()
+
+    for hot, want in (({0, 2, 3}, CASCADE_LABEL), ({4}, None), ({0, 2, 3}, CASCADE_LABEL)):
+        fb, rows = _batch(runner_, hot=hot)
+        view = _replay_view(fb, 8)
+        be.stage_batch(rows)
+        plugin._around_load_batch(_load_orig, gr, view)
+        assert gr._replay_graph_key == ShapeKey(8, variant_label=want) and gr._replay_graph_key in gr.graphs
+        q, k, v = _qkv(8, 21)
+        o = be.forward_decode(q, k, v, LAYER, view)
+        torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    # bs 5 has a stock graph only: a grouped batch of 5 replays it, paged
+    fb, rows = _batch(runner_, hot={0, 2, 3})
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, fb)
+    assert gr._replay_graph_key == ShapeKey(5) and be._path.value == "paged"
+    # an idle / non-decode load leaves SGLang's key alone
+    be.graphs.planned_cascade = True
+    idle = _replay_view(fb, 8)
+    idle.forward_mode = type(fb.forward_mode).IDLE
+    plugin._around_load_batch(_load_orig, gr, idle)
+    assert gr._replay_graph_key == ShapeKey(8)
+
+
+def test_a_failed_cascade_capture_leaves_the_size_stock_only():
+    runner_ = _runner()
+    be = _backend(runner_, "cascade")
+    be.graphs = GraphVariants(frozenset({8}), can_win=None)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, _ = _batch(runner_, hot={0, 2, 3})
+    gr = FakeRunner(be, capture_bs=[8])
+
+    def cap(runner, size, forward, stream_idx=None, variant_label=None):
+        if variant_label is not None:
+            raise RuntimeError("out of graph memory")
+        _capture_orig(lambda s: _replay_view(fb, 8))(runner, size, forward, stream_idx, variant_label)
+
+    with pytest.raises(RuntimeError):
+        plugin._around_capture_one_shape(cap, gr, 8, forward=None)
+    assert not be.graphs.has_cascade_graph(8) and be.graphs.capturing is None
+
+
+def test_labels_keep_sglangs_variant():
+    assert cascade_label(None) == CASCADE_LABEL
+    assert cascade_label("nolora") == "nolora+" + CASCADE_LABEL
+    g = GraphVariants(frozenset({4}), can_win=None)
+    g.planned_cascade = True
+    assert g.replay_key(ShapeKey(4, variant_label="lora")) == ShapeKey(4, variant_label="lora+" + CASCADE_LABEL)
+    g.planned_cascade = False
+    assert g.replay_key(ShapeKey(4, variant_label="lora")) == ShapeKey(4, variant_label="lora")
+
+
+def test_auto_sizes_follow_the_cost_model():
+    """auto: a size gets a cascade graph iff the cost model lets cascade beat paged there on a
+    long shared prefix; never below min_group_size."""
+    be = _backend(_runner(), "auto")
+    d = be.dispatcher
+    assert not cascade_can_win(d, 1, prefix_tokens=32768, min_group_size=2)
+    wins = [bs for bs in (2, 4, 8, 16, 64, 128, 256) if cascade_can_win(d, bs, prefix_tokens=32768, min_group_size=2)]
+    assert wins and wins == sorted(wins) and 256 in wins
+    assert not cascade_can_win(d, 256, prefix_tokens=1, min_group_size=2) or d.forced is not None
+    g = GraphVariants(None, can_win=lambda bs: bs >= 16)
+    assert [bs for bs in (1, 8, 16, 32) if g.wants_cascade(bs)] == [16, 32]
+    assert g.stock_only == {1, 8}
+
+
+def test_graph_bs_flag():
+    assert parse_graph_bs("auto") is None and parse_graph_bs("none") == frozenset()
+    assert parse_graph_bs("8, 16,256") == frozenset({8, 16, 256})
+    for bad in ("0", "x", "", "8,-1"):
+        with pytest.raises(ValueError, match="--granikv-cascade-graph-bs"):
+            GraniKVConfig(enable=True, cascade_graph_bs=bad)
+
+
+def test_integrity_check_fails_on_a_capture_left_open():
+    g = GraphVariants(None, can_win=lambda bs: True)
+    g.begin_capture(8)
+    with pytest.raises(AssertionError, match="never ended"):
+        g.check_integrity()
+    g.end_capture(ok=True)
+    g.check_integrity()
+    g.stock_only.add(8)
+    with pytest.raises(AssertionError, match="both stock-only"):
+        g.check_integrity()
