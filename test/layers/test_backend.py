@@ -61,20 +61,20 @@ class PagedStandIn:
         return st.o.to(q.dtype).reshape(q.shape[0], HQ * D)
 
 
-def _runner():
+def _runner(device="cpu"):
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=D, num_hidden_layers=1,
                          get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
-    r = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device="cpu", kv_cache_dtype=DTYPE,
+    r = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device=device, kv_cache_dtype=DTYPE,
                         server_args=SimpleNamespace(speculative_algorithm=None))
-    r.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu",
+    r.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device=device,
                                          enable_memory_saver=False)
     r.token_to_kv_pool = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV,
-                                          head_dim=D, layer_num=1, device="cpu",
+                                          head_dim=D, layer_num=1, device=device,
                                           enable_memory_saver=False)
-    r.token_to_kv_pool_allocator = SimpleNamespace(hot_prefix_table=HotPrefixTable(9, "cpu"))
+    r.token_to_kv_pool_allocator = SimpleNamespace(hot_prefix_table=HotPrefixTable(9, device))
     g = torch.Generator().manual_seed(0)
     for buf in (r.token_to_kv_pool.k_buffer[0], r.token_to_kv_pool.v_buffer[0]):
-        buf.copy_(torch.randn(buf.shape, generator=g).to(DTYPE))
+        buf.copy_(torch.randn(buf.shape, generator=g).to(DTYPE))  # (copied to the pool's device)
     return r
 
 
@@ -98,10 +98,11 @@ def _batch(runner, hot):
         rows.append(row)
         seq_lens.append(37 + n)
     seq = torch.tensor(seq_lens, dtype=torch.int64)
-    out_loc = rt[torch.tensor(rows), seq - 1].long()  # the decoded token's slot: last position
+    dev = rt.device
+    out_loc = rt[torch.tensor(rows, device=dev), seq.to(dev) - 1].long()  # the decoded token's slot
     fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
-                         req_pool_indices=torch.tensor(rows), seq_lens=seq, seq_lens_cpu=seq.clone(),
-                         seq_lens_sum=int(seq.sum()), out_cache_loc=out_loc)
+                         req_pool_indices=torch.tensor(rows, device=dev), seq_lens=seq.to(dev),
+                         seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()), out_cache_loc=out_loc)
     return fb, np.array(rows, dtype=np.int64)
 
 

@@ -1,0 +1,87 @@
+"""GPU host: decode CUDA graphs of one batch size, stock and cascade, captured for real.
+
+The stock graph of a size must hold no GraniKV kernel (a paged step replays exactly the stock
+work); the cascade graph replayed after a grouped plan must match the float64 paged reference.
+The wrapped backend is a capturable paged stand-in (masked dense attention over
+``req_to_token`` rows, fixed shapes) reading its seq_lens from a fixed buffer, as SGLang's
+backends read theirs.
+"""
+
+import pytest
+import torch
+
+from granikv.kernels.graph_capture import capture_graph
+from test_backend import ATOL, D, HKV, HQ, LAYER, RTOL, _backend, _batch, _expected, _qkv, _replay_view, _runner  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BS = 8
+
+
+class CapturablePaged:
+    """Writes K/V at out_cache_loc, then attends to ``req_to_token[rpi, :seq_len]`` with a mask."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.seq_lens = torch.ones(BS, dtype=torch.int64, device="cuda")
+        self.rpi = torch.zeros(BS, dtype=torch.int64, device="cuda")
+        self.forward_metadata = None
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        pass
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        self.seq_lens.copy_(fb.seq_lens[:BS])
+        self.rpi.copy_(fb.req_pool_indices[:BS])
+        if in_capture:
+            self.forward_metadata = object()
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        pool = self.runner.token_to_kv_pool
+        kb, vb = pool.k_buffer[0], pool.v_buffer[0]
+        kb[fb.out_cache_loc] = k.view(-1, HKV, D)
+        vb[fb.out_cache_loc] = v.view(-1, HKV, D)
+        rows = self.runner.req_to_token_pool.req_to_token[self.rpi].long()  # [bs, L]
+        keys, vals = kb[rows].float(), vb[rows].float()  # [bs, L, Hkv, D]
+        qg = q.view(BS, HKV, HQ // HKV, D).float()
+        s = torch.einsum("bgrd,blgd->bgrl", qg, keys) * layer.scaling
+        mask = torch.arange(rows.shape[1], device="cuda")[None, :] < self.seq_lens[:, None]
+        s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+        o = torch.einsum("bgrl,blgd->bgrd", torch.softmax(s, dim=-1), vals)
+        return o.reshape(BS, HQ * D).to(q.dtype)
+
+
+def test_stock_graph_has_no_granikv_kernel_and_cascade_graph_matches_reference(monkeypatch):
+    runner = _runner("cuda")
+    be = _backend(runner, "cascade")
+    be.inner = CapturablePaged(runner)
+    be.init_cuda_graph_state(max_bs=BS, max_num_tokens=BS)
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    static = _replay_view(fb, BS)  # SGLang's fixed graph inputs, refilled before every replay
+    q, k, v = _qkv(BS, 1)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    launches = []
+    real_run = be._run_shared_prefix
+    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: launches.append(1) or real_run(*a))
+    out = {}
+
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+    stock = capture_graph(lambda: out.__setitem__("stock", be.forward_decode(q, k, v, LAYER, static)))
+    assert launches == []  # nothing of GraniKV's was recorded into the stock graph
+    be.graphs.begin_capture(BS)
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+    cascade = capture_graph(lambda: out.__setitem__("cascade", be.forward_decode(q, k, v, LAYER, static)))
+    be.graphs.end_capture(ok=True)
+    assert launches  # warm-up + capture ran the kernels
+
+    for hot, graph_name in (({0, 2, 3}, "cascade"), ({4}, "stock"), ({0, 1, 2, 3, 4}, "cascade")):
+        fb, rows = _batch(runner, hot=hot)
+        view = _replay_view(fb, BS)
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+            getattr(static, name).copy_(getattr(view, name))
+        static.seq_lens_cpu = view.seq_lens_cpu
+        be.stage_batch(rows)
+        be.init_forward_metadata_out_graph(static)
+        assert ("cascade" if be.graphs.planned_cascade else "stock") == graph_name
+        {"stock": stock, "cascade": cascade}[graph_name].replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[graph_name][:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
