@@ -23,6 +23,9 @@ def _scheduler(sim):
     backend.stats = StepStats()
     backend.workspace = backend._eager_workspace = None
     backend._grouping_memo = GroupingMemo()
+    from granikv.layers.attention.cascade.dispatcher import SteadyChooser
+
+    backend._chooser = SteadyChooser(None)
     runner = SimpleNamespace(attn_backend=backend)
     return SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
                            tp_worker=SimpleNamespace(model_runner=runner),

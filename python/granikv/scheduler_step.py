@@ -31,7 +31,9 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     if not hasattr(cache, "apply_pending_promotions"):
         return
     mode = batch.forward_mode
-    if mode.is_extend():  # register first: their locks may be what makes a prefix shared
+    decode = mode.is_decode()
+    extend = not decode and mode.is_extend()
+    if extend:  # register first: their locks may be what makes a prefix shared
         cache.update_requests_hot_prefix(batch.reqs)
     if cache.has_pending_promotions():
         _wait_for_forward_stream(scheduler)
@@ -39,16 +41,33 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     backend = _granikv_backend(scheduler)
     if backend is not None:
         t0 = time.perf_counter()
-        rows = np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64,
-                           count=len(batch.reqs))
-        backend.stage_batch(rows if mode.is_decode() or mode.is_extend() else None,
-                            seconds=time.perf_counter() - t0)
+        rows = batch_rows(batch) if decode or extend else None
+        backend.stage_batch(rows, seconds=time.perf_counter() - t0)
     if cfg.debug_integrity:
         cache.check_integrity()  # pools, table and tree
-    if mode.is_decode():
+    if decode:
         n = scheduler._granikv_decode_steps = getattr(scheduler, "_granikv_decode_steps", 0) + 1
         _tp_check(scheduler, cfg).on_decode_step(cache, n)
         _maybe_report(scheduler, cache, backend, cfg.log_interval, n)
+
+
+_ROWS_VIEW = [None, None]  # (SGLang's rows tensor, its numpy view) of the last step
+
+
+def batch_rows(batch) -> np.ndarray:
+    """The batch's ``req_pool_idx`` per request, in batch order (int64, host).
+
+    SGLang keeps them on the host as ``ScheduleBatch.req_pool_indices_cpu`` (int64, replaced by
+    a new tensor whenever the batch is filtered or merged, never written in place): a zero-copy
+    view of it is returned (callers must not write to it), the SAME array object while SGLang's
+    tensor is the same, so that the planner can tell an unchanged batch by identity. Otherwise
+    the rows are read from the requests (a new array)."""
+    cpu = getattr(batch, "req_pool_indices_cpu", None)
+    if cpu is not None and cpu.dtype == torch.int64 and cpu.dim() == 1 and cpu.shape[0] == len(batch.reqs):
+        if _ROWS_VIEW[0] is not cpu:
+            _ROWS_VIEW[:] = cpu, cpu.numpy()
+        return _ROWS_VIEW[1]
+    return np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64, count=len(batch.reqs))
 
 
 def _tp_check(scheduler, cfg):

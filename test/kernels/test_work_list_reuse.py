@@ -179,7 +179,7 @@ def test_empty_fills_in_a_row_copy_nothing_and_a_real_fill_in_between_clears_the
     ws = _workspace(b)
     uploads = []
     orig = ws._upload
-    ws._upload = lambda wl, rpi: (uploads.append(wl.bs), orig(wl, rpi))[1]
+    ws._upload = lambda wl, rpi, *a: (uploads.append(wl.bs), orig(wl, rpi, *a))[1]
     first = ws.fill_empty()
     assert first.bs == 0 and uploads == [0] and ws.counts.tolist() == [0, 0, 0]
     assert ws.fill_empty() is first and ws.fill_empty() is first and uploads == [0]  # skipped

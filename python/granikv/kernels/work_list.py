@@ -260,6 +260,21 @@ def _last_suffix_item(wl: WorkList) -> np.ndarray:
     return last
 
 
+class _ReuseBase(NamedTuple):
+    """What a full build leaves for the steady steps after it (``CascadeWorkspace._advance``)."""
+
+    items: PrefixItems
+    last: np.ndarray  # each request's last suffix item (-1: none)
+    last_lo: np.ndarray  # first token of that item
+    complete: bool  # every request has a suffix item
+
+    @classmethod
+    def of(cls, items: PrefixItems, wl: WorkList) -> "_ReuseBase":
+        last = _last_suffix_item(wl)
+        complete = bool(wl.bs) and not (last < 0).any()
+        return cls(items, last, wl.sfx_lo[last] if complete else last, complete)
+
+
 # fill() arguments of a step with no request (group_req_indptr holds its single 0)
 _EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
@@ -351,6 +366,8 @@ class CascadeWorkspace:
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
+        self._prefix_shape = None  # (bs, single chunk) of the last lookup
+        self._host_base = [None, None]  # the _ReuseBase whose work list each pinned buffer holds
         self._reuse_base = None  # (PrefixItems, last suffix item per request) of the last full build
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
@@ -371,12 +388,15 @@ class CascadeWorkspace:
         req_pool_indices,
         *,
         single_prefix_chunk: bool = False,
+        same_grouping: bool = False,
     ) -> WorkList:
         """Plan one decode step and copy its metadata into the fixed device buffers (async).
 
         Grouping arrays as in docs/contracts.md (numpy); ``seq_lens`` numpy [bs];
         ``req_pool_indices`` [bs] device tensor (copied device-to-device) or numpy.
-        ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``.
+        ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``. ``same_grouping=True``:
+        the caller guarantees the four grouping arrays hold what they held in the previous
+        ``fill`` (the planner's unchanged ``Grouping``), which skips comparing them.
         Raises ValueError when the batch exceeds the workspace's capacity.
         """
         bs = len(seq_lens)
@@ -384,31 +404,30 @@ class CascadeWorkspace:
             raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
         if len(group_len) > self.max_groups:
             raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
-        items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk)
+        items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
+                                   same_grouping)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         wl = self._advance(items, seq_lens)
-        reused = wl is not None
-        if not reused:
+        if wl is not None:  # a steady step: the counts of the build it advances (checked then)
+            self._upload(wl, req_pool_indices, self._reuse_base, True)
+            self.work_list = wl
+            self.fills_reused += 1
+        else:
             wl = build_work_list(
                 group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
                 ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
                 sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
                 prefix_items=items,
             )  # fmt: skip
-            base = (items, _last_suffix_item(wl)) if self.config.reuse_chunk_factor > 0 else None
-        else:
-            base = self._reuse_base
-        np_, ns = wl.num_prefix_items, wl.num_suffix_items
-        if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
-            raise ValueError(
-                f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
-                f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
-            )
-        self._upload(wl, req_pool_indices)
-        self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
-        if reused:
-            self.fills_reused += 1
-        else:
+            base = _ReuseBase.of(items, wl) if self.config.reuse_chunk_factor > 0 else None
+            np_, ns = wl.num_prefix_items, wl.num_suffix_items
+            if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
+                raise ValueError(
+                    f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
+                    f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
+                )
+            self._upload(wl, req_pool_indices, base, False)
+            self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
             self.fills_built += 1
         self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
         if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
@@ -435,24 +454,25 @@ class CascadeWorkspace:
         cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``.
         """
         prev, base = self.work_list, self._reuse_base
-        if prev is None or base is None or base[0] is not items or prev.bs != len(seq_lens):
+        if prev is None or base is None or base.items is not items or prev.bs != len(seq_lens):
             return None
-        last = base[1]
-        if prev.bs == 0 or (last < 0).any():  # a request without suffix chunks: rebuild
+        if prev.bs == 0 or not base.complete:  # a request without suffix chunks: rebuild
             return None
-        lo = prev.sfx_lo[last]
-        grow = seq_lens - lo
+        grow = seq_lens - base.last_lo
         if grow.min() <= 0 or grow.max() > self.config.reuse_chunk_factor * prev.suffix_chunk:
             return None
         hi = prev.sfx_hi.copy()
-        hi[last] = seq_lens
+        hi[base.last] = seq_lens
         return prev._replace(sfx_hi=hi)
 
     def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
-                      single_prefix_chunk: bool) -> PrefixItems:
+                      single_prefix_chunk: bool, same_grouping: bool = False) -> PrefixItems:
         """``build_prefix_items``, reused while the grouping is unchanged (successive decode
         steps of the same requests), which halves the host work of a step."""
         arrays = (group_start, group_len, group_req_indptr, group_req_idx)
+        if same_grouping and self._prefix_shape == (bs, single_prefix_chunk):
+            return self._prefix_memo[1]
+        self._prefix_shape = (bs, single_prefix_chunk)
         key = (bs, single_prefix_chunk) + tuple(np.asarray(a, dtype=np.int64).tobytes() for a in arrays)
         if self._prefix_memo[0] != key:
             items = build_prefix_items(*arrays, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
@@ -469,7 +489,12 @@ class CascadeWorkspace:
             seq_lens, req_pool_indices, **kw,
         )  # fmt: skip
 
-    def _upload(self, wl: WorkList, req_pool_indices) -> None:
+    def _upload(self, wl: WorkList, req_pool_indices, base=None, reused: bool = False) -> None:
+        """Writes ``wl`` into the next pinned staging buffer and copies it to ``meta``.
+        ``base``: the ``_ReuseBase`` ``wl`` was built or advanced from. Every work list of one
+        base differs only in ``sfx_hi`` (the one array ``_advance`` changes), so when ``wl`` is
+        advanced (``reused``) and the buffer already holds a work list of the same base, only
+        ``sfx_hi`` and the rows are rewritten."""
         k = self._flip
         self._flip ^= 1
         if self._events[k] is not None:
@@ -477,6 +502,15 @@ class CascadeWorkspace:
             self._events[k].synchronize()  # the copy that last read this pinned buffer is done
             self.upload_wait_seconds += time.perf_counter() - t0
         h = self._host_np[k]
+        P, S, o = self.prefix_cap, self.suffix_cap, self._offs
+        if reused and base is not None and self._host_base[k] is base:
+            h[o["sfx"] + 2 * S : o["sfx"] + 2 * S + wl.num_suffix_items] = wl.sfx_hi
+        else:
+            self._write_all(h, wl)
+        self._host_base[k] = base
+        self._copy_up(k, wl, req_pool_indices)
+
+    def _write_all(self, h, wl: WorkList) -> None:
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
         n = wl.num_prefix_items
@@ -487,6 +521,9 @@ class CascadeWorkspace:
             h[o["sfx"] + j * S : o["sfx"] + j * S + n] = a
         h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
         h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
+
+    def _copy_up(self, k: int, wl: WorkList, req_pool_indices) -> None:
+        h, o = self._host_np[k], self._offs
         from_device = isinstance(req_pool_indices, torch.Tensor)
         if not from_device:  # host rows travel in the same single copy as the metadata
             h[o["rpi"] : o["rpi"] + wl.bs] = np.asarray(req_pool_indices)[: wl.bs]

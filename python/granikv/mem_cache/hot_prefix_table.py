@@ -26,6 +26,7 @@ class HotPrefixTable:
         self.length_dev = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
         self.start_np = np.zeros(num_rows, dtype=np.int64)
         self.length_np = np.zeros(num_rows, dtype=np.int64)
+        self.version = 0  # +1 on every change (readers cache what they derived from the table)
 
     def get(self, row: int) -> tuple:
         return int(self.start_np[row]), int(self.length_np[row])
@@ -49,6 +50,7 @@ class HotPrefixTable:
         if not changed.any():
             return
         rows, starts, lengths = rows[changed], starts[changed], lengths[changed]
+        self.version += 1
         self.start_np[rows] = starts
         self.length_np[rows] = lengths
         # One H2D copy from pinned memory, non-blocking (PyTorch keeps the pinned block alive
@@ -62,6 +64,7 @@ class HotPrefixTable:
         self.length_dev[idx] = packed[2]
 
     def reset(self) -> None:
+        self.version += 1
         self.start_np[:] = 0
         self.length_np[:] = 0
         self.start_dev.zero_()

@@ -36,13 +36,14 @@ The per-step host input is staged by the scheduler hook (``stage_batch``: the ba
 import copy
 import logging
 import time
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
 import torch
 
 from granikv.config import parse_graph_bs
-from granikv.layers.attention.cascade.dispatcher import Path
+from granikv.layers.attention.cascade.dispatcher import Path, SteadyChooser
 from granikv.layers.attention.cascade.extend_plan import plan_extend
 from granikv.layers.attention.cascade.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, graph_reason, layer_reason
@@ -103,6 +104,7 @@ class GraniKVAttnBackend(AttentionBackend):
             if hasattr(inner, name):
                 setattr(self, name, getattr(inner, name))
         self.dispatcher = build_dispatcher(model_runner, cfg)
+        self._chooser = SteadyChooser(self.dispatcher)  # steady steps: O(1) path choice
         geo = self.dispatcher.geometry
         self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
         self.device = torch.device(model_runner.device)
@@ -113,11 +115,14 @@ class GraniKVAttnBackend(AttentionBackend):
         self._grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self._staged: Optional[np.ndarray] = None
         self._stage_seconds = 0.0
+        self._last_rows = None  # (rows array, table version, hot_start, hot_len, grouping) of the last plan
         self._path = Path.PAGED  # path of the current step
         self._graph_mode = False  # True once CUDA-graph state exists
         self.graphs = GraphVariants(parse_graph_bs(cfg.cascade_graph_bs), can_win=self._cascade_can_win)
         self._capture_metadata = {}  # bs -> the wrapped backend's forward_metadata of its stock capture
         self._ones = None
+        self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
+        self._filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
         self._hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
         self._full_extend = None  # FullExtend around it (wrapped backends without ragged + paged)
         self._full_compare = False  # debug compare due on this batch's layer 0 (full extend)
@@ -151,6 +156,7 @@ class GraniKVAttnBackend(AttentionBackend):
         out["work_list_builds"] = sum(w.fills_built for w in wss)
         out["work_list_reuses"] = sum(w.fills_reused for w in wss)
         out["grouping_reuses"] = self._grouping_memo.hits
+        out["choice_reuses"] = self._chooser.hits
         out["upload_wait_us_total"] = 1e6 * sum(w.upload_wait_seconds for w in wss)
         return out
 
@@ -189,6 +195,7 @@ class GraniKVAttnBackend(AttentionBackend):
             setattr(self, attr, ws)
         if self._ones is None or self._ones.numel() < bs:
             self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.device)
+            self._ones_views = {}
         return ws
 
     # ---- planning (host side, once per step) -----------------------------------------
@@ -223,11 +230,29 @@ class GraniKVAttnBackend(AttentionBackend):
             self.stats.record_paged(bs, "no cascade graph of this batch size")
             return None
         table = self.hot_prefix_table
-        desc = BatchDescription.from_table(
-            staged, fb.seq_lens_cpu[:bs].numpy().astype(np.int64), table.start_np,
-            table.length_np,
-        )
-        grouping = self._grouping_memo.group(desc, min_group_size=self.cfg.min_group_size)
+        version = getattr(table, "version", None)
+        last = self._last_rows
+        if last is not None and last[0] is staged and last[1] == version and version is not None:
+            hot_start, hot_len, grouping = last[2:]  # same rows, same table: same HOT runs
+        else:
+            hot_len = table.length_np[staged]
+            hot_start = table.start_np[staged] if hot_len.any() else None
+            grouping = None
+            self._last_rows = (staged, version, hot_start, hot_len, None)
+        if hot_start is None:  # no request starts with a HOT run: nothing to group
+            self.stats.record_paged(bs, "no HOT prefix in the batch")
+            return None
+        seq_lens = np.asarray(fb.seq_lens_cpu.numpy()[:bs], dtype=np.int64)
+        desc = BatchDescription(staged, seq_lens, hot_start, hot_len)
+        if grouping is None:
+            grouping = self._grouping_memo.group(desc, min_group_size=self.cfg.min_group_size)
+            if (hot_len <= seq_lens).all():  # then the grouping does not depend on seq_lens
+                self._last_rows = self._last_rows[:4] + (grouping,)
+        else:
+            self._grouping_memo.hits += 1
+        if grouping.num_groups == 0:
+            self.stats.record_paged(bs, "no group")
+            return None
         if self.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(
             grouping, desc, self.model_runner.req_to_token_pool.req_to_token
         ):
@@ -235,7 +260,7 @@ class GraniKVAttnBackend(AttentionBackend):
                          "(stale HotPrefixTable); this step runs paged")
             self.stats.unplanned += 1
             return None
-        decision = self.dispatcher.choose(grouping, desc, graph_safe_only=graph)
+        decision = self._chooser.choose(grouping, desc, graph_safe_only=graph)
         self.stats.record(decision, grouping)
         if decision.path is Path.PAGED:
             return None
@@ -247,17 +272,24 @@ class GraniKVAttnBackend(AttentionBackend):
         padded = fb.batch_size
         prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens,
                                          desc.req_pool_indices, padded)
+        same = grouping is self._filled_grouping and ws is self._filled_ws
         ws.fill(grouping.group_start, grouping.group_len, grouping.group_req_indptr,
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
-                single_prefix_chunk=decision.path is Path.BGEMM)
+                single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same)
+        self._filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
 
     def _inner_view(self, fb):
         """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
         bs = fb.batch_size
-        view = copy.copy(fb)
-        view.seq_lens = self._ones[:bs] if fb.seq_lens.dtype == torch.int64 else (
-            self._ones[:bs].to(fb.seq_lens.dtype))
-        view.seq_lens_cpu = torch.ones(bs, dtype=fb.seq_lens_cpu.dtype)
+        # SGLang's replay view is a SimpleNamespace (a plain attribute copy is the cheap copy);
+        # an eager step's ForwardBatch is a dataclass
+        view = SimpleNamespace(**vars(fb)) if type(fb) is SimpleNamespace else copy.copy(fb)
+        key = (bs, fb.seq_lens.dtype, fb.seq_lens_cpu.dtype)
+        ones = self._ones_views.get(key)
+        if ones is None:  # per batch size, made once (read-only for the wrapped backend)
+            ones = self._ones_views[key] = (self._ones[:bs].to(fb.seq_lens.dtype),
+                                            torch.ones(bs, dtype=fb.seq_lens_cpu.dtype))
+        view.seq_lens, view.seq_lens_cpu = ones
         view.seq_lens_sum = bs
         return view
 

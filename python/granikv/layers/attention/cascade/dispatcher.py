@@ -154,3 +154,69 @@ class Dispatcher:
                 f"({times[0] / times[k]:.2f}x)"
             )
         return Decision(_ORDER[k], times, reason)
+
+
+class SteadyChooser:
+    """``Dispatcher.choose`` for successive decode steps of one grouping, in O(1) per step.
+
+    With the grouping fixed (same ``Grouping`` object: ``GroupingMemo`` returns the previous
+    one while the batch's HOT runs are unchanged), every path's estimate is an affine function
+    of ``seq_tokens = sum(seq_lens)`` alone (``Workload``: ``seq_bytes`` and ``suffix_bytes``
+    grow with it, nothing else does). So the times of two sequence totals, computed once per
+    grouping, give every later step's times exactly (up to float rounding) with two multiply-
+    adds per path. The decision's reason is rebuilt only when the chosen path changes.
+    """
+
+    _PROBE = 1 << 20  # second sequence total of the affine fit (any distinct value is exact)
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher = dispatcher
+        self._key = None  # (grouping, graph_safe_only): the grouping is held, so `is` is safe
+        self._base = self._slope = None
+        self._seq0 = 0
+        self._decision = None  # last decision (its reason is reused while the path stays)
+        self.hits = self.misses = 0
+
+    def choose(self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True) -> Decision:
+        key = self._key
+        if key is None or key[0] is not grouping or key[1] != graph_safe_only or grouping.num_groups == 0:
+            return self._refit(grouping, desc, graph_safe_only)
+        self.hits += 1
+        if self.dispatcher.forced is not None:  # depends on the grouping only (eligibility)
+            return self._decision
+        dt = float(np.add.reduce(desc.seq_lens)) - self._seq0
+        times = PathTimes(*(b + s * dt for b, s in zip(self._base, self._slope)))
+        k = min(range(4), key=times.__getitem__)
+        prev = self._decision
+        if _ORDER[k] is prev.path:
+            return Decision(prev.path, times, prev.reason)
+        return self._decide(times)
+
+    def _refit(self, grouping, desc, graph_safe_only) -> Decision:
+        self.misses += 1
+        d = self.dispatcher.choose(grouping, desc, graph_safe_only=graph_safe_only)
+        self._key, self._decision = (grouping, graph_safe_only), d
+        if grouping.num_groups == 0:
+            self._key = None
+            return d
+        if self.dispatcher.forced is not None:
+            return d
+        probe = BatchDescription(desc.req_pool_indices, desc.seq_lens + self._PROBE // max(1, desc.batch_size),
+                                 desc.hot_start, desc.hot_len)
+        far = self.dispatcher.estimate(grouping, probe, graph_safe_only=graph_safe_only)
+        self._seq0 = float(np.add.reduce(desc.seq_lens))
+        span = float(np.add.reduce(probe.seq_lens)) - self._seq0
+        self._base = tuple(d.times)
+        self._slope = tuple(0.0 if math.isinf(a) else (b - a) / span for a, b in zip(d.times, far))
+        return d
+
+    def _decide(self, times: PathTimes) -> Decision:
+        k = min(range(4), key=times.__getitem__)
+        if k == 0:
+            j = min(range(1, 4), key=times.__getitem__)
+            reason = f"paged {times[0]:.1f}us <= {_ORDER[j].value} {times[j]:.1f}us"
+        else:
+            reason = (f"{_ORDER[k].value} {times[k]:.1f}us < paged {times[0]:.1f}us "
+                      f"({times[0] / times[k]:.2f}x)")
+        self._decision = Decision(_ORDER[k], times, reason)
+        return self._decision
