@@ -40,7 +40,16 @@ import numpy as np
 import torch
 
 from granikv.kernels.graph_capture import capture_graph
-from granikv.layers.attention.cascade.cost_model import DISABLEABLE_PATHS, CostModel, calibrated_path, never_fastest
+from granikv.layers.attention.cascade.cost_model import (
+    DISABLEABLE_PATHS,
+    LAUNCHES,
+    PAGED_NAMES,
+    CostModel,
+    ExtendTerms,
+    ServedTerms,
+    calibrated_path,
+    never_fastest,
+)
 from granikv.layers.attention.cascade.dispatcher import Dispatcher
 from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
 
@@ -254,10 +263,19 @@ def main():
     ap.add_argument("--refit-from", metavar="JSON",
                     help="no GPU: refit from the measured cases of an earlier calibration's JSON "
                          "(same CASES), then choose the disabled paths again")
+    ap.add_argument("--served-into", metavar="COST_MODEL_JSON",
+                    help="no GPU: derive the served-step terms (per-backend paged coefficients, eager "
+                         "launch overhead, extend terms) from --with-grid's kernels.json and "
+                         "--extend-json, and write them into this file, its kernel coefficients unchanged")
+    ap.add_argument("--extend-json", metavar="EXTEND_JSON", help="bench_extend.py's extend.json (with --served-into)")
     ap.add_argument("--with-grid", metavar="KERNELS_JSON",
                     help="with --refit-from: also fit to every point of a full bench_attention.py grid "
                          "(its kernels.json: single layers, paged = FlashInfer tensor-core decode)")
     args = ap.parse_args()
+    if args.served_into:
+        if not args.with_grid:
+            ap.error("--served-into needs --with-grid")
+        return served_into(args.served_into, args.with_grid, args.extend_json)
     if args.with_grid and not args.refit_from:
         ap.error("--with-grid needs --refit-from")
     if args.refit_from:
@@ -475,6 +493,77 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None) -> int
                        "command": " ".join(sys.argv)})  # fmt: skip
     out = write_model(model, old["gpu_name"], meta, out)
     print(f"# wrote {out} (refit from {path}, no GPU)")
+    return 0
+
+
+# ---- served-step terms from measured data files (no GPU) ----------------------------------------
+
+
+def paged_fit(samples, fallback: CostModel) -> dict:
+    """The paged coefficients (``PAGED_NAMES``) fitted to ``(Workload, us)`` samples of one
+    paged kernel."""
+    model, _ = CostModel.fit([("paged", w, t) for w, t in samples], plan_us=fallback.plan_us, fallback=fallback)
+    return {n: getattr(model, n) for n in PAGED_NAMES}
+
+
+def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostModel):
+    """``(ServedTerms, how)`` derived from a bench_attention.py grid (SGLang's Triton decode per
+    point: the triton paged coefficients; GraniKV's cascade eager vs captured: the eager launch
+    overhead) and bench_extend.py's extend.json (prefill TFLOP/s of the paged and dense calls)."""
+    with open(grid_path) as f:
+        grid = json.load(f)
+    shapes = grid["meta"]["shapes"]
+    heads = (shapes["hq"], shapes["hkv"], shapes["d"])
+    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            kv_dtype_bytes=2)  # fmt: skip
+    triton, eager = [], []
+    for r in grid["rows"]:
+        if "error" in r or r.get("n_ungrouped"):
+            continue
+        desc, _, _ = describe([tuple(g) for g in r["groups"]], r["suffix"], 0)
+        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
+        if r.get("sgl_triton_ms") is not None:
+            triton.append((w, 1e3 * r["sgl_triton_ms"]))
+        if r.get("gkv_cascade_eager_ms") is not None and r.get("gkv_cascade_ms") is not None:
+            eager.append(1e3 * (r["gkv_cascade_eager_ms"] - r["gkv_cascade_ms"]) / LAUNCHES["cascade"])
+    how = {"triton_paged": f"fit to sgl_triton_ms of {len(triton)} points of {os.path.basename(grid_path)}",
+           "eager_launch_us": f"median over {len(eager)} points of (gkv_cascade_eager_ms - gkv_cascade_ms) / 3 "
+                              f"launches, {os.path.basename(grid_path)}"}  # fmt: skip
+    by_backend = {"flashinfer": {n: getattr(fallback, n) for n in PAGED_NAMES}, "triton": paged_fit(triton, fallback)}
+    extend = ExtendTerms()
+    if extend_path:
+        with open(extend_path) as f:
+            ext = json.load(f)
+        rows = ext["rows"] if isinstance(ext, dict) else ext
+        tf = {k: statistics.median(r[f"{k}_TFLOPs"] for r in rows if r.get(f"{k}_TFLOPs")) for k in
+              ("fi_paged_fa2", "fi_ragged_fa3") if any(r.get(f"{k}_TFLOPs") for r in rows)}
+        if len(tf) == 2:
+            extend = dataclasses.replace(extend, paged_tflops=tf["fi_paged_fa2"], dense_tflops=tf["fi_ragged_fa3"])
+            how["extend_tflops"] = (f"median TFLOP/s of fi_paged_fa2 (stock) and fi_ragged_fa3 (dense) over "
+                                    f"{len(rows)} cases of {os.path.basename(extend_path)}")
+    extend = dataclasses.replace(extend, paged_call_us=fallback.paged_launch_us,
+                                 dense_call_us=2 * fallback.paged_launch_us)
+    how["extend_call_us"] = ("not measured (every extend case is compute-bound): paged call = the decode "
+                             "paged_launch_us, dense call = 2x it (plan + run of a ragged call), merge "
+                             f"{extend.merge_us} us; to refit on the GPU")
+    served = ServedTerms(eager_launch_us=statistics.median(eager) if eager else ServedTerms.eager_launch_us,
+                         paged_by_backend=by_backend, extend=extend)
+    return served, how
+
+
+def served_into(path: str, grid_path: str, extend_path: Optional[str]) -> int:
+    """Writes the served-step terms into the cost-model file ``path`` (coefficients unchanged)."""
+    with open(path) as f:
+        values = json.load(f)
+    model = CostModel.from_mapping(values, source=path)
+    served, how = served_from_grid(grid_path, extend_path, model)
+    values["served"] = dict(served.to_mapping(), note={
+        **how, "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)})
+    CostModel.from_mapping(values, source=path)  # validates what is written
+    with open(path, "w") as f:
+        json.dump(values, f, indent=2)
+        f.write("\n")
+    print(f"# wrote the served terms into {path}: {json.dumps(served.to_mapping())}")
     return 0
 
 

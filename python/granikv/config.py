@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Mapping, Optional, get_args
 
 AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
-ExtendPath = Literal["hot", "paged"]
+ExtendPath = Literal["auto", "hot", "paged"]
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
@@ -54,10 +54,11 @@ class GraniKVConfig:
         choices=get_args(AttentionPath),
     )
     extend_path: ExtendPath = _opt(
-        "hot",
+        "auto",
         "Prefill (extend) attention over a cached prefix: hot = the part of each cached prefix "
         "in a HOT extent runs as one dense call per extent (flashinfer: in place of its paged "
-        "prefix call; triton: GraniKV computes the whole extend of such batches); paged = the "
+        "prefix call; triton: GraniKV computes the whole extend of such batches); auto = hot "
+        "where the cost model puts it below the stock prefill for the batch's shape; paged = the "
         "stock backend's prefill.",
         choices=get_args(ExtendPath),
     )

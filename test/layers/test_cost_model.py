@@ -229,3 +229,57 @@ def test_disabled_paths_come_from_measurements_and_are_never_picked(tmp_path):
     doc["disabled_paths"] = ["paged"]
     with pytest.raises(ValueError, match="x.json: field 'disabled_paths'"):
         CostModel.from_mapping(doc, source="x.json")
+
+
+# ---- served-step terms --------------------------------------------------------------------------
+
+
+def test_step_time_adds_the_inner_call_and_eager_launches():
+    model = default_model()
+    w = one_group(64, 16384)
+    assert model.step_time("paged", w, num_layers=32) == model.paged_time(w, num_layers=32)
+    inner = model.paged_launch_us + w.batch_bytes / (model.paged_gbps * 1e3)
+    assert w.batch_bytes == 64 * LLAMA.kv_bytes_per_token
+    graph = model.step_time("cascade", w, num_layers=32)
+    assert graph == pytest.approx(model.cascade_time(w, num_layers=32) + 32 * inner)
+    eager = model.step_time("cascade", w, num_layers=32, eager=True)
+    assert eager - graph == pytest.approx(32 * 3 * model.served.eager_launch_us)
+
+
+def test_checked_in_h200_file_has_per_backend_paged_coefficients():
+    h200 = CostModel.load(None, "NVIDIA H200")
+    assert set(h200.served.paged_by_backend) >= {"flashinfer", "triton"}
+    tri = h200.for_backend("triton")
+    assert tri.paged_launch_us == h200.served.paged_by_backend["triton"]["paged_launch_us"] != h200.paged_launch_us
+    assert h200.for_backend("flashinfer").paged_gbps == h200.paged_gbps
+    assert h200.for_backend("fa3") is h200  # no own coefficients: the calibrated ones
+    w = one_group(64, 16384)
+    assert tri.paged_time(w) != h200.paged_time(w)
+
+
+def test_served_terms_round_trip_and_validation(tmp_path):
+    m = valid_mapping()
+    m["served"]["paged_by_backend"]["triton"] = {"paged_launch_us": 40.0, "paged_gbps": 3000.0,
+                                                 "paged_reuse_gbps": 5000.0}
+    m["served"]["extend"]["dense_tflops"] = 600.0
+    loaded = CostModel.load(write(tmp_path, m))
+    assert loaded.served.paged_by_backend["triton"]["paged_launch_us"] == 40.0
+    assert loaded.served.extend.dense_tflops == 600.0
+    old = valid_mapping()
+    del old["served"]  # files written before the served terms still load, with the defaults
+    assert CostModel.load(write(tmp_path, old, "old.json")).served == cm_mod.ServedTerms()
+    for bad, field in ((dict(m["served"], eager_launch_us=-1), "served.eager_launch_us"),
+                       (dict(m["served"], paged_by_backend={"triton": {"paged_gbps": 1.0}}),
+                        "served.paged_by_backend.triton"),
+                       (dict(m["served"], extend={"warp_speed": 1.0}), "served.extend"),
+                       (dict(m["served"], bogus=1), "served.bogus")):
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            CostModel.load(write(tmp_path, dict(m, served=bad), "bad.json"))
+
+
+def test_extend_terms_price_dense_calls_per_group():
+    t = cm_mod.ExtendTerms()
+    big = 4 * 32 * 128 * 16384 * (64 * 256)  # 16K prefix x 64 agents x 256 new tokens
+    assert t.hot_us(1, big, None) < t.stock_us(big) / 1.5  # measured 1.8x on the H200
+    small = 4 * 32 * 128 * 1100 * 3 * 64  # 1.1K prefix, 3 sharers, 64 new tokens, 8 groups
+    assert t.hot_us(8, small, small * 0.1) > t.stock_us(small * 1.1)

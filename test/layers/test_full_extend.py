@@ -28,7 +28,7 @@ LAYER = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, tp_k_head_n
 
 
 def _backend(runner, **cfg):
-    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, **cfg), backend_name="triton")
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, **{"extend_path": "hot", **cfg}), backend_name="triton")
     be.inner = TritonExtendStandIn(runner)
     return be
 

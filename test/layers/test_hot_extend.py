@@ -110,7 +110,7 @@ LAYER = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, head_dim=D)
 
 
 def _backend(runner, **cfg):
-    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, **cfg), backend_name="stand-in")
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, **{"extend_path": "hot", **cfg}), backend_name="stand-in")
     be.inner = FlashInferExtendStandIn(runner)
     return be
 
@@ -212,6 +212,28 @@ def test_extend_path_paged_and_unstaged_batches_stay_stock():
     be.init_forward_metadata(fb)  # nothing staged
     be.forward_extend(q, k, v, LAYER, fb)
     assert be.inner.paged.calls == 1 and be.stats.extend_fallbacks == {"batch not staged": 1}
+
+
+def test_auto_extend_path_follows_the_extend_cost_model():
+    """--granikv-extend-path auto: the HOT prefix path only where ExtendTerms puts it below the
+    stock paged call. Tiny shapes (37-token prefixes) are call-overhead bound: stock; with the
+    per-call overheads made negligible the same batch takes the HOT path, and both are exact."""
+    import dataclasses
+
+    runner, fb, rows, q, k, v = _setup(["A", "A", "B"], [3, 5, 4])
+    be = _backend(runner, extend_path="auto")
+    out = _run_extend(be, fb, rows, q, k, v)
+    torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 1 and be.stats.extend_hot_batches == 0
+    assert list(be.stats.extend_fallbacks) == ["the cost model puts the stock prefill first for this shape"]
+    cm = be.dispatcher.cost_model
+    ext = dataclasses.replace(cm.served.extend, dense_call_us=1e-6, merge_us=1e-6)
+    be.dispatcher.cost_model = dataclasses.replace(cm, served=dataclasses.replace(cm.served, extend=ext))
+    runner, fb, rows, q, k, v = _setup(["A", "A", "B"], [3, 5, 4])
+    be.model_runner, be.inner = runner, type(be.inner)(runner)
+    out = _run_extend(be, fb, rows, q, k, v)
+    torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+    assert be.inner.paged.calls == 0 and be.stats.extend_hot_batches == 1
 
 
 def test_no_cached_prefix_is_left_to_the_ragged_call():

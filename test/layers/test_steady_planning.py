@@ -85,3 +85,16 @@ def test_recent_times_percentiles():
         rt.add(i * 1e-6)
     p50, p99 = rt.percentiles_us(50, 99)
     assert len(rt) == 100 and p50 == pytest.approx(200.5) and p99 == pytest.approx(249.01)
+
+
+def test_build_dispatcher_uses_the_wrapped_backends_paged_coefficients():
+    from granikv.config import GraniKVConfig
+    from granikv.layers.attention.cascade.cost_model import CostModel
+    from granikv.layers.attention.cascade.support import build_dispatcher
+
+    runner, cfg = _runner(), GraniKVConfig(enable=True)
+    loaded = CostModel.load(None, None)
+    tri = build_dispatcher(runner, cfg, "triton").cost_model
+    assert tri.paged_launch_us == loaded.served.paged_by_backend["triton"]["paged_launch_us"]
+    assert build_dispatcher(runner, cfg, "flashinfer").cost_model.paged_gbps == loaded.paged_gbps
+    assert build_dispatcher(runner, cfg, "fa3").cost_model is not None

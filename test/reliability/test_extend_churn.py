@@ -43,7 +43,7 @@ def _setup(seed):
                              req_to_token_pool=sim.req_pool, token_to_kv_pool=sim.kv_pool,
                              token_to_kv_pool_allocator=sim.allocator)
     be = GraniKVAttnBackend(None, model_runner=runner,
-                            cfg=GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True),  # checks each plan
+                            cfg=GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, extend_path="hot"),  # checks each plan
                             backend_name="stand-in")
     be.inner = FlashInferExtendStandIn(runner)
     sched = SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
@@ -82,7 +82,7 @@ def _run_batch(sim, be, sched, reqs, rng, cfg):
 def test_extend_through_hot_prefixes_matches_the_oracle_under_churn(seed):
     rng = random.Random(seed)
     sim, be, sched = _setup(seed)
-    cfg = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True)
+    cfg = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, extend_path="hot")
     shared = [[rng.randrange(1, 61) for _ in range(rng.randrange(20, 70))] for _ in range(3)]
     done = []  # finished prompts + outputs: an agent's next turn extends one of them
     for step in range(25):

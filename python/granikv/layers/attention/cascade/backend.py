@@ -103,7 +103,7 @@ class GraniKVAttnBackend(AttentionBackend):
         for name in _FORWARDED_FLAGS:
             if hasattr(inner, name):
                 setattr(self, name, getattr(inner, name))
-        self.dispatcher = build_dispatcher(model_runner, cfg)
+        self.dispatcher = build_dispatcher(model_runner, cfg, backend_name)
         self._chooser = SteadyChooser(self.dispatcher)  # steady steps: O(1) path choice
         geo = self.dispatcher.geometry
         self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
@@ -366,7 +366,7 @@ class GraniKVAttnBackend(AttentionBackend):
         if self._full_extend is not None:
             self._full_extend.end()
         self._full_compare = False
-        if self.cfg.extend_path != "hot" or getattr(fb.forward_mode, "name", "") != "EXTEND":
+        if self.cfg.extend_path == "paged" or getattr(fb.forward_mode, "name", "") != "EXTEND":
             return
         md = getattr(self.inner, "forward_metadata", None)
         full = not hasattr(md, "prefill_wrappers")  # not flashinfer: GraniKV computes the whole extend
@@ -390,9 +390,12 @@ class GraniKVAttnBackend(AttentionBackend):
             reason = "batch not staged"
         else:
             table = self.hot_prefix_table
-            plan, reason = plan_extend(
-                staged, np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64),
-                np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64), table.start_np, table.length_np)
+            prefix_lens = np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64)
+            extend_lens = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
+            plan, reason = plan_extend(staged, prefix_lens, extend_lens, table.start_np, table.length_np)
+            if plan is not None and self.cfg.extend_path == "auto" and not self._hot_extend_pays(
+                    plan, prefix_lens, extend_lens):
+                plan, reason = None, "the cost model puts the stock prefill first for this shape"
             if plan is not None:
                 self.stats.record_extend(plan, "")
                 attn = self._extend_attention()
@@ -410,6 +413,19 @@ class GraniKVAttnBackend(AttentionBackend):
                                        for w in md.prefill_wrappers]  # a new list: SGLang's stays
                 return
         self.stats.record_extend(None, reason)
+
+    def _hot_extend_pays(self, plan, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> bool:
+        """The extend gate: True iff ``ExtendTerms`` puts the prefix part over HOT extents (one
+        dense call per group, plus the COLD remainder's paged call and a merge) below the stock
+        paged call for this batch's shape. Runs under ``--granikv-extend-path auto``;
+        other than auto) is not gated here: ``--granikv-extend-path auto`` only."""
+        terms = self.dispatcher.cost_model.served.extend
+        per_pair = self.dispatcher.geometry.flops_per_query_token
+        flops_all = per_pair * float(np.dot(prefix_lens, extend_lens))
+        flops_hot = per_pair * float(sum(g.length * g.num_tokens for g in plan.groups))
+        rem = plan.paged
+        flops_cold = None if rem is None else per_pair * float(np.dot(rem.hi - rem.lo, rem.qo_lens))
+        return terms.hot_us(len(plan.groups), flops_hot, flops_cold) < terms.stock_us(flops_all)
 
     def _extend_failed(self, exc: Exception) -> None:
         """The dense prefill path raised: this call and the rest of the batch are served by the

@@ -25,6 +25,19 @@ under-estimates)::
 ``reread_bytes`` are the paged kernel's repeated reads of a shared prefix (one per extra group
 member); they are mostly served from L2, hence their own (higher) bandwidth. Units: ``*_us``
 microseconds, ``*_gbps`` 1e9 bytes/s, ``*_tflops`` 1e12 FLOP/s.
+
+Those are the KERNEL times (what calibrate.py fits). A served decode step runs more, and
+``step_time`` (what the dispatcher compares) adds it, from ``ServedTerms``::
+
+    step(paged)  = paged                                       (the stock work, nothing else)
+    step(path)   = path + layers * inner_call                  (the wrapped backend still runs,
+                   inner_call = paged_launch_us + bs * kv_bytes_per_token / paged_gbps   seq_len 1)
+                 + layers * launches(path) * eager_launch_us   (eager steps only: host launch cost)
+
+The paged coefficients are the wrapped backend's: ``ServedTerms.paged_by_backend`` holds them
+per backend (``for_backend``; the top-level ones are those calibrate.py measured, FlashInfer's
+tensor-core decode). ``ExtendTerms`` prices the prefill prefix part (stock paged call vs dense
+calls over HOT extents) for the extend gate.
 """
 
 import dataclasses
@@ -85,6 +98,7 @@ class Workload(NamedTuple):
     prefix_flops: float
     state_bytes: float
     num_groups: int
+    batch_bytes: float = 0.0  # one token of KV per request: the wrapped backend's seq_len = 1 read
 
     @classmethod
     def from_sums(
@@ -112,11 +126,88 @@ class Workload(NamedTuple):
             float(stacked_prefix_tokens * g.flops_per_query_token),
             float(state),
             num_groups,
+            float(batch_size * bpt),
         )
 
 
 def _coef(help: str):
     return dataclasses.field(metadata={"help": help})
+
+
+PAGED_NAMES = ("paged_launch_us", "paged_gbps", "paged_reuse_gbps")
+LAUNCHES = {"cascade": 3, "fused": 1, "bgemm": 2}  # GraniKV kernel launches per layer
+
+
+@dataclass(frozen=True)
+class ExtendTerms:
+    """Prefill prefix part (per layer): SGLang's paged call vs one dense call per HOT extent.
+
+    stock = paged_call_us + F_all / paged_tflops
+    hot   = G * dense_call_us + F_hot / dense_tflops
+            (+ paged_call_us + F_cold / paged_tflops + merge_us, when a COLD remainder exists)
+
+    F = 4 * Hq * D * sum(new tokens x prefix tokens they attend), over the batch (F_all), the HOT
+    extents (F_hot) or the COLD remainder (F_cold).
+    """
+
+    paged_call_us: float = 12.0
+    paged_tflops: float = 350.0
+    dense_call_us: float = 20.0
+    dense_tflops: float = 620.0
+    merge_us: float = 6.0
+
+    def stock_us(self, flops_all: float) -> float:
+        return self.paged_call_us + flops_all / (self.paged_tflops * 1e6)
+
+    def hot_us(self, num_dense_calls: int, flops_hot: float, flops_cold: Optional[float]) -> float:
+        t = num_dense_calls * self.dense_call_us + flops_hot / (self.dense_tflops * 1e6)
+        if flops_cold is not None:
+            t += self.paged_call_us + flops_cold / (self.paged_tflops * 1e6) + self.merge_us
+        return t
+
+
+@dataclass(frozen=True)
+class ServedTerms:
+    """What a served step runs beyond the kernels (see the module docstring)."""
+
+    eager_launch_us: float = 15.0
+    paged_by_backend: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    extend: ExtendTerms = dataclasses.field(default_factory=ExtendTerms)
+
+    def to_mapping(self) -> dict:
+        return {"eager_launch_us": self.eager_launch_us,
+                "paged_by_backend": {k: dict(v) for k, v in self.paged_by_backend.items()},
+                "extend": dataclasses.asdict(self.extend)}
+
+    @classmethod
+    def from_mapping(cls, values: Any, source: str) -> "ServedTerms":
+        if values is None:
+            return cls()
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{source}: field 'served' must be an object, got {values!r}")
+        unknown = sorted(set(values) - {"eager_launch_us", "paged_by_backend", "extend", "note"})
+        if unknown:
+            raise ValueError(f"{source}: unknown field 'served.{unknown[0]}'")
+        eager = _positive(values.get("eager_launch_us", cls.eager_launch_us), f"{source}: field 'served.eager_launch_us'")
+        by_backend = {}
+        for name, coefs in (values.get("paged_by_backend") or {}).items():
+            if not isinstance(coefs, Mapping) or set(coefs) != set(PAGED_NAMES):
+                raise ValueError(f"{source}: field 'served.paged_by_backend.{name}' must hold exactly "
+                                 f"{', '.join(PAGED_NAMES)}")
+            by_backend[name] = {k: _positive(v, f"{source}: field 'served.paged_by_backend.{name}.{k}'")
+                                for k, v in coefs.items()}
+        ext = values.get("extend") or {}
+        names = [f.name for f in dataclasses.fields(ExtendTerms)]
+        if not isinstance(ext, Mapping) or not set(ext) <= set(names):
+            raise ValueError(f"{source}: field 'served.extend' must be an object with keys from {', '.join(names)}")
+        extend = ExtendTerms(**{k: _positive(v, f"{source}: field 'served.extend.{k}'") for k, v in ext.items()})
+        return cls(eager, by_backend, extend)
+
+
+def _positive(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{what} must be a positive finite number, got {v!r}")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -143,6 +234,26 @@ class CostModel:
                           "dispatcher does not pick them (evidence over a poor fit)",
                   "coefficient": False},
     )
+    served: ServedTerms = dataclasses.field(
+        default_factory=ServedTerms,
+        metadata={"help": "terms of a served step beyond the kernels (ServedTerms)", "coefficient": False},
+    )
+
+    # ---- a served decode step (what the dispatcher compares) ---------------------------------
+
+    def step_time(self, path: str, w: Workload, *, num_layers: int = 1, eager: bool = False) -> float:
+        """Microseconds of a served decode step of ``path`` (see the module docstring)."""
+        kernels = getattr(self, f"{path}_time")(w, num_layers=num_layers)
+        if path == "paged":
+            return kernels
+        inner = self.paged_launch_us + w.batch_bytes / (self.paged_gbps * 1e3)
+        host = LAUNCHES[path] * self.served.eager_launch_us if eager else 0.0
+        return kernels + num_layers * (inner + host)
+
+    def for_backend(self, backend: Optional[str]) -> "CostModel":
+        """This model with ``backend``'s own paged coefficients, when the file has them."""
+        coefs = self.served.paged_by_backend.get(backend or "")
+        return self if coefs is None else dataclasses.replace(self, **coefs)
 
     # ---- estimates (microseconds per decode step of `num_layers` layers) --------------------
 
@@ -303,7 +414,8 @@ class CostModel:
                 f"{source}: field 'disabled_paths' must be a list of {', '.join(DISABLEABLE_PATHS)}, "
                 f"got {disabled!r}"
             )
-        return cls(**kwargs, disabled_paths=tuple(disabled))
+        served = ServedTerms.from_mapping(values.get("served"), source)
+        return cls(**kwargs, disabled_paths=tuple(disabled), served=served)
 
     def to_mapping(self, gpu_name: str, **extra: Any) -> dict:
         return {
@@ -311,6 +423,7 @@ class CostModel:
             "gpu_name": gpu_name,
             "coefficients": {n: getattr(self, n) for n in self.coefficient_names()},
             "disabled_paths": list(self.disabled_paths),
+            "served": self.served.to_mapping(),
             **extra,
         }
 

@@ -1,7 +1,8 @@
 """Per-step choice of the decode attention path, from the cost model only.
 
 The dispatcher turns a ``Grouping`` into a ``Workload`` (O(G) sums), asks the ``CostModel`` for
-each eligible path's time and takes the cheapest, ``PAGED`` on ties. There are no thresholds of
+each eligible path's served step time (``CostModel.step_time``: kernels, the wrapped backend's
+``seq_len = 1`` call, eager launch overheads) and takes the cheapest, ``PAGED`` on ties. There are no thresholds of
 its own: when a path wins, it is because the measured coefficients say so.
 
 Eligibility:
@@ -124,11 +125,12 @@ class Dispatcher:
         if grouping.num_groups == 0:
             return PathTimes(paged, _INF, _INF, _INF)
         off = cm.disabled_paths
+        eager = not graph_safe_only
         return PathTimes(
             paged=paged,
-            cascade=_INF if "cascade" in off else cm.cascade_time(w, num_layers=n),
-            fused=_INF if graph_safe_only or "fused" in off else cm.fused_time(w, num_layers=n),
-            bgemm=_INF if graph_safe_only or "bgemm" in off else cm.bgemm_time(w, num_layers=n),
+            cascade=_INF if "cascade" in off else cm.step_time("cascade", w, num_layers=n, eager=eager),
+            fused=_INF if graph_safe_only or "fused" in off else cm.step_time("fused", w, num_layers=n, eager=True),
+            bgemm=_INF if graph_safe_only or "bgemm" in off else cm.step_time("bgemm", w, num_layers=n, eager=True),
         )
 
     def choose(

@@ -48,11 +48,18 @@ def attention_tp_size(model_runner) -> int:
         return int(getattr(ps, "attn_tp_size", None) or getattr(ps, "tp_size", None) or 1)
 
 
-def build_dispatcher(model_runner, cfg) -> Dispatcher:
+def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None) -> Dispatcher:
+    """The dispatcher for this model runner's head shapes, with the paged coefficients of the
+    wrapped backend ``backend_name`` where the cost-model file has them (else its top-level
+    ones, calibrated on FlashInfer's decode; logged)."""
     mc = model_runner.model_config
     tp = attention_tp_size(model_runner)
     gpu = torch.cuda.get_device_name(model_runner.device) if torch.cuda.is_available() else None
-    cost_model = CostModel.load(cfg.cost_model, gpu)
+    loaded = CostModel.load(cfg.cost_model, gpu)
+    cost_model = loaded.for_backend(backend_name)
+    if backend_name and cost_model is loaded and backend_name != "flashinfer":
+        logger.info("GraniKV cost model: no paged coefficients of the %s backend; using the "
+                    "calibrated (flashinfer) ones", backend_name)
     return Dispatcher(
         cost_model,
         num_q_heads=mc.num_attention_heads // tp,
