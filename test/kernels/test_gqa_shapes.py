@@ -15,7 +15,8 @@ from conftest import SMALL_CONFIG, fill, make_batch
 
 from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.kernel_config import KernelConfig, tile_config
-from granikv.kernels.reference import decode_attention_ref
+from granikv.kernels.prefix_attention import prefix_attention
+from granikv.kernels.reference import decode_attention_ref, partials_ref
 from granikv.kernels.work_list import CascadeWorkspace, build_prefix_items
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
@@ -117,3 +118,76 @@ def test_tile_config_rejects_a_shape_the_kernels_cannot_serve():
     with pytest.raises(ValueError, match="head_dim 96"):
         tile_config(4, 96)
     assert tile_config(4, 256).block_m == 32
+
+
+def test_forest_target_cuts_long_prefixes_to_the_short_ones_within_capacity():
+    """64 groups of 0.5-4K tokens, 2-4 sharers: with forest_items_per_tile the chunk bound drops
+    below the long prefixes (they get several items, short ones one) and the workspace sized
+    from the same config still holds the step at its worst (every request its own group)."""
+    rng = np.random.default_rng(3)
+    g_len = rng.integers(512, 4097, 64)
+    n = rng.integers(2, 5, 64)
+    ptr = np.concatenate([[0], np.cumsum(n)])
+    start = np.concatenate([[1], 1 + np.cumsum(g_len)[:-1]])
+    args = (start, g_len, ptr, np.arange(ptr[-1]), int(ptr[-1]))
+    kw = dict(ratio=4, num_kv_heads=8, sm_count=132, max_splits=32)
+    plain = build_prefix_items(*args, config=KernelConfig(), **kw)
+    cfg = KernelConfig(forest_items_per_tile=2.0)
+    forest = build_prefix_items(*args, config=cfg, **kw)
+    assert plain.n_kv.max() == g_len.max() and len(plain.n_kv) == 64  # one item per group
+    assert forest.chunk < g_len.max() // 2 and len(forest.n_kv) >= 2 * 64 and forest.n_kv.max() <= forest.chunk
+    bs = 256
+    ws = CascadeWorkspace(bs, 32, 8, 16, "cpu", sm_count=132, config=cfg)
+    b = make_batch(groups=[(700 + 13 * i, 1) for i in range(bs)], n_ungrouped=0, suffix=40, num_q_heads=32,
+                   num_kv_heads=8, head_dim=16)
+    fill(ws, b)
+    ws.check_integrity()
+
+
+def test_forest_target_cascade_matches_reference():
+    b = make_batch(groups=((97, 2), (23, 3), (41, 2), (200, 4)), n_ungrouped=1, num_q_heads=6, num_kv_heads=2,
+                   dtype=torch.float32, seed=5)
+    cfg = dataclasses.replace(SMALL_CONFIG, forest_items_per_tile=3.0)
+    ws = CascadeWorkspace(b.bs, 6, 2, 64, "cpu", config=cfg, sm_count=4, max_splits=16)
+    wl = fill(ws, b)
+    ws.check_integrity()
+    assert wl.num_prefix_items > 4 * 2
+    out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ratio,hkv,head_dim", [(4, 2, 64), (3, 2, 128), (7, 1, 64), (1, 2, 64)])
+def test_descriptor_prefix_kernel_matches_reference(warp_specialize, dtype, ratio, hkv, head_dim):
+    """The tensor-descriptor (TMA) prefix kernel variant: same partial states as the reference
+    (the interpreter runs descriptor loads; warp specialisation only changes code generation on
+    the GPU), then the whole cascade with it."""
+    b = make_batch(groups=((37, 7), (53, 3), (19, 2)), n_ungrouped=1, num_q_heads=ratio * hkv, num_kv_heads=hkv,
+                   head_dim=head_dim, dtype=dtype, seed=ratio)
+    cfg = dataclasses.replace(SMALL_CONFIG, prefix_kernel="descriptor", prefix_warp_specialize=warp_specialize)
+    ws = CascadeWorkspace(b.bs, ratio * hkv, hkv, head_dim, "cpu", config=cfg, sm_count=32, max_splits=4)
+    wl = fill(ws, b)
+    assert (wl.pfx_n_kv % cfg.block_n != 0).any() and (wl.pfx_n_kv >= cfg.block_n).any()  # full tiles and tails
+    ws.part_o.fill_(float("nan"))
+    ws.part_lse.fill_(float("nan"))
+    out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
+    exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
+    for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
+        torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(ws.part_lse[r].double(), exp[r].lse, atol=1e-4, rtol=1e-4)
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_descriptor_kernel_rejects_a_strided_kv_buffer_and_a_bad_variant():
+    b = make_batch(num_q_heads=4, num_kv_heads=2)
+    cfg = dataclasses.replace(SMALL_CONFIG, prefix_kernel="descriptor")
+    ws = CascadeWorkspace(b.bs, 4, 2, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
+    fill(ws, b)
+    wide = torch.zeros(b.k.shape[0], 3, 64, dtype=b.k.dtype)[:, :2]  # [slots, 2, 64] with a row stride of 3 heads
+    with pytest.raises(ValueError, match="contiguous"):
+        prefix_attention(b.q, wide, wide, ws, sm_scale=b.sm_scale)
+    with pytest.raises(ValueError, match="prefix_kernel"):
+        KernelConfig(prefix_kernel="tma")

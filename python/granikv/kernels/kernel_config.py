@@ -8,6 +8,7 @@ in ``SHAPE_TILES``.
 """
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 __all__ = ["KernelConfig", "SHAPE_TILES", "tile_config", "default_config"]
 
@@ -52,11 +53,29 @@ class KernelConfig:
     decode steps of one batch then cost a few numpy calls instead of a full build. After a full
     build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
     ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
+    prefix_kernel: Literal["pointer", "descriptor"] = "pointer"
+    """Prefix launch kernel: "pointer" (pointer loads, software-pipelined by ``prefix_stages``)
+    or "descriptor" (Hopper-class: the full K/V tiles come through host-side tensor descriptors,
+    i.e. TMA loads on sm90+, in a ``tl.range`` loop pipelined by ``prefix_stages`` and, with
+    ``prefix_warp_specialize``, warp-specialised; the masked tail stays a pointer load). The
+    descriptor kernel is not measured yet: "pointer" until ``bench_attention.py --variants
+    descriptor,descriptor_ws`` shows it faster on the GPU."""
+    prefix_warp_specialize: bool = False
+    """With ``prefix_kernel="descriptor"``: ``tl.range(..., warp_specialize=True)`` (producer
+    warps issue the loads, consumer warps the MMAs)."""
+    forest_items_per_tile: float = 0.0
+    """Many-group steps (forests): the prefix launch aims at no fewer than this many items per
+    (group, row tile), so that long prefixes are cut to about the length of the short ones
+    instead of one item each (64 groups of 0.5-4K tokens: one chunk bound of ~1.2K instead of
+    6.4K; a list-scheduling model of the launch puts it 13-18% closer to the ideal). 0 keeps
+    the plain ``prefix_waves`` target. Off until measured on the GPU (``--sweep``, "forest2")."""
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
 
     def __post_init__(self):
+        if self.prefix_kernel not in ("pointer", "descriptor"):
+            raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer' or 'descriptor'")
         for name in ("block_m", "block_n", "suffix_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

@@ -119,6 +119,65 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
                      RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
 
 
+@triton.jit
+def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
+                        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                        stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                        RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """``_prefix_kernel`` with the full K/V tiles loaded through tensor descriptors over the
+    layer's buffers viewed ``[slots, Hkv * D]`` (TMA on sm90+): tile j of item w is the block
+    at ``(slot_lo + j * BLOCK_N, h * D)``. The masked tail (< BLOCK_N keys) is a pointer load,
+    so no key outside the extent is ever read into a score."""
+    h = tl.program_id(1)
+    w = tl.program_id(0)
+    if w < tl.load(Counts + 1):
+        row_lo = tl.load(PfxItems + w)
+        row_hi = tl.load(PfxItems + pfx_cap + w)
+        slot_lo = tl.load(PfxItems + 2 * pfx_cap + w)
+        n_kv = tl.load(PfxItems + 3 * pfx_cap + w)
+        split = tl.load(PfxItems + 4 * pfx_cap + w)
+        rows = row_lo + tl.arange(0, BLOCK_M)
+        qh = h * RATIO + rows % RATIO
+        row_ok = rows < row_hi
+        b = tl.load(GroupReqIdx + rows // RATIO, mask=row_ok, other=0).to(tl.int64)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + b[:, None] * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        col = h * HEAD_DIM
+        n_full = n_kv // BLOCK_N
+        for j in tl.range(0, n_full, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+            k = k_desc.load([slot_lo + j * BLOCK_N, col])
+            v = v_desc.load([slot_lo + j * BLOCK_N, col])
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION)
+        n_left = n_kv - n_full * BLOCK_N
+        if n_left > 0:
+            offs_n = tl.arange(0, BLOCK_N)
+            tail = (slot_lo + n_full * BLOCK_N).to(tl.int64) + offs_n
+            kv_ok = offs_n[:, None] < n_left
+            k = tl.load(K + tail[:, None] * stride_kb + h * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(V + tail[:, None] * stride_vb + h * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_left)[None, :], True,
+                                          INPUT_PRECISION)
+        rows_part = tl.load(PartIndptr + b, mask=row_ok, other=0).to(tl.int64) + split
+        _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr,
+                       HEAD_DIM)
+
+
+def _kv_descriptor(buf: torch.Tensor, block_n: int):
+    """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``."""
+    slots, hkv, d = buf.shape
+    if buf.stride() != (hkv * d, d, 1):
+        raise ValueError(f"prefix_kernel='descriptor' needs a contiguous [slots, Hkv, D] KV buffer, got strides "
+                         f"{buf.stride()} for shape {tuple(buf.shape)}")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = buf.view(slots, hkv * d)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, d])
+
+
 def input_precision(dtype: torch.dtype) -> str:
     """fp32 inputs are multiplied in full fp32 ("ieee"), never tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -133,12 +192,25 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     v_buffer:  [slots, Hkv, D]
     workspace: CascadeWorkspace after ``fill``; writes ``part_o`` [rows, Hq, D] fp32 and
                ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
-    Grid: (``ws.grid_items("prefix")``, Hkv), fixed per workspace (CUDA-graph safe).
+    Grid: (``ws.grid_items("prefix")``, Hkv), fixed per workspace (CUDA-graph safe). The kernel is
+    ``KernelConfig.prefix_kernel``'s: pointer loads, or tensor-descriptor (TMA) loads, which need
+    contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise).
     """
     ws = workspace
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)
+    if cfg.prefix_kernel == "descriptor":
+        _prefix_desc_kernel[grid](
+            q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
+            ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
+            RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
+            WARP_SPECIALIZE=cfg.prefix_warp_specialize, num_warps=cfg.prefix_warps,
+        )  # fmt: skip
+        return
     _prefix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

@@ -157,7 +157,8 @@ def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, 
         if single_prefix_chunk:
             chunk = int(g_len.max())
         else:
-            target = prefix_target(config, sm_count, num_kv_heads)
+            target = max(prefix_target(config, sm_count, num_kv_heads),
+                         int(config.forest_items_per_tile * int(tiles.sum())))
             work = int((tiles * g_len).sum())
             chunk = max(_cdiv(work, target), config.min_prefix_chunk, _cdiv(int(g_len.max()), max_splits))
             chunk = _round_up(chunk, config.block_n)
@@ -289,8 +290,9 @@ class CascadeWorkspace:
 
     Capacities (all derived from the constructor arguments, never from a batch):
 
-    - prefix items  <= target_p + ceil(max_bs * ratio / block_m) + max_groups,
-                       target_p = prefix_waves * SMs / Hkv
+    - prefix items  <= target_p + T,  T = ceil(max_bs * ratio / block_m) + max_groups (the most
+                       (group, row tile) pairs), target_p = max(prefix_waves * SMs / Hkv,
+                       forest_items_per_tile * T)
     - suffix items  <= target_s + max_bs
     - partial rows  <= ceil(block_m * target_p / ratio) + max_bs  (prefix)  +  suffix items
       (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
@@ -336,7 +338,9 @@ class CascadeWorkspace:
         self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
         self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
         self.suffix_block_h = suffix_tile_rows(self.ratio)
-        self.prefix_cap = target_p + _cdiv(max_bs * self.ratio, cfg.block_m) + self.max_groups
+        tiles_max = _cdiv(max_bs * self.ratio, cfg.block_m) + self.max_groups  # (group, row tile) pairs
+        target_p = max(target_p, int(cfg.forest_items_per_tile * tiles_max))
+        self.prefix_cap = target_p + tiles_max
         self.suffix_cap = target_s + max_bs
         self.partial_cap = _cdiv(cfg.block_m * target_p, self.ratio) + max_bs + self.suffix_cap
 
