@@ -9,6 +9,9 @@ extents, suffix slots shuffled = COLD):
   gkv_cascade     GraniKV prefix + suffix + merge (3 launches)
   gkv_fused       GraniKV single launch
   gkv_bgemm       torch flash attention per group for the prefix + GraniKV suffix + merge (eager)
+  gkv_*@NAME      the same with a SWEEP variant of the kernel config (--variants NAME,...), e.g.
+                  "descriptor" / "descriptor_ws": the prefix kernel over tensor descriptors (TMA),
+                  without / with warp specialisation; its prefix launch alone is gkv_part_prefix@NAME
 GraniKV's capturable paths are timed as CUDA-graph replays (as SGLang runs decode; eager times
 too), baselines eagerly as in fi_attn_bench.py (GPU-bound at these sizes); triton.testing
 .do_bench median, L2 flushed between runs. Floor = max(unique bytes / copy bandwidth,
@@ -18,6 +21,10 @@ the unique bytes (each K/V token read once, q read, out written) and the useful 
     python benchmark/kernels/bench_attention.py --quick --out DIR     # key points
     python benchmark/kernels/bench_attention.py --sweep --out DIR     # tile/launch variants (SWEEP)
     python benchmark/kernels/bench_attention.py --out DIR             # full grid
+    python benchmark/kernels/bench_attention.py --quick --variants descriptor,descriptor_ws --out DIR
+                                             # the TMA prefix kernel beside the default and FlashInfer
+    python benchmark/kernels/bench_attention.py --shape qwen2.5-7b --sweep --out DIR
+                                             # another model's heads (SHAPES): per-shape tile sweep
 
 Writes DIR/kernels.json and DIR/kernels.png (if matplotlib is importable).
 """
@@ -39,12 +46,30 @@ from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.merge_state import merge_state
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.suffix_attention import suffix_attention
-from granikv.kernels.work_list import CascadeWorkspace, default_config
+from granikv.kernels.kernel_config import tile_config
+from granikv.kernels.work_list import CascadeWorkspace
 
 DEV = "cuda"
 DT = torch.bfloat16
-HQ, HKV, D = 32, 8, 128
+SHAPES = {  # --shape: (q heads, kv heads, head_dim) per layer at TP 1
+    "llama-3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen2.5-14b": (40, 8, 128), "gqa3": (24, 8, 128),
+    "mha": (32, 32, 128), "llama-3.1-8b-d64": (32, 8, 64), "qwen2.5-7b-d64": (28, 4, 64), "gqa3-d64": (24, 8, 64),
+    "qwen2.5-14b-d64": (40, 8, 64), "mha-d64": (32, 32, 64),
+}
+HQ, HKV, D = SHAPES["llama-3.1-8b"]
 SCALE = D**-0.5
+
+
+def set_shape(name: str) -> None:
+    """Run every case at another model's head shape (module-level, as the cases read it)."""
+    global HQ, HKV, D, SCALE
+    HQ, HKV, D = SHAPES[name]
+    SCALE = D**-0.5
+
+
+def base_config():
+    """The config GraniKV picks for the shape being run (kernel_config.tile_config)."""
+    return tile_config(HQ // HKV, D)
 
 
 def ws_max_bs(n_req: int, max_bs: int) -> int:
@@ -153,6 +178,13 @@ def run_graniKV(case, row, outs, configs, max_bs):
         ws = CascadeWorkspace(ws_max_bs(case.n_req, max_bs), HQ, HKV, D, DEV, config=cfg)
         sfx = "" if name == "default" else f"@{name}"
         case.fill(ws)
+        if name != "default":  # the variant's prefix launch alone (the kernel a variant changes)
+            try:
+                f = lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)  # noqa: E731
+                row[f"gkv_part_prefix{sfx}_us"] = round(bench(f)[0] * 1e3, 1)
+            except Exception as e:  # noqa: BLE001
+                row[f"gkv_part_prefix{sfx}_error"] = repr(e)[:300]
+                traceback.print_exc()
         for path, fn in (("gkv_cascade", cascade_attention), ("gkv_fused", fused_cascade_attention)):
             out = torch.empty_like(case.q)
             f = lambda: fn(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE, out=out)  # noqa: E731
@@ -312,17 +344,32 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # (prefix alone 5-6% faster at 16K, cascade equal or 2% faster): now the default
     "pw2.0": dict(prefix_waves=2.0),
     "masked": dict(even_split=False),  # the default before sweep 8
+    # not measured yet: the prefix kernel over tensor descriptors (TMA loads, tl.range pipelining),
+    # without / with warp specialisation, and with 2 / 4 stages; the many-group item target
+    "descriptor": dict(prefix_kernel="descriptor"),
+    "descriptor_ws": dict(prefix_kernel="descriptor", prefix_warp_specialize=True),
+    "descriptor_s2": dict(prefix_kernel="descriptor", prefix_stages=2),
+    "descriptor_s4": dict(prefix_kernel="descriptor", prefix_stages=4),
+    "forest2": dict(forest_items_per_tile=2.0),
+    # per-shape tiles (--shape): row tiles of 128 / 32, kv tiles of 32 / 128
+    "bm128_w8": dict(block_m=128, prefix_warps=8),
+    "bm32": dict(block_m=32),
+    "bn32": dict(block_n=32),
+    "bn128": dict(block_n=128),
 }
+FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents
+FOREST_64 = [(512 + 57 * g, 2 + g % 3) for g in range(64)]  # 64 prefixes 0.5-4K, 2-4 agents
 SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
                ([(4096, 8)], 256),
                # the heterogeneous e2e row at 128 agents (workloads.py: 8 prefixes 2K-16K)
                ([(2048, 30), (4096, 23), (6144, 20), (8192, 16), (10240, 13), (12288, 12), (14336, 9), (16384, 5)],
-                256)]
+                256),
+               (FOREST_16, 256), (FOREST_64, 256)]
 
 
 def sweep(args):
     """Every SWEEP variant of the default config at SWEEP_CASES: cascade graph time + parts (us)."""
-    base = default_config(D)
+    base = base_config()
     rows = []
     for groups, sfx in SWEEP_CASES:
         case = Case(groups, sfx)
@@ -355,7 +402,8 @@ def sweep(args):
         del case
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs, base=dataclasses.asdict(base),
+        json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs,
+                       shape=dict(hq=HQ, hkv=HKV, d=D), base=dataclasses.asdict(base),
                        variants=SWEEP, rows=rows), f, indent=1)
     for r in rows:
         print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
@@ -373,8 +421,11 @@ def main():
     ap.add_argument("--max-bs", type=int, default=0,
                     help="GraniKV workspace capacity (grids scale with it); serving uses the largest CUDA-graph "
                          "batch, e.g. 256. 0 (default, as in the recorded runs): the case's request count")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES),
+                    help="head shape of every case (q heads / kv heads / head_dim per layer)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    set_shape(args.shape)
     unknown = [n for n in filter(None, args.variants.split(",")) if n not in SWEEP]
     if unknown:
         ap.error(f"--variants {','.join(unknown)}: not in SWEEP ({', '.join(SWEEP)})")
@@ -384,11 +435,11 @@ def main():
     bw, tf = ceilings()
     print(f"ceilings: copy {bw:.2f} TB/s, bf16 matmul {tf:.0f} TFLOP/s", flush=True)
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
-    base = default_config(D)
+    base = base_config()
     if args.quick:
         configs = {"default": base}  # tile/launch variants: --sweep (or name some with --variants)
         cases = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], 256),
-                 ([(4096, 8)], 256)]
+                 ([(4096, 8)], 256), (FOREST_16, 256)]
     else:
         configs = {"default": base}
         cases = []
@@ -412,6 +463,7 @@ def main():
         rows.append(r)
         print("ROW", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, max_bs=args.max_bs,
+                shape_name=args.shape,
                 copy_TBps=bw, matmul_TFLOPs=tf, shapes=dict(hq=HQ, hkv=HKV, d=D, dtype="bf16"),
                 configs={k: dataclasses.asdict(v) for k, v in configs.items()})
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
@@ -435,7 +487,7 @@ def main():
         ax.set_ylabel("ms (one layer)")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
-        ax.set_title(f"{meta['gpu']} decode attention, bf16 32q/8kv/128")
+        ax.set_title(f"{meta['gpu']} decode attention, bf16 {HQ}q/{HKV}kv/{D}")
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "kernels.png"), dpi=110)
     except Exception as e:  # noqa: BLE001 - no matplotlib (or a broken one): no plot

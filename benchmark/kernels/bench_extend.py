@@ -30,12 +30,24 @@ as a merge needs):
                       extent's slots): the CUDA-graph-capturable form that can also take several
                       groups' extents in one call
 
+With ``--forest``, a forest extend batch instead (16 prefixes of 1.5-6K tokens, 4-12 agents
+each with 64-256 new tokens, in shuffled batch order; gaps between the extents; 8 agents that
+matched only the first 1K of theirs), the prefix part as GraniKV serves it beside the stock way:
+
+    fi_paged_fa2 / fi_paged_fa3   SGLang's way, per request (page size 1), FA2 / FA3
+    granikv_calls                 HotExtendAttention + FlashInferDense: the groups of disjoint
+                                  extents in one ragged FA3 call (gap entries), overlapping ones
+                                  in a second (extend_plan.ExtendCall); gathers and scatters timed
+    fi_ragged_per_group           one ragged FA3 call per (extent, length) group (the path before
+                                  batching), same gathers
+
 Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
 with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
 
     python benchmark/kernels/bench_extend.py --out $OUT     # GPU
+    python benchmark/kernels/bench_extend.py --forest --out $OUT
 
-Writes OUT/extend.json. This is a measurement to decide whether to build a shared-prefix extend
+Writes OUT/extend.json (OUT/extend_forest.json with --forest). This is a measurement to decide whether to build a shared-prefix extend
 path in the backend; nothing in the serving path uses it.
 """
 
@@ -287,13 +299,121 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
     return row
 
 
+def forest_batch(seed: int = 0):
+    """The --forest batch: KV buffers, rows, cached prefix lengths, HOT runs per row, new tokens,
+    req_to_token, q (all on the GPU but the numpy plan inputs)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    lens = rng.integers(1536, 6145, 16)
+    starts = 1 + np.cumsum(lens + rng.integers(0, 2048, 16)) - lens
+    ext_of = rng.permutation(np.repeat(np.arange(16), rng.integers(4, 13, 16)))
+    bs = len(ext_of)
+    rows = np.arange(1, bs + 1, dtype=np.int64)
+    start, length = np.zeros(bs + 1, np.int64), np.zeros(bs + 1, np.int64)
+    start[rows] = starts[ext_of]
+    length[rows] = lens[ext_of]
+    length[rows[rng.permutation(bs)[:8]]] = 1024  # matched only the head of their extent
+    prefix = length[rows].copy()
+    new = rng.integers(64, 257, bs).astype(np.int64)
+    slots = int(starts[-1] + lens[-1]) + 1
+    k = torch.randn(slots, HKV, D, device=DEV, dtype=DT, generator=g)
+    v = torch.randn(slots, HKV, D, device=DEV, dtype=DT, generator=g)
+    r2t = torch.zeros(bs + 1, int(lens.max()), dtype=torch.int32, device=DEV)
+    for r in rows:
+        r2t[r, : prefix[r - 1]] = torch.arange(start[r], start[r] + prefix[r - 1], dtype=torch.int32, device=DEV)
+    q = torch.randn(int(new.sum()), HQ, D, device=DEV, dtype=DT, generator=g)
+    return k, v, rows, prefix, start, length, new, r2t, q
+
+
+def run_forest(ws_bytes) -> dict:
+    """The --forest comparison (module docstring); prefix part only, one layer."""
+    import flashinfer
+    import numpy as np
+
+    from granikv.layers.attention.cascade.extend_plan import plan_extend
+    from granikv.layers.attention.cascade.hot_extend import FlashInferDense, HotExtendAttention
+
+    k, v, rows, prefix, start, length, new, r2t, q = forest_batch()
+    scale = D**-0.5
+    flops = 4 * int((new * prefix).sum()) * HQ * D
+    plan, reason = plan_extend(rows, prefix, new, start, length)
+    assert reason == "", reason
+    row = dict(requests=len(rows), tokens=int(new.sum()), groups=len(plan.groups), calls=len(plan.calls),
+               GFLOP=round(flops / 1e9, 1))
+    outs = {}
+
+    def record(name, fn):
+        try:
+            outs[name] = tuple(t.float() for t in fn())
+            ms = bench_ms(fn)
+            row[name + "_ms"] = round(ms, 4)
+            row[name + "_TFLOPs"] = round(flops / ms / 1e9, 1)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row[name + "_error"] = repr(e)[:300]
+            traceback.print_exc()
+
+    i32 = dict(dtype=torch.int32, device=DEV)
+    paged = (k.view(-1, 1, HKV, D), v.view(-1, 1, HKV, D))
+    kv_idx = torch.cat([r2t[r, :p] for r, p in zip(rows, prefix)])
+    for be in ("fa2", "fa3"):
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+        try:
+            w.plan(torch.tensor(np.concatenate([[0], np.cumsum(new)]), **i32),
+                   torch.tensor(np.concatenate([[0], np.cumsum(prefix)]), **i32), kv_idx,
+                   torch.ones(len(rows), **i32), HQ, HKV, D, 1, causal=False, sm_scale=scale,
+                   q_data_type=DT, kv_data_type=DT)
+            record(f"fi_paged_{be}", lambda w=w: w.run(q, paged, return_lse=True))
+        except Exception as e:  # noqa: BLE001
+            row[f"fi_paged_{be}_error"] = repr(e)[:300]
+    attn = HotExtendAttention(FlashInferDense(ws_bytes), DEV)
+    attn.begin(plan, r2t)
+    record("granikv_calls", lambda: attn.prefix_part(q, k, v, scale))
+    try:
+        wrappers, idx = [], []
+        for gr in plan.groups:
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws_bytes, "NHD", backend="auto")
+            w.plan(torch.tensor([0, gr.num_tokens], dtype=torch.int32), torch.tensor([0, gr.length], dtype=torch.int32),
+                   HQ, HKV, D, causal=False, sm_scale=scale, q_data_type=DT, kv_data_type=DT)
+            wrappers.append(w)
+            idx.append(torch.from_numpy(gr.token_idx).to(DEV))
+
+        def per_group():
+            o = torch.empty_like(q)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+            for w, gr, ix in zip(wrappers, plan.groups, idx):
+                og, lg = w.run(q.index_select(0, ix), k[gr.start: gr.start + gr.length],
+                               v[gr.start: gr.start + gr.length], return_lse=True)
+                o.index_copy_(0, ix, og)
+                lse.index_copy_(0, ix, lg)
+            return o, lse
+        record("fi_ragged_per_group", per_group)
+    except Exception as e:  # noqa: BLE001
+        row["fi_ragged_per_group_error"] = repr(e)[:300]
+        traceback.print_exc()
+    ref = outs.get("fi_paged_fa2")
+    if ref is not None:
+        for name, (o, lse) in outs.items():
+            row[name + "_maxdiff_o"] = round((o - ref[0]).abs().max().item(), 4)
+            row[name + "_maxdiff_lse"] = round((lse - ref[1]).abs().max().item(), 4)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--decode-only", action="store_true", help="only the decode-shaped cases (1 new token)")
+    ap.add_argument("--forest", action="store_true", help="the forest extend batch only (module docstring)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
+    if args.forest:
+        r = run_forest(ws_bytes)
+        print("FOREST", json.dumps(r), flush=True)
+        with open(os.path.join(args.out, "extend_forest.json"), "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, row=r), f, indent=1)
+        return
     rows = []
     for prefix, agents, new in CASES:
         if args.decode_only and new != 1:

@@ -71,3 +71,20 @@ def test_packed_gqa_split_attention_equals_gqa_attention():
         torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-12)
         torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
     assert mod.split_ptrs(37, 4) == [0, 10, 20, 30, 37] and mod.split_ptrs(8, 16)[-1] == 8
+
+
+def test_forest_batch_plans_into_two_calls(monkeypatch):
+    """--forest: the batch (built on CPU here) is a forest of 16 extents whose plan is one call
+    for the disjoint extents plus one for the head-only matches."""
+    from granikv.layers.attention.cascade.extend_plan import plan_extend
+    from granikv.layers.attention.cascade.hot_extend import check_call
+
+    mod = _load()
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(mod, "DT", __import__("torch").float16)
+    k, v, rows, prefix, start, length, new, r2t, q = mod.forest_batch()
+    plan, reason = plan_extend(rows, prefix, new, start, length)
+    assert reason == "" and len(plan.groups) > 16 and len(plan.calls) == 2
+    for c in plan.calls:
+        check_call(c, plan.groups)
+    assert q.shape[0] == plan.num_tokens == plan.hot_tokens

@@ -25,3 +25,21 @@ def test_sweep_variant_plans_every_case(name):
                      np.arange(n_req) + 1)  # fmt: skip
         ws.check_integrity()
         assert wl.num_prefix_items > 0 and wl.num_suffix_items >= n_req
+
+
+@pytest.mark.parametrize("shape", list(bench.SHAPES))
+def test_every_shape_plans_the_forest_cases(shape):
+    """--shape NAME: the config GraniKV picks for those heads plans the forest sweep cases."""
+    bench.set_shape(shape)
+    try:
+        for groups, sfx in (bench.FOREST_16, 256), (bench.FOREST_64, 256):
+            n_req = sum(n for _, n in groups)
+            ws = CascadeWorkspace(max(n_req, 8), bench.HQ, bench.HKV, bench.D, "cpu", config=bench.base_config(),
+                                  sm_count=132)
+            starts = 1 + np.cumsum([0] + [lp for lp, _ in groups[:-1]])
+            prefix_len = np.repeat([lp for lp, _ in groups], [n for _, n in groups])
+            ws.fill(np.asarray(starts), np.array([lp for lp, _ in groups]), np.cumsum([0] + [n for _, n in groups]),
+                    np.arange(n_req), prefix_len, prefix_len + sfx, np.arange(n_req) + 1)
+            ws.check_integrity()
+    finally:
+        bench.set_shape("llama-3.1-8b")
