@@ -4,6 +4,9 @@ Each engine runs the same probe twice (``probe``): greedy decoding of a fixed mu
 (one shared prefix, private suffixes), returning output ids and the first tokens' logprobs.
 ``summarize`` compares baseline run A with baseline run B (self-agreement: batch composition and
 split-KV scheduling already change bf16 rounding) and GraniKV's runs with baseline run A.
+
+A smoke test only: with dummy weights the logits barely depend on attention, so it cannot
+detect a request attending to the wrong prefix (benchmark/correctness/check.py can).
 """
 
 import random

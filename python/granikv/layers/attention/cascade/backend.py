@@ -53,6 +53,7 @@ from granikv.layers.attention.cascade.hot_extend import (
     PrefixPartProxy,
     TorchDense,
 )
+from granikv.layers.attention.cascade import planted_fault
 from granikv.layers.attention.cascade.plan import (
     BatchDescription,
     GroupingMemo,
@@ -128,6 +129,7 @@ class GraniKVAttnBackend(AttentionBackend):
         self._full_compare = False  # debug compare due on this batch's layer 0 (full extend)
         self._logged_layer_reasons = set()
         self._extend_off_reason = None  # set when the dense prefill path failed: stock from then on
+        self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
     def __getattr__(self, name):
         # Only called for attributes not found normally: delegate to the wrapped backend.
@@ -273,7 +275,7 @@ class GraniKVAttnBackend(AttentionBackend):
         prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens,
                                          desc.req_pool_indices, padded)
         same = grouping is self._filled_grouping and ws is self._filled_ws
-        ws.fill(grouping.group_start, grouping.group_len, grouping.group_req_indptr,
+        ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
                 single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same)
         self._filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful

@@ -1,0 +1,289 @@
+"""End-to-end correctness check of GraniKV on a model whose outputs depend on the context.
+
+    python3 benchmark/correctness/check.py --out docs/results
+    python3 benchmark/correctness/check.py --backends triton --no-fault --out /tmp/c   # shorter
+
+1. Writes a random-normal Llama checkpoint (checkpoint.py: 4 layers, 32 q / 8 kv heads of 128,
+   a 4,096-token vocabulary) into a temporary folder; every engine loads it through SGLang's
+   normal safetensors loader.
+2. Per attention backend, runs three engines, each in its own subprocess: ``baseline`` (stock
+   SGLang), ``granikv`` (``enable_granikv=True``, decode path forced to ``cascade`` unless
+   ``--attention-path`` says otherwise, so the shared-prefix kernels run on these short
+   prompts) and ``fault`` (the same with ``GRANIKV_DEBUG_FAULT=half_prefix``: every group's
+   prefix attention drops the second half of its HOT extent).
+3. Every engine runs the project's workloads (benchmark/multi_agent/workloads.py) at a small
+   size, greedy with logprobs: homogeneous, heterogeneous, and the agent loop (turns submitted
+   asynchronously per agent; the text between turns is fixed, not the engine's output, so every
+   engine sees the same prompts in every turn).
+4. Compares (metrics.py) granikv and fault against the baseline of the same backend, and the
+   flashinfer baseline against the triton baseline (two correct kernels) on the same prompts.
+   A row passes when GraniKV agrees with stock as well as the two stock backends agree with
+   each other (less a margin); the planted fault is caught when the fault engine does not pass.
+
+Writes ``correctness.json`` (``{"meta", "rows"}``) and ``correctness.md`` into ``--out``. Exit
+status 1 when a row fails, a fault goes uncaught, or an engine fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "multi_agent"))
+
+import checkpoint  # noqa: E402
+import metrics  # noqa: E402
+import results  # noqa: E402
+import run as ma_run  # noqa: E402  (the multi-agent runner: engine kwargs, Child, counters)
+import workloads as wl  # noqa: E402
+
+CONFIGS = ("baseline", "granikv", "fault")
+FAULT = "half_prefix"
+RESULT_TAG = "RESULT "
+VOCAB_LO = 16  # remapped token ids stay clear of the special ids 0..15
+
+# The multi-agent runner's engine kwargs, for a real checkpoint and a short run.
+ENGINE_KWARGS: Dict[str, Any] = dict(
+    ma_run.BASE_ENGINE_KWARGS, load_format="safetensors", mem_fraction_static=0.6,
+    max_running_requests=64, cuda_graph_max_bs_decode=32,
+)
+
+
+def specs(out: int) -> List[wl.WorkloadSpec]:
+    """The three workloads at check size: every shared prefix >= GraniKV's default
+    hot_min_tokens (1024), so it is promoted to HOT."""
+    return [
+        wl.WorkloadSpec("homogeneous", 16, 2048, {"suffix": 64, "out": out}),
+        wl.WorkloadSpec("heterogeneous", 16, 3072, {
+            "prefixes": [1024, 1536, 2048, 3072], "weights": [4, 3, 2, 1], "suffix": 64,
+            "out": out}),
+        wl.WorkloadSpec("agent_loop", 8, 2048, {"turns": 3, "suffix": 64, "out": out // 2,
+                                                "tool": 48}),
+    ]
+
+
+def fit_vocab(w: wl.Workload, vocab: int) -> wl.Workload:
+    """``w`` with every token id mapped into ``[VOCAB_LO, vocab)`` (same id -> same id, so
+    shared prefixes stay shared)."""
+    span = vocab - VOCAB_LO
+    if span < 1:
+        raise ValueError(f"vocab={vocab} must exceed {VOCAB_LO}")
+
+    def m(ids):
+        return tuple(VOCAB_LO + t % span for t in ids)
+
+    return dataclasses.replace(
+        w, prompts=tuple(m(p) for p in w.prompts), prefixes=tuple(m(p) for p in w.prefixes),
+        tool_results=tuple(tuple(m(t) for t in agent) for agent in w.tool_results))
+
+
+def between_turns(w: wl.Workload, agent: int, turn: int, vocab: int) -> Tuple[int, ...]:
+    """Fixed tokens standing for the agent's output of ``turn`` in its next prompt (seeded, the
+    same in every engine), followed by the workload's tool result."""
+    rng = random.Random(f"correctness:{w.name}:{agent}:{turn}")
+    said = tuple(rng.randrange(VOCAB_LO, vocab) for _ in range(w.sampling.max_new_tokens))
+    return said + tuple(w.tool_results[agent][turn])
+
+
+# ------------------------------------------------------------------------------------------
+# child: one engine, every workload
+# ------------------------------------------------------------------------------------------
+
+
+def _outputs_of(results_: Sequence[Dict[str, Any]]) -> metrics.Outputs:
+    return metrics.Outputs(
+        ids=[list(r["output_ids"]) for r in results_],
+        logprobs=[[t[0] for t in r["meta_info"].get("output_token_logprobs") or []]
+                  for r in results_])
+
+
+class CheckChild(ma_run.Child):
+    """The multi-agent runner's child (warm-up, counters) over a real checkpoint."""
+
+    def __init__(self, job: Dict[str, Any]):  # noqa: D107 - replaces Child's dummy-weight start
+        import sglang
+
+        self.job = job
+        self.model_dir = job["model_dir"]
+        t = time.time()
+        self.engine = sglang.Engine(model_path=self.model_dir, **job["engine_kwargs"])
+        self.engine_up_s = round(time.time() - t, 1)
+        self.incremental = False
+        self.loop = self.engine.loop
+
+    def outputs(self, w: wl.Workload) -> metrics.Outputs:
+        """Greedy outputs with logprobs; agent loop: one entry per (agent, turn), agent-major."""
+        self.warm(w)
+        params = w.sampling.to_dict()
+        if w.turns == 1:
+            res = self.engine.generate(input_ids=[list(p) for p in w.prompts],
+                                       sampling_params=params, return_logprob=True)
+            return _outputs_of(res)
+        return self.loop.run_until_complete(self._agent_loop(w, params))
+
+    async def _agent_loop(self, w: wl.Workload, params) -> metrics.Outputs:
+        vocab = self.job["vocab"]
+
+        async def agent(i: int) -> List[Dict[str, Any]]:
+            context, turns = list(w.prompts[i]), []
+            for t in range(w.turns):
+                r = await self.engine.async_generate(input_ids=context, sampling_params=params,
+                                                     return_logprob=True)
+                turns.append(r)
+                if t + 1 < w.turns:
+                    context += between_turns(w, i, t, vocab)
+            return turns
+
+        per_agent = await asyncio.gather(*(agent(i) for i in range(w.agents)))
+        return _outputs_of([r for turns in per_agent for r in turns])
+
+    def run_all(self, spec_list: Sequence[wl.WorkloadSpec]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for spec in spec_list:
+            w = fit_vocab(spec.build(), self.job["vocab"])
+            before = self.granikv_counters()
+            o = self.outputs(w)
+            after = self.granikv_counters()
+            delta = None if after is None else ma_run.counter_delta(after, before or {})
+            out[w.name] = dict(outputs=o.to_json(), granikv_delta=delta)
+        return out
+
+
+def main_child(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    child = CheckChild(job)
+    try:
+        res = dict(engine_up_s=child.engine_up_s, gpu=ma_run.gpu_name(),
+                   workloads=child.run_all([wl.WorkloadSpec.from_json(s) for s in job["specs"]]))
+    finally:
+        child.engine.shutdown()
+    print(RESULT_TAG + json.dumps(res), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# parent: one subprocess per engine, then the comparison
+# ------------------------------------------------------------------------------------------
+
+
+def engine_kwargs(backend: str, config: str, attention_path: str) -> Dict[str, Any]:
+    kw = dict(ENGINE_KWARGS, attention_backend=backend)
+    if config != "baseline":
+        kw.update(enable_granikv=True, granikv_attention_path=attention_path)
+    return kw
+
+
+def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """One engine in a subprocess of its own session (killed whole on timeout); its RESULT."""
+    env = ma_run.engine_env(backend)
+    env.pop("GRANIKV_DEBUG_FAULT", None)
+    if config == "fault":
+        env["GRANIKV_DEBUG_FAULT"] = FAULT
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    name = f"{backend}/{config}"
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f.name],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            bufsize=1, start_new_session=True)
+    result, t0 = None, time.time()
+    watchdog = threading.Timer(timeout, ma_run._kill_group, (proc,))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(RESULT_TAG):
+                result = json.loads(line[len(RESULT_TAG):])
+            else:
+                sys.stdout.write(f"[{name}] {line}")
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        ma_run._kill_group(proc)  # the engine's scheduler processes hold GPU memory
+        os.unlink(f.name)
+    if result is None and time.time() - t0 >= timeout:
+        raise TimeoutError(f"{name}: killed after --child-timeout {timeout:.0f} s")
+    if result is None:
+        raise RuntimeError(f"{name}: exited with status {proc.returncode} and no result")
+    print(f"{name}: engine up in {result['engine_up_s']} s, done in {time.time() - t0:.0f} s",
+          flush=True)
+    return result
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    csv = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    p.add_argument("--out", default="docs/results")
+    p.add_argument("--backends", type=csv, default=["flashinfer", "triton"],
+                   help="Attention backends (both: the cross-backend reference needs two).")
+    p.add_argument("--out-tokens", type=int, default=48, help="Greedy tokens per request.")
+    p.add_argument("--attention-path", default="cascade",
+                   help="granikv_attention_path of the GraniKV engines (auto picks paged on "
+                        "prompts this short).")
+    p.add_argument("--no-fault", action="store_true", help="Skip the planted-fault engines.")
+    p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
+    p.add_argument("--child-timeout", type=float, default=240.0)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return main_child(args.child)
+    t0 = time.time()
+    shape = checkpoint.LlamaShape()
+    model_dir = args.model_dir or checkpoint.write_checkpoint(
+        tempfile.mkdtemp(prefix="granikv_check_model_"), shape)
+    print(f"checkpoint {model_dir} ({time.time() - t0:.0f} s)", flush=True)
+    spec_list = specs(args.out_tokens)
+    configs = [c for c in CONFIGS if not (args.no_fault and c == "fault")]
+    meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command="python3 benchmark/correctness/check.py " + " ".join(argv or sys.argv[1:]),
+                model=dict(dataclasses.asdict(shape), std=checkpoint.DEFAULT_STD, dtype="bfloat16"),
+                fault=FAULT, attention_path=args.attention_path,
+                workloads=[s.to_json() for s in spec_list],
+                engine_kwargs=ENGINE_KWARGS, margin=metrics.AGREEMENT_MARGIN,
+                logprob_factor=metrics.LOGPROB_FACTOR, logprob_slack=metrics.LOGPROB_SLACK,
+                errors=[])
+    engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for backend in args.backends:
+        for config in configs:
+            job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
+                       engine_kwargs=engine_kwargs(backend, config, args.attention_path))
+            try:
+                engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout)
+            except Exception as e:  # the other engines still run; the report says what failed
+                traceback.print_exc()
+                meta["errors"].append(f"{backend}/{config}: {type(e).__name__}: {e}")
+    meta["gpu"] = next((e.get("gpu") for e in engines.values() if e.get("gpu")), None)
+    meta["seconds"] = round(time.time() - t0, 1)
+    rows = results.rows(engines, [s.name for s in spec_list], args.backends)
+    paths = results.write(args.out, meta, rows)
+    print(results.markdown(meta, rows), flush=True)
+    print(f"wrote {', '.join(map(str, paths))}", flush=True)
+    return 0 if results.all_ok(meta, rows, fault=not args.no_fault) else 1
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(code)  # SGLang leaves non-daemon threads behind
