@@ -16,7 +16,8 @@ import torch
 
 from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
-from granikv.layers.attention.cascade.full_extend import backend_reason, layer_reason
+from granikv.layers.attention.cascade.full_extend import backend_reason
+from granikv.layers.attention.cascade.support import call_reason, layer_reason
 from granikv.layers.attention.cascade.hot_extend import HotExtendAttention, TorchDense
 
 from extend_standin import TritonExtendStandIn  # noqa: E402  (test/layers, on the path)
@@ -97,18 +98,18 @@ def test_a_layer_it_does_not_serve_goes_to_the_wrapped_backend(caplog):
         out = _run(be, fb, rows, q, k, v, layer=windowed)
         be.forward_extend(q, k, v, windowed, fb)
     torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
-    assert be.inner.calls == 2 and caplog.text.count("(sliding window)") == 1  # logged once
+    assert be.inner.calls == 2 and caplog.text.count("(sliding window 64)") == 1  # logged once
     assert be.forward_extend(q, k, v, LAYER, fb) is not None and be.inner.calls == 2  # the next layer: served
 
 
 def test_layer_and_backend_reasons():
     q = torch.zeros(1, HQ * D)
-    assert layer_reason(LAYER, q, q, q, {}) is None
-    assert layer_reason(LAYER, q, None, None, {}) == "no new K/V given"
-    assert "sinks" in layer_reason(LAYER, q, q, q, {"sinks": torch.zeros(1)})
-    assert layer_reason(LAYER, q, q, q, {"sinks": None}) is None
+    assert layer_reason(LAYER) is None and call_reason(q, q, {}) is None
+    assert call_reason(q, None, {}) == "no new K/V given"
+    assert "sinks" in call_reason(q, q, {"sinks": torch.zeros(1)})
+    assert call_reason(q, q, {"sinks": None}) is None
     for attr, val in (("k_scale", 1.0), ("logit_cap", 30.0), ("is_cross_attention", True)):
-        assert layer_reason(SimpleNamespace(**{**vars(LAYER), attr: val}), q, q, q, {}) is not None
+        assert layer_reason(SimpleNamespace(**{**vars(LAYER), attr: val})) is not None
     runner, *_ = _setup(["A"], [1])
     pool = runner.token_to_kv_pool
     assert backend_reason(SimpleNamespace(), pool) is None

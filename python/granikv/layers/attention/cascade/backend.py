@@ -46,7 +46,7 @@ from granikv.config import parse_graph_bs
 from granikv.layers.attention.cascade.dispatcher import Path, SteadyChooser
 from granikv.layers.attention.cascade.extend_plan import plan_extend
 from granikv.layers.attention.cascade.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
-from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, graph_reason, layer_reason
+from granikv.layers.attention.cascade.full_extend import FullExtend, backend_reason, graph_reason
 from granikv.layers.attention.cascade.hot_extend import (
     FlashInferDense,
     HotExtendAttention,
@@ -60,9 +60,17 @@ from granikv.layers.attention.cascade.plan import (
     verify_same_slots,
 )
 from granikv.layers.attention.cascade.step_stats import StepStats
-from granikv.layers.attention.cascade.support import build_dispatcher, unsupported_reason
+from granikv.layers.attention.cascade.support import (
+    build_dispatcher,
+    call_reason,
+    layer_ranges,
+    layer_reason,
+    scan_layers,
+    unsupported_reason,
+)
 
 logger = logging.getLogger("granikv")
+_UNSEEN = object()
 
 try:  # SGLang is the host; GraniKV's kernels and planner do not need it.
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -107,6 +115,8 @@ class GraniKVAttnBackend(AttentionBackend):
         self.dispatcher = build_dispatcher(model_runner, cfg, backend_name)
         self._chooser = SteadyChooser(self.dispatcher)  # steady steps: O(1) path choice
         geo = self.dispatcher.geometry
+        self._layer_reasons = self._scan_layers(model_runner, geo)  # layer_id -> why it runs stock
+        self._layer_memo = {}  # id(layer) -> its layer_reason (None: served)
         self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
         self.device = torch.device(model_runner.device)
         self.workspace = None  # CascadeWorkspace (the graph one once graphs exist)
@@ -129,7 +139,42 @@ class GraniKVAttnBackend(AttentionBackend):
         self._full_compare = False  # debug compare due on this batch's layer 0 (full extend)
         self._logged_layer_reasons = set()
         self._extend_off_reason = None  # set when the dense prefill path failed: stock from then on
+        self._stock_prefill_wrappers = None  # the batch's wrappers the proxies stand in for
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
+
+    def _scan_layers(self, model_runner, geo) -> dict:
+        """Per-layer eligibility (support.layer_reason) of the loaded model's attention layers,
+        logged once per reason. Any ineligible layer keeps decode stock (the wrapped backend is
+        planned once per step for every layer, so one layer cannot opt out of the ``seq_len =
+        1`` plan); extend batches fall back layer by layer."""
+        reasons = scan_layers(getattr(model_runner, "model", None), num_q_heads=geo.num_q_heads,
+                              head_dim=geo.head_dim)
+        by_reason = {}
+        for layer_id, reason in sorted(reasons.items()):
+            by_reason.setdefault(reason, []).append(layer_id)
+        for reason, ids in by_reason.items():
+            logger.warning("GraniKV: attention layers %s run the stock %s backend (%s); decode "
+                           "stays stock for the whole model", layer_ranges(ids), self.backend_name, reason)
+        if reasons:
+            self._force_paged_decode()
+        return reasons
+
+    def _force_paged_decode(self) -> None:
+        """Every later decode step runs the wrapped backend alone."""
+        self.dispatcher = build_dispatcher(self.model_runner, self.cfg, self.backend_name, forced_path="paged")
+        self._chooser = SteadyChooser(self.dispatcher)
+
+    def _layer_reason(self, layer, k, v, kwargs):
+        """Why this call runs the wrapped backend's attention (None: GraniKV serves it): the
+        scan's verdict, else ``layer_reason`` of this layer object (checked once per object),
+        else the call's own arguments."""
+        reason = self._layer_memo.get(id(layer), _UNSEEN)
+        if reason is _UNSEEN:
+            geo = self.dispatcher.geometry
+            reason = self._layer_reasons.get(layer.layer_id) or layer_reason(
+                layer, num_q_heads=geo.num_q_heads, head_dim=geo.head_dim)
+            self._layer_memo[id(layer)] = reason
+        return reason or call_reason(k, v, kwargs)
 
     def __getattr__(self, name):
         # Only called for attributes not found normally: delegate to the wrapped backend.
@@ -411,6 +456,7 @@ class GraniKVAttnBackend(AttentionBackend):
                     self._full_compare = self._extend_compare_due()
                     return
                 compare = self._extend_compare_callback(plan) if self._extend_compare_due() else None
+                self._stock_prefill_wrappers = md.prefill_wrappers  # for layers GraniKV does not serve
                 md.prefill_wrappers = [PrefixPartProxy(attn, w, on_compare=compare, on_failure=self._extend_failed)
                                        for w in md.prefill_wrappers]  # a new list: SGLang's stays
                 return
@@ -485,7 +531,7 @@ class GraniKVAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         full = self._full_extend
         if full is not None and full.active:  # planned for a backend without ragged + paged calls
-            reason = layer_reason(layer, q, k, v, kwargs) or graph_reason()
+            reason = self._layer_reason(layer, k, v, kwargs) or graph_reason()
             if reason is None:
                 try:
                     o = full.forward(q, k, v, layer, forward_batch, self.model_runner.token_to_kv_pool,
@@ -501,8 +547,26 @@ class GraniKVAttnBackend(AttentionBackend):
                 self._logged_layer_reasons.add(reason)
                 logger.info("GraniKV: extend of layer %d goes to the %s backend (%s)", layer.layer_id,
                             self.backend_name, reason)
+        elif self._hot_extend is not None and self._hot_extend.plan is not None:  # flashinfer proxies
+            reason = self._layer_reason(layer, k, v, kwargs)
+            if reason is not None:
+                return self._stock_extend_layer(q, k, v, layer, forward_batch, save_kv_cache, kwargs, reason)
         return self.inner.forward_extend(q, k, v, layer, forward_batch,
                                          save_kv_cache=save_kv_cache, **kwargs)
+
+    def _stock_extend_layer(self, q, k, v, layer, fb, save_kv_cache, kwargs, reason):
+        """One layer of a proxied (flashinfer) extend batch, computed wholly by the wrapped backend:
+        its stock paged prefill wrappers are put back for the call."""
+        if reason not in self._logged_layer_reasons:
+            self._logged_layer_reasons.add(reason)
+            logger.info("GraniKV: extend of layer %d goes to the %s backend (%s)", layer.layer_id,
+                        self.backend_name, reason)
+        md = self.inner.forward_metadata
+        proxies, md.prefill_wrappers = md.prefill_wrappers, self._stock_prefill_wrappers
+        try:
+            return self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
+        finally:
+            md.prefill_wrappers = proxies
 
     def _compare_full_extend(self, ours, q, k, v, layer, fb, kwargs) -> None:
         """Debug compare mode: layer 0's extend output against the wrapped backend's (it reads the
@@ -519,10 +583,23 @@ class GraniKVAttnBackend(AttentionBackend):
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
         if self._path is not Path.PAGED:  # paged: the stock work only
+            self._unscanned_decode_feature(layer, self._layer_reason(layer, k, v, kwargs))
             self._run_shared_prefix(q, layer, o)
             if self._compare_due(layer):
                 self._compare_with_reference(q, layer, forward_batch, o)
         return o
+
+    def _unscanned_decode_feature(self, layer, reason) -> None:
+        """A decode call carries a feature the wrap-time scan did not see (an argument only
+        the call shows, or a layer outside the scanned model). This step's wrapped backend was planned with ``seq_len = 1``: the
+        output cannot be repaired here, so decode stays stock from the next step on (error
+        logged once)."""
+        if reason is None:
+            return
+        logger.error("GraniKV: decode of layer %d carries %s, which the layer scan did not "
+                     "find; decode attention is stock from the next step on", layer.layer_id, reason)
+        self._layer_reasons.setdefault(layer.layer_id, reason)
+        self._force_paged_decode()
 
     def _compare_due(self, layer) -> bool:
         n = self.cfg.debug_compare_every

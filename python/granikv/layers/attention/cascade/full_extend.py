@@ -14,7 +14,7 @@ does::
     out = merge(causal, prefix)          runner.merge (tokens without a cached prefix: lse -inf)
 
 On the GPU the runner is ``FlashInferDense`` (FlashInfer ships with SGLang; ``backend="auto"``
-is FA3 on Hopper). A layer this module does not serve (``layer_reason``) goes to the wrapped
+is FA3 on Hopper). A layer this module does not serve (``support.layer_reason`` / ``call_reason``) goes to the wrapped
 backend's ``forward_extend``, which SGLang planned for the same batch, so falling back is
 always possible.
 """
@@ -25,7 +25,7 @@ import torch
 
 from granikv.layers.attention.cascade.hot_extend import HotExtendAttention
 
-__all__ = ["FullExtend", "backend_reason", "layer_reason", "graph_reason"]
+__all__ = ["FullExtend", "backend_reason", "graph_reason"]
 
 
 try:  # SGLang's flag for torch.compile's piecewise prefill graph (looked up once, not per layer)
@@ -56,24 +56,6 @@ def backend_reason(inner, pool) -> Optional[str]:
     if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "store_dtype", None) != getattr(
             pool, "dtype", None):
         return "quantised KV cache"
-    return None
-
-
-def layer_reason(layer, q: torch.Tensor, k, v, kwargs: dict) -> Optional[str]:
-    """Why this layer's extend call goes to the wrapped backend (None: it is served here)."""
-    if k is None or v is None:
-        return "no new K/V given"
-    if any(val is not None for val in kwargs.values()):
-        return f"extra arguments {sorted(kwargs)}"
-    if getattr(layer, "is_cross_attention", False) or getattr(layer, "k_scale", None) is not None:
-        return "cross attention or scaled KV"
-    if getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER":
-        return "not decoder self-attention"
-    if getattr(layer, "sliding_window_size", -1) not in (-1, None):
-        return "sliding window"
-    if getattr(layer, "logit_cap", 0) or getattr(layer, "qk_head_dim", layer.head_dim) != getattr(
-            layer, "v_head_dim", layer.head_dim):
-        return "logit cap or qk/v head dims differ"
     return None
 
 

@@ -1,7 +1,17 @@
-"""What GraniKV's attention can serve, and the dispatcher for a model runner's head shapes."""
+"""What GraniKV's attention can serve, and the dispatcher for a model runner's head shapes.
+
+Two levels of eligibility:
+
+- ``unsupported_reason``: the model runner as a whole (MLA, window, KV dtype, head_dim, ...):
+  GraniKV's attention stays off and SGLang's backend is returned unwrapped;
+- ``layer_reason`` / ``call_reason``: one attention layer (``RadixAttention``) and one call of
+  it. The one function decode and extend share: ``scan_layers`` runs it on every attention
+  layer of the loaded model at wrap time, and the extend path again on each call (a feature
+  that only shows in the call's arguments, such as ``sinks``).
+"""
 
 import logging
-from typing import Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 
@@ -48,10 +58,12 @@ def attention_tp_size(model_runner) -> int:
         return int(getattr(ps, "attn_tp_size", None) or getattr(ps, "tp_size", None) or 1)
 
 
-def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None) -> Dispatcher:
+def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None, *,
+                     forced_path: Optional[str] = None) -> Dispatcher:
     """The dispatcher for this model runner's head shapes, with the paged coefficients of the
     wrapped backend ``backend_name`` where the cost-model file has them (else its top-level
-    ones, calibrated on FlashInfer's decode; logged)."""
+    ones, calibrated on FlashInfer's decode; logged). ``forced_path`` overrides
+    ``cfg.attention_path`` (``"paged"`` when some layer cannot be served)."""
     mc = model_runner.model_config
     tp = attention_tp_size(model_runner)
     gpu = torch.cuda.get_device_name(model_runner.device) if torch.cuda.is_available() else None
@@ -66,6 +78,111 @@ def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None) -> D
         num_kv_heads=mc.get_num_kv_heads(tp),
         head_dim=mc.head_dim,
         kv_dtype_bytes=model_runner.kv_cache_dtype.itemsize,
-        forced_path=cfg.attention_path,
+        forced_path=forced_path or cfg.attention_path,
         num_layers=mc.num_hidden_layers,
     )
+
+
+# ---- per-layer eligibility -----------------------------------------------------------------
+
+_SINK_HINT = "sink"  # model-side attention-sink tensors (gpt-oss ``sinks``, MiMo ``attention_sink_bias``)
+
+
+def layer_reason(layer, *, num_q_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None) -> Optional[str]:
+    """Why GraniKV's kernels cannot compute this attention layer exactly (None: they can).
+
+    ``layer``: SGLang's ``RadixAttention`` (attributes read with SGLang's defaults, so a stand-in
+    with only the core fields is plain causal self-attention). ``num_q_heads`` / ``head_dim``:
+    the geometry GraniKV's kernels were built for (per TP rank), checked when given. The
+    kernels implement exactly: causal decoder self-attention, one softmax scale, no soft cap, no
+    window, no KV scales, equal q/k and v head dims, the model's head counts.
+    """
+    if getattr(layer, "is_cross_attention", False):
+        return "cross attention"
+    attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
+    if attn_type != "DECODER":
+        return f"attention type {attn_type}"
+    window = getattr(layer, "sliding_window_size", -1)
+    if window not in (-1, None, 0):
+        return f"sliding window {window}"
+    if getattr(layer, "logit_cap", 0.0) or 0.0:
+        return f"logit cap {layer.logit_cap}"
+    if (getattr(layer, "xai_temperature_len", -1) or -1) > 0:
+        return f"xai temperature scaling (len {layer.xai_temperature_len})"
+    if getattr(layer, "use_irope", False):
+        return "chunked local attention (irope)"
+    if getattr(layer, "pos_encoding_mode", "NONE") not in ("NONE", None):
+        return f"in-kernel position encoding {layer.pos_encoding_mode}"
+    for name in ("k_scale", "v_scale", "k_scale_float", "v_scale_float"):
+        if getattr(layer, name, None) is not None:
+            return f"KV scales ({name})"
+    hd = layer.head_dim
+    if getattr(layer, "qk_head_dim", hd) != getattr(layer, "v_head_dim", hd):
+        return f"qk head dim {layer.qk_head_dim} != v head dim {layer.v_head_dim}"
+    if head_dim is not None and hd != head_dim:
+        return f"head_dim {hd} (kernels built for {head_dim})"
+    q_heads = getattr(layer, "tp_q_head_num", None)
+    if num_q_heads is not None and q_heads is not None and q_heads != num_q_heads:
+        return f"{q_heads} query heads (kernels built for {num_q_heads})"
+    return None
+
+
+def call_reason(k, v, kwargs: Mapping[str, object]) -> Optional[str]:
+    """Why this call of an attention layer cannot be served (None: it can): no new K/V, or
+    extra keyword arguments the kernels do not implement (``sinks``, descales, ...)."""
+    if k is None or v is None:
+        return "no new K/V given"
+    extra = sorted(key for key, val in kwargs.items() if val is not None)
+    if extra:
+        return f"extra arguments {extra}"
+    return None
+
+
+def layer_ranges(ids) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (for log lines)."""
+    ids, parts = sorted(ids), []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _is_attention_layer(module) -> bool:
+    return all(hasattr(module, a) for a in ("layer_id", "tp_q_head_num", "scaling", "head_dim"))
+
+
+def scan_layers(model, *, num_q_heads: Optional[int] = None,
+                head_dim: Optional[int] = None) -> Dict[int, str]:
+    """``layer_id -> reason`` for every attention layer of ``model`` GraniKV cannot serve.
+
+    Walks ``model.named_modules()`` (nothing if it has none, e.g. before a model is loaded);
+    also marks the attention layers of a module that holds attention-sink tensors (they reach
+    the backend as a ``sinks=`` argument at call time).
+    """
+    out: Dict[int, str] = {}
+    named = getattr(model, "named_modules", None)
+    if named is None:
+        return out
+    for _, module in named():
+        children = [c for c in vars(module).get("_modules", {}).values() if c is not None]
+        names = list(vars(module).get("_parameters", {})) + list(vars(module).get("_buffers", {}))
+        names += list(vars(module))
+        sinks = any(_SINK_HINT in name.lower() and isinstance(getattr(module, name, None), torch.Tensor)
+                    for name in names)
+        for child in children:
+            if _is_attention_layer(child):
+                reason = layer_reason(child, num_q_heads=num_q_heads, head_dim=head_dim)
+                if reason is None and sinks:
+                    reason = "attention sinks"
+                if reason is not None:
+                    out.setdefault(int(child.layer_id), reason)
+        if _is_attention_layer(module) and int(module.layer_id) not in out:
+            reason = layer_reason(module, num_q_heads=num_q_heads, head_dim=head_dim)
+            if reason is not None:
+                out[int(module.layer_id)] = reason
+    return out
