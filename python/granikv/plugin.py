@@ -211,10 +211,14 @@ def _around_build_attn_backend(orig, *, model_runner, backend_str, init_new_work
     cfg = config_of(model_runner.server_args)
     if cfg is None or getattr(model_runner, "is_draft_worker", False):
         return inner
+    from granikv.layers.attention.cascade import backend_registry
     from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 
-    return GraniKVAttnBackend.wrap(inner, model_runner=model_runner, cfg=cfg,
-                                   backend_name=backend_str)
+    backend = GraniKVAttnBackend.wrap(inner, model_runner=model_runner, cfg=cfg,
+                                      backend_name=backend_str)
+    if isinstance(backend, GraniKVAttnBackend):  # the scheduler stages every wrapped instance
+        backend_registry.register(model_runner, backend)
+    return backend
 
 
 # ---- decode CUDA graphs (graph_variants.py) ---------------------------------------------------

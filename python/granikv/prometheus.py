@@ -72,12 +72,26 @@ class PrometheusExporter:
                              "call over HOT extents) or 'stock' (the wrapped backend's paged prefill).",
                              labelnames=names + ["path"], multiprocess_mode="mostrecent", registry=reg)
 
+        self._unplanned = Gauge("granikv:unplanned_steps_total",
+                                "Decode steps that reached a GraniKV backend without a staged batch (ran paged).",
+                                labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+        self._fallbacks = Gauge("granikv:extend_fallbacks_total",
+                                "Extend batches with a cached prefix left to the stock prefill, per reason.",
+                                labelnames=names + ["reason"], multiprocess_mode="mostrecent", registry=reg)
+        self._backends = Gauge("granikv:attention_backends",
+                               "GraniKV attention backends the scheduler stages (0: attention is stock).",
+                               labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+
     def update(self, snapshot: Mapping[str, object]) -> None:
         for key, gauge in self._storage.items():
             if key in snapshot:
                 gauge.labels(**self.labels).set(float(snapshot[key]))
         attention: Optional[Mapping] = snapshot.get("attention")
+        self._backends.labels(**self.labels).set(float(attention.get("backends", 1)) if attention else 0.0)
         if attention:
+            self._unplanned.labels(**self.labels).set(float(attention.get("unplanned_steps", 0)))
+            for reason, n in (attention.get("extend_fallbacks") or {}).items():
+                self._fallbacks.labels(**self.labels, reason=reason).set(float(n))
             for path, n in attention.get("steps_per_path", {}).items():
                 self._steps.labels(**self.labels, path=path).set(float(n))
             self._hit.labels(**self.labels).set(float(attention.get("hot_hit_rate", 0.0)))

@@ -30,6 +30,7 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     cache = scheduler.tree_cache
     if not hasattr(cache, "apply_pending_promotions"):
         return
+    backends = _granikv_backends(scheduler, cache)  # first call: no backend -> no promotions
     mode = batch.forward_mode
     decode = mode.is_decode()
     extend = not decode and mode.is_extend()
@@ -38,11 +39,13 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     if cache.has_pending_promotions():
         _wait_for_forward_stream(scheduler)
         cache.apply_pending_promotions()
-    backend = _granikv_backend(scheduler)
-    if backend is not None:
+    if backends:  # every wrapped instance: the one that runs this batch plans it
         t0 = time.perf_counter()
         rows = batch_rows(batch) if decode or extend else None
-        backend.stage_batch(rows, seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        for b in backends:
+            b.stage_batch(rows, seconds=seconds)
+    backend = _AttentionStats(backends) if backends else None
     if cfg.debug_integrity:
         cache.check_integrity()  # pools, table and tree
     if decode:
@@ -86,15 +89,58 @@ def _wait_for_forward_stream(scheduler) -> None:
         torch.cuda.current_stream().wait_stream(fwd)
 
 
-def _granikv_backend(scheduler):
-    """The model runner's GraniKV backend (None if attention is stock), looked up once."""
-    if not hasattr(scheduler, "_granikv_backend"):
+def _granikv_backends(scheduler, cache=None) -> list:
+    """The model runner's GraniKV backends, looked up once: every instance wrapped for it
+    (backend_registry: hybrid prefill/decode, two-batch overlap, pdmux), else its
+    ``attn_backend`` if that is one. None found: GraniKV's attention cannot run, so the first
+    lookup says so and turns promotions off (a HOT prefix would only cost copies)."""
+    if not hasattr(scheduler, "_granikv_backends"):
+        from granikv.layers.attention.cascade import backend_registry
         from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 
-        backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None),
-                          "attn_backend", None)
-        scheduler._granikv_backend = backend if isinstance(backend, GraniKVAttnBackend) else None
-    return scheduler._granikv_backend
+        runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+        found = backend_registry.backends_of(runner)
+        top = getattr(runner, "attn_backend", None)
+        if not found and isinstance(top, GraniKVAttnBackend):
+            found = [top]
+        scheduler._granikv_backends = found
+        if not found:
+            logger.warning("GraniKV: no GraniKV attention backend is reachable from the model "
+                           "runner (attention %s): decode and extend stay stock, and prefixes are "
+                           "not promoted to HOT", type(top).__name__)
+            if cache is not None and hasattr(cache, "policy"):
+                from granikv.mem_cache.policy import NeverPromote
+
+                cache.policy = NeverPromote()
+    return scheduler._granikv_backends
+
+
+class _AttentionStats:
+    """The attention counters of one or several wrapped backends, as one snapshot: counts
+    summed, ``max_*`` maxima, means and rates of the busiest backend (most decode steps)."""
+
+    def __init__(self, backends):
+        self.backends = backends
+
+    def stats_snapshot(self) -> dict:
+        snaps = [b.stats_snapshot() for b in self.backends]
+        if len(snaps) == 1:
+            return snaps[0]
+        out = dict(max(snaps, key=lambda s: s.get("decode_steps", 0)))
+        for key, value in out.items():
+            if key.startswith("max_") or key.endswith("_max"):
+                out[key] = max(s.get(key, 0) for s in snaps)
+            elif isinstance(value, dict):
+                merged = {}
+                for s in snaps:
+                    for k, v in (s.get(key) or {}).items():
+                        merged[k] = merged.get(k, 0) + v
+                out[key] = merged
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+                    key.endswith(("_mean", "_rate", "_per_step"))):
+                out[key] = sum(s.get(key, 0) for s in snaps)
+        out["backends"] = len(snaps)
+        return out
 
 
 METRICS_INTERVAL = 40  # decode steps between /metrics refreshes when logging is off
@@ -137,7 +183,7 @@ def metrics_snapshot(scheduler, *, refresh: bool = True) -> dict:
     if refresh:
         cache.refresh_gauges()
     out = dict(cache.metrics.snapshot())
-    backend = _granikv_backend(scheduler)
-    if backend is not None:
-        out["attention"] = backend.stats_snapshot()
+    backends = _granikv_backends(scheduler, cache)
+    if backends:
+        out["attention"] = _AttentionStats(backends).stats_snapshot()
     return out

@@ -117,10 +117,10 @@ def layer_reason(layer, *, num_q_heads: Optional[int] = None,
     for name in ("k_scale", "v_scale", "k_scale_float", "v_scale_float"):
         if getattr(layer, name, None) is not None:
             return f"KV scales ({name})"
-    hd = layer.head_dim
+    hd = getattr(layer, "head_dim", None)
     if getattr(layer, "qk_head_dim", hd) != getattr(layer, "v_head_dim", hd):
         return f"qk head dim {layer.qk_head_dim} != v head dim {layer.v_head_dim}"
-    if head_dim is not None and hd != head_dim:
+    if head_dim is not None and hd is not None and hd != head_dim:
         return f"head_dim {hd} (kernels built for {head_dim})"
     q_heads = getattr(layer, "tp_q_head_num", None)
     if num_q_heads is not None and q_heads is not None and q_heads != num_q_heads:
