@@ -13,6 +13,7 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
     KVCacheConfigurator._build_token_to_kv_pool_allocator
                                                    AFTER   stock allocator -> GraniKVAllocator (HOT + COLD)
     KVCacheConfigurator.configure                  AFTER   scheduler token budget = COLD capacity
+    KVCacheConfigurator._profile_available_bytes   AFTER   reserve GraniKV's prefill workspace first
     register_radix_cache_backend("granikv")        registry GraniKVRadixCache
     _build_full_attention_backend_from_str         AROUND  wrap the stock backend in GraniKVAttnBackend
     DecodeCudaGraphRunner.capture_one_shape        AROUND  stock graph, then the cascade graph of that size
@@ -40,6 +41,8 @@ _TARGETS = {
     "allocator": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     "._build_token_to_kv_pool_allocator",
     "configure": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+    "profile_kv": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+    "._profile_available_bytes",
     "attn_backend": "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
     "._build_full_attention_backend_from_str",
     "capture_one_shape": f"{_DGR}.capture_one_shape",
@@ -61,6 +64,7 @@ def register() -> None:
         ("server_args_init", _around_server_args_init, HookType.AROUND),
         ("allocator", _after_build_allocator, HookType.AFTER),
         ("configure", _after_configure, HookType.AFTER),
+        ("profile_kv", _after_profile_available_bytes, HookType.AFTER),
         ("attn_backend", _around_build_attn_backend, HookType.AROUND),
         ("capture_one_shape", _around_capture_one_shape, HookType.AROUND),
         ("load_batch", _around_load_batch, HookType.AROUND),
@@ -188,6 +192,23 @@ def _after_configure(result, configurator, **kw):
     logger.info("GraniKV: scheduler token budget %d COLD of %d KV slots (%d HOT)",
                 cold, result.max_total_num_tokens, allocator.hot_capacity)
     return msgspec.structs.replace(result, max_total_num_tokens=cold)
+
+
+def _after_profile_available_bytes(result, configurator, *args, **kw):
+    """The bytes SGLang will size the KV pool from, less GraniKV's prefill workspace, which is
+    allocated here (before the pool) when the prefill backend has none of its own."""
+    cfg = config_of(configurator.server_args)
+    if cfg is None or configurator.is_draft_worker or getattr(configurator, "device", None) != "cuda":
+        return None
+    from granikv.layers.attention.cascade import extend_workspace
+
+    if not extend_workspace.needs_own_workspace(configurator.server_args, cfg):
+        return None
+    import torch
+
+    device = torch.device("cuda", getattr(configurator, "gpu_id", None) or 0)
+    reserved = extend_workspace.reserve(configurator, device)
+    return result - reserved if reserved else None
 
 
 def _make_radix_cache(ctx):

@@ -53,7 +53,7 @@ from granikv.layers.attention.cascade.hot_extend import (
     PrefixPartProxy,
     TorchDense,
 )
-from granikv.layers.attention.cascade import planted_fault
+from granikv.layers.attention.cascade import extend_workspace, planted_fault
 from granikv.layers.attention.cascade.plan import (
     BatchDescription,
     GroupingMemo,
@@ -76,8 +76,6 @@ try:  # SGLang is the host; GraniKV's kernels and planner do not need it.
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 except ImportError:  # pragma: no cover
     AttentionBackend = object
-
-EXTEND_WORKSPACE_BYTES = 384 << 20  # SGLang's default FlashInfer workspace (SGLANG_FLASHINFER_WORKSPACE_SIZE)
 
 # Class-level flags of AttentionBackend that __getattr__ would not forward (they exist on the
 # base class), copied from the wrapped backend at construction.
@@ -138,7 +136,11 @@ class GraniKVAttnBackend(AttentionBackend):
         self._full_extend = None  # FullExtend around it (wrapped backends without ragged + paged)
         self._full_compare = False  # debug compare due on this batch's layer 0 (full extend)
         self._logged_layer_reasons = set()
-        self._extend_off_reason = None  # set when the dense prefill path failed: stock from then on
+        # set when the dense prefill path has no workspace or failed: stock from then on
+        self._extend_off_reason = self._extend_workspace_reason()
+        if self._extend_off_reason is not None and cfg.extend_path == "hot":
+            logger.warning("GraniKV: prefill over HOT prefixes is off under %s (%s)", backend_name,
+                           self._extend_off_reason)
         self._stock_prefill_wrappers = None  # the batch's wrappers the proxies stand in for
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
@@ -491,19 +493,31 @@ class GraniKVAttnBackend(AttentionBackend):
         if self._hot_extend is None:
             if self.device.type == "cuda":
                 # the flashinfer backend's float workspace (calls are stream-ordered); other
-                # backends have none: one of SGLang's default size, allocated on first use
-                buf = getattr(self.inner, "workspace_buffer", None)
-                if buf is None:
-                    buf = torch.empty(EXTEND_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-                    logger.info("GraniKV: %d MiB FlashInfer workspace for extend batches over HOT prefixes "
-                                "(the %s backend has none)", EXTEND_WORKSPACE_BYTES >> 20, self.backend_name)
-                runner = FlashInferDense(buf)
+                # backends have none: the one reserved at startup (extend_workspace)
+                runner = FlashInferDense(self._extend_workspace_buffer())
             else:
                 runner = TorchDense()  # CPU (tests): the float32 reference
             self._hot_extend = HotExtendAttention(runner, self.device)
         if self._full_extend is None or self._full_extend.attn is not self._hot_extend:
             self._full_extend = FullExtend(self._hot_extend)
         return self._hot_extend
+
+    def _extend_workspace_buffer(self):
+        buf = getattr(self.inner, "workspace_buffer", None)
+        if buf is not None:
+            return buf
+        reservation = extend_workspace.reservation_of(self.model_runner)
+        return reservation.buffer
+
+    def _extend_workspace_reason(self):
+        """Why the HOT prefill path has no FlashInfer workspace (None: it has one, or runs on
+        CPU). Checked at construction: no workspace is ever allocated mid-serving."""
+        if self.device.type != "cuda" or getattr(self.inner, "workspace_buffer", None) is not None:
+            return None
+        reservation = extend_workspace.reservation_of(self.model_runner)
+        if reservation is None:
+            return "no FlashInfer workspace reserved at startup"
+        return reservation.off_reason
 
     def _extend_compare_due(self) -> bool:
         """Debug compare mode: every N-th HOT extend batch (the one just recorded)."""
