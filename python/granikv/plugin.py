@@ -198,7 +198,8 @@ def _after_profile_available_bytes(result, configurator, *args, **kw):
     """The bytes SGLang will size the KV pool from, less GraniKV's prefill workspace, which is
     allocated here (before the pool) when the prefill backend has none of its own."""
     cfg = config_of(configurator.server_args)
-    if cfg is None or configurator.is_draft_worker or getattr(configurator, "device", None) != "cuda":
+    model = getattr(configurator, "model", None)  # holds the reservation (the configurator is slotted)
+    if cfg is None or configurator.is_draft_worker or configurator.device != "cuda" or model is None:
         return None
     from granikv.layers.attention.cascade import extend_workspace
 
@@ -207,7 +208,7 @@ def _after_profile_available_bytes(result, configurator, *args, **kw):
     import torch
 
     device = torch.device("cuda", getattr(configurator, "gpu_id", None) or 0)
-    reserved = extend_workspace.reserve(configurator, device)
+    reserved = extend_workspace.reserve(model, device)
     return result - reserved if reserved else None
 
 

@@ -7,8 +7,9 @@ pool (``KVCacheConfigurator._profile_available_bytes``, plugin.py) and subtracte
 figure, so the KV pool is sized with it counted and nothing is allocated mid-serving. If the
 allocation fails there, the HOT prefill path is off (logged) and everything else runs.
 
-The reservation lives on the configurator (``_granikv_extend_workspace``), which the model
-runner keeps as ``kv_cache_configurator``: the attention backend finds it there.
+The reservation lives on the loaded model (``model._granikv_extend_workspace``; the configurator
+is a slotted dataclass and holds the model as ``model``): the attention backend finds it
+through ``model_runner.model``.
 """
 
 import logging
@@ -63,5 +64,5 @@ def reserve(holder, device, nbytes: int = EXTEND_WORKSPACE_BYTES) -> int:
 
 
 def reservation_of(model_runner) -> Optional[Reservation]:
-    """The reservation made for ``model_runner``'s KV pool, None if none was attempted."""
-    return getattr(getattr(model_runner, "kv_cache_configurator", None), _ATTR, None)
+    """The reservation made for ``model_runner``'s model, None if none was attempted."""
+    return getattr(getattr(model_runner, "model", None), _ATTR, None)
