@@ -71,7 +71,7 @@ def _runner(device="cpu"):
     r.token_to_kv_pool = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV,
                                           head_dim=D, layer_num=1, device=device,
                                           enable_memory_saver=False)
-    r.token_to_kv_pool_allocator = SimpleNamespace(hot_prefix_table=HotPrefixTable(9, device))
+    r.token_to_kv_pool_allocator = SimpleNamespace(hot_prefix_table=HotPrefixTable(9))
     g = torch.Generator().manual_seed(0)
     for buf in (r.token_to_kv_pool.k_buffer[0], r.token_to_kv_pool.v_buffer[0]):
         buf.copy_(torch.randn(buf.shape, generator=g).to(DTYPE))  # (copied to the pool's device)

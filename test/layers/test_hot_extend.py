@@ -49,7 +49,7 @@ def _setup(kinds, new, seed=0):
                           device="cpu", enable_memory_saver=False)
     for buf in (kv.k_buffer[0], kv.v_buffer[0]):
         buf.copy_(torch.randn(buf.shape, generator=g).to(DTYPE))
-    table = HotPrefixTable(len(kinds) + 2, "cpu")
+    table = HotPrefixTable(len(kinds) + 2)
     rt = rt_pool.req_to_token
     rows, prefix_lens, out_loc, nxt = [], [], [], 1
     for i, (kind, n) in enumerate(zip(kinds, new)):

@@ -78,7 +78,7 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
     def ensure_hot_prefix_table(self, num_rows: int) -> HotPrefixTable:
         """The shared HotPrefixTable (``num_rows`` = ``req_to_token`` rows), created once."""
         if self.hot_prefix_table is None:
-            self.hot_prefix_table = HotPrefixTable(num_rows, self.device)
+            self.hot_prefix_table = HotPrefixTable(num_rows)
         elif self.hot_prefix_table.num_rows != num_rows:
             raise ValueError(f"HotPrefixTable has {self.hot_prefix_table.num_rows} rows, "
                              f"asked for {num_rows}")

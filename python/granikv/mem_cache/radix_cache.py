@@ -111,6 +111,7 @@ class GraniKVRadixCache(RadixCache):
         self._hot_start: Dict[TreeNode, int] = {}  # HOT node -> node.value[0]
         self._head: Dict[TreeNode, int] = {}  # HOT node -> shadow head length (only if > 0)
         self._pending: Dict[TreeNode, None] = {}  # insertion-ordered set: deterministic
+        self._retry_counted: Dict[TreeNode, None] = {}  # queued nodes whose unknown_holders skip is counted
         self._live: Dict[int, object] = {}  # req_pool_idx -> Req
         self.promotions_frozen: Optional[str] = None  # why no new promotion is queued, if so
         super().__init__(params)
@@ -257,6 +258,7 @@ class GraniKVRadixCache(RadixCache):
                 ext = HotExtent(start, depth, len(node.value))
             self._materialize(node, ext, holders)
             promoted += 1
+        self._retry_counted = {n: None for n in self._retry_counted if n in self._pending}
         if promoted:
             self.refresh_gauges()
         return promoted
@@ -358,7 +360,9 @@ class GraniKVRadixCache(RadixCache):
         if len(holders) != node.lock_ref:
             # a lock we cannot map to a req_to_token row (a temporary admission lock, or a
             # holder the plugin did not register): its row could keep the old COLD slots
-            self.metrics.skip("unknown_holders")
+            if node not in self._retry_counted:  # one skip per waiting node, not one per retry
+                self._retry_counted[node] = None
+                self.metrics.skip("unknown_holders")
             return _RETRY
         return holders
 
