@@ -34,6 +34,7 @@ DECISION_COUNTERS = ("promotions", "promotions_skipped", "promoted_tokens", "sha
                      "extended_in_place", "hot_evictions", "hot_evicted_tokens", "hot_splits",
                      "compactions", "compaction_moves", "rows_rewritten")
 """Counters equal on every rank when the decisions are (bytes_copied is per rank: head share)."""
+_FAILED = "fingerprint_failed"  # the key a rank sends instead of its fingerprint when that raised
 
 
 def fingerprint(cache) -> Dict[str, Any]:
@@ -94,16 +95,24 @@ class TPConsistencyCheck:
         return self.check(cache, step)
 
     def check(self, cache, step: int) -> Optional[bool]:
+        """One comparison. A rank that cannot compute its fingerprint still takes part in the
+        collective (with a failure marker instead), so every rank learns of it in the same call
+        and all turn the check off together: none is left blocked at a later all-gather."""
         import torch.distributed as dist
 
+        try:
+            mine: Dict[str, Any] = fingerprint(cache)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            mine = {_FAILED: f"{type(exc).__name__}: {exc}"}
         prints: List[Optional[Dict[str, Any]]] = [None] * self.world_size
         try:
-            dist.all_gather_object(prints, fingerprint(cache), group=self.group)
+            dist.all_gather_object(prints, mine, group=self.group)
         except Exception as exc:  # a failed gloo call must not fail the scheduler step
-            self.interval = 0
-            logger.warning("GraniKV: the TP decision check failed (%s: %s) and is off from now on; "
-                           "serving goes on", type(exc).__name__, exc)
-            return None
+            return self._turn_off(f"{type(exc).__name__}: {exc}")
+        failed = {r: p.get(_FAILED) if p else "no fingerprint" for r, p in enumerate(prints)
+                  if not p or _FAILED in p}
+        if failed:
+            return self._turn_off(f"rank(s) could not compute a fingerprint: {failed}")
         m = cache.metrics
         m.tp_checks += 1
         diff = differences(prints)
@@ -119,6 +128,13 @@ class TPConsistencyCheck:
                 "server flags.", self.world_size, step, diff)
         cache.freeze_promotions("tp divergence")
         return False
+
+
+    def _turn_off(self, why: str) -> None:
+        self.interval = 0
+        logger.warning("GraniKV: the TP decision check failed (%s) and is off from now on; serving "
+                       "goes on", why)
+        return None
 
 
 def for_scheduler(scheduler, interval: int) -> TPConsistencyCheck:

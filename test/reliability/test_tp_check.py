@@ -17,11 +17,11 @@ WORKER = Path(__file__).with_name("tp_check_worker.py")
 EVENTS = 600
 
 
-def run_ranks(tmp_path, diverge: bool, world: int = 2) -> list:
+def run_ranks(tmp_path, diverge, world: int = 2) -> list:
     init = tmp_path / "gloo_init"
     env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(init), str(EVENTS),
-                               "1" if diverge else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               {True: "1", False: "0"}.get(diverge, diverge)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in range(world)]
     out = []
     for p in procs:
@@ -47,6 +47,15 @@ def test_a_diverging_rank_is_caught_on_every_rank_and_promotions_freeze(tmp_path
         assert r["differences"]  # the log names what differs, per rank
     assert ranks[0]["tp_divergences"] == ranks[1]["tp_divergences"]  # same action on both
     assert ranks[0]["differences"] == ranks[1]["differences"]
+
+
+def test_a_rank_whose_fingerprint_fails_turns_the_check_off_on_every_rank(tmp_path):
+    ranks = run_ranks(tmp_path, diverge="fail")
+    off = {r["off_at"] for r in ranks}
+    assert len(off) == 1 and None not in off  # the same check, on both ranks
+    for r in ranks:
+        assert r["tp_checks"] == 2 and r["frozen"] is None  # two good checks, then off
+        assert r["slowest_check_s"] < 10  # nobody waited for the 20 s collective timeout
 
 
 def test_differences_names_counters_and_fields():
