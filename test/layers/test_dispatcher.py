@@ -81,14 +81,29 @@ def test_monotonic_in_fan_out(prefix):
     assert left_paged, prefix
 
 
-def test_monotonic_in_prefix_length():
-    dispatcher = make()
+def _assert_monotonic_in_prefix_length(dispatcher):
+    """Once a longer prefix makes sharing pay off, every longer one does too; and some prefix
+    of these does pay off at 32 requests."""
     left_paged = False
     for prefix in (64, 256, 1024, 2048, 4096, 8192, 16384, 32768):
         path = dispatcher.choose(*batch([(prefix, 32)])).path
         if left_paged:
             assert path is not Path.PAGED, prefix
         left_paged |= path is not Path.PAGED
+    assert left_paged, "paged at every prefix length"
+
+
+def test_monotonic_in_prefix_length():
+    _assert_monotonic_in_prefix_length(make())
+
+
+def test_monotonic_check_fails_for_a_dispatcher_that_never_leaves_paged(monkeypatch):
+    dispatcher = make()
+    always_paged = dispatcher.choose(*batch([(64, 32)]))
+    assert always_paged.path is Path.PAGED
+    monkeypatch.setattr(dispatcher, "choose", lambda *a, **kw: always_paged)
+    with pytest.raises(AssertionError, match="paged at every prefix length"):
+        _assert_monotonic_in_prefix_length(dispatcher)
 
 
 def test_forest_with_ungrouped_requests():
