@@ -20,6 +20,7 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
     DecodeCudaGraphRunner.load_batch               AROUND  replay the cascade graph when the plan chose it
     DecodeCudaGraphRunner.capture                  AFTER   log which sizes have a cascade graph
     Scheduler.run_batch                            BEFORE  promotions, per-request HOT table, plan staging
+    Scheduler._apply_war_barrier                   AROUND  coarse barrier when GraniKV kernels are captured
     Scheduler.get_internal_state                   AFTER   GraniKV counters in server info
 """
 
@@ -49,6 +50,7 @@ _TARGETS = {
     "load_batch": f"{_DGR}.load_batch",
     "graph_capture": f"{_DGR}.capture",
     "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
+    "war_barrier": "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier",
     "internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
 }
 
@@ -70,6 +72,7 @@ def register() -> None:
         ("load_batch", _around_load_batch, HookType.AROUND),
         ("graph_capture", _after_graph_capture, HookType.AFTER),
         ("run_batch", _before_run_batch, HookType.BEFORE),
+        ("war_barrier", _around_apply_war_barrier, HookType.AROUND),
         ("internal_state", _after_get_internal_state, HookType.AFTER),
     ]
     for key, fn, kind in hooks:
@@ -304,6 +307,16 @@ def _before_run_batch(scheduler, batch, *args, **kwargs):
 
     on_run_batch(scheduler, batch, cfg)
     return None
+
+
+def _around_apply_war_barrier(orig, scheduler, *args, **kwargs):
+    """GraniKV's captured kernels read ``req_to_token`` during the decode-graph replay, after
+    SGLang's early read-done event: make SGLang wait for the whole forward (war_barrier.py)."""
+    if config_of(scheduler.server_args) is not None:
+        from granikv.war_barrier import drop_early_read_done
+
+        drop_early_read_done(scheduler)
+    return orig(scheduler, *args, **kwargs)
 
 
 def _after_get_internal_state(result, scheduler, *args, **kwargs):

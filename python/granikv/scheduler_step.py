@@ -30,7 +30,7 @@ def on_run_batch(scheduler, batch, cfg) -> None:
     cache = scheduler.tree_cache
     if not hasattr(cache, "apply_pending_promotions"):
         return
-    backends = _granikv_backends(scheduler, cache)  # first call: no backend -> no promotions
+    backends = granikv_backends(scheduler, cache)  # first call: no backend -> no promotions
     mode = batch.forward_mode
     decode = mode.is_decode()
     extend = not decode and mode.is_extend()
@@ -89,7 +89,7 @@ def _wait_for_forward_stream(scheduler) -> None:
         torch.cuda.current_stream().wait_stream(fwd)
 
 
-def _granikv_backends(scheduler, cache=None) -> list:
+def granikv_backends(scheduler, cache=None) -> list:
     """The model runner's GraniKV backends, looked up once: every instance wrapped for it
     (backend_registry: hybrid prefill/decode, two-batch overlap, pdmux), else its
     ``attn_backend`` if that is one. None found: GraniKV's attention cannot run, so the first
@@ -108,11 +108,13 @@ def _granikv_backends(scheduler, cache=None) -> list:
             logger.warning("GraniKV: no GraniKV attention backend is reachable from the model "
                            "runner (attention %s): decode and extend stay stock, and prefixes are "
                            "not promoted to HOT", type(top).__name__)
-            if cache is not None and hasattr(cache, "policy"):
-                from granikv.mem_cache.policy import NeverPromote
+    backends = scheduler._granikv_backends
+    if not backends and cache is not None and hasattr(cache, "policy"):
+        from granikv.mem_cache.policy import NeverPromote
 
-                cache.policy = NeverPromote()
-    return scheduler._granikv_backends
+        if not isinstance(cache.policy, NeverPromote):
+            cache.policy = NeverPromote()
+    return backends
 
 
 class _AttentionStats:
@@ -183,7 +185,7 @@ def metrics_snapshot(scheduler, *, refresh: bool = True) -> dict:
     if refresh:
         cache.refresh_gauges()
     out = dict(cache.metrics.snapshot())
-    backends = _granikv_backends(scheduler, cache)
+    backends = granikv_backends(scheduler, cache)
     if backends:
         out["attention"] = _AttentionStats(backends).stats_snapshot()
     return out

@@ -615,6 +615,13 @@ class GraniKVAttnBackend(AttentionBackend):
         self._layer_reasons.setdefault(layer.layer_id, reason)
         self._force_paged_decode()
 
+    def reads_req_to_token_during_replay(self) -> bool:
+        """Whether this step's decode-graph replay runs GraniKV's kernels, which read
+        ``req_to_token`` during the replay (so SGLang's pre-replay read-done event is too early:
+        war_barrier.py): the step planned its size's cascade graph. Stock graphs read it only
+        in the pre-replay metadata copy."""
+        return self._graph_mode and self.graphs.planned_cascade
+
     def _compare_due(self, layer) -> bool:
         n = self.cfg.debug_compare_every
         capturing = torch.cuda.is_current_stream_capturing() if torch.cuda.is_available() else False

@@ -1,0 +1,33 @@
+"""SGLang's write-after-read barrier, kept correct when GraniKV's kernels are in the decode graph.
+
+After launching a batch, SGLang's scheduler orders its next writes to shared buffers
+(``req_to_token``, ...) behind the forward's reads (``Scheduler._apply_war_barrier``). Its fast
+path waits only on a read-done event the decode graph runner records *before* the replay
+(the stock kernels read ``req_to_token`` in the pre-replay metadata copy). GraniKV's captured
+suffix kernel reads ``req_to_token`` *during* the replay, so for a GraniKV backend with CUDA
+graphs the event is too early: the hook drops it, and SGLang takes its coarse path (the
+schedule stream waits for the whole forward stream).
+
+    forward stream:  [metadata copy] ^read-done  [graph replay: ... GraniKV reads req_to_token ...]
+    schedule stream:                  ^ stock fast path waits here   ^ coarse path waits here
+"""
+
+from granikv.scheduler_step import granikv_backends
+
+
+def reads_during_replay(scheduler) -> bool:
+    """Whether a decode-graph replay of this scheduler's model may run GraniKV's kernels."""
+    return any(b.reads_req_to_token_during_replay() for b in granikv_backends(scheduler))
+
+
+def drop_early_read_done(scheduler) -> bool:
+    """Before ``Scheduler._apply_war_barrier``: clears the pre-replay read-done event when GraniKV's
+    kernels may read ``req_to_token`` during the replay. Returns True if it cleared one."""
+    worker = getattr(scheduler, "model_worker", None)
+    runner = getattr(worker, "war_fastpath_runner", None)
+    if getattr(runner, "war_fastpath_read_done_event", None) is None:
+        return False
+    if not reads_during_replay(scheduler):
+        return False
+    runner.war_fastpath_read_done_event = None
+    return True
