@@ -170,9 +170,9 @@ def main_child(job_path: str) -> int:
     try:
         res = dict(engine_up_s=child.engine_up_s, gpu=ma_run.gpu_name(),
                    workloads=child.run_all([wl.WorkloadSpec.from_json(s) for s in job["specs"]]))
+        print(RESULT_TAG + json.dumps(res), flush=True)  # before shutdown: a slow one loses nothing
     finally:
         child.engine.shutdown()
-    print(RESULT_TAG + json.dumps(res), flush=True)
     return 0
 
 
