@@ -328,7 +328,7 @@ def test_a_forest_prefill_is_batched_into_few_calls_and_matches_reference(n_ext,
     ext_of = rng.permutation(np.concatenate([np.arange(n_ext), rng.integers(0, n_ext, bs - n_ext)]))
     head = rng.random(bs) < 0.2  # matches only the first half of its extent
     cold_tail = rng.random(bs) < 0.2  # + 5 COLD tokens after its HOT run
-    table = HotPrefixTable(bs + 2, "cpu")
+    table = HotPrefixTable(bs + 2)
     rt = torch.zeros(bs + 1, 256, dtype=torch.int32)
     prefix, nxt = [], 3000
     for r, e, h, c in zip(rows, ext_of, head, cold_tail):
