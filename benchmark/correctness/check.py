@@ -8,8 +8,8 @@
    normal safetensors loader.
 2. Per attention backend, runs three engines, each in its own subprocess: ``baseline`` (stock
    SGLang), ``granikv`` (``enable_granikv=True``, decode path forced to ``cascade`` unless
-   ``--attention-path`` says otherwise, so the shared-prefix kernels run on these short
-   prompts) and ``fault`` (the same with ``GRANIKV_DEBUG_FAULT=half_prefix``: every group's
+   ``--attention-path`` says otherwise and prefill path ``hot``, so the shared-prefix kernels
+   run on these short prompts) and ``fault`` (the same with ``GRANIKV_DEBUG_FAULT=half_prefix``: every group's
    prefix attention drops the second half of its HOT extent).
 3. Every engine runs the project's workloads (benchmark/multi_agent/workloads.py) at a small
    size, greedy with logprobs: homogeneous, heterogeneous, and the agent loop (turns submitted
@@ -184,7 +184,8 @@ def main_child(job_path: str) -> int:
 def engine_kwargs(backend: str, config: str, attention_path: str) -> Dict[str, Any]:
     kw = dict(ENGINE_KWARGS, attention_backend=backend)
     if config != "baseline":
-        kw.update(enable_granikv=True, granikv_attention_path=attention_path)
+        # the prefill path over HOT prefixes forced too: "auto" may keep these short prefixes stock
+        kw.update(enable_granikv=True, granikv_attention_path=attention_path, granikv_extend_path="hot")
     return kw
 
 

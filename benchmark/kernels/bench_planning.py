@@ -156,7 +156,7 @@ def serving_setup(bs: int, batch: str, rng):
 
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=HD, num_hidden_layers=LAYERS, context_len=32768,
                          get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
-    table = HotPrefixTable(bs + 1, "cpu")
+    table = HotPrefixTable(bs + 1)
     runner = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device="cpu",
                              kv_cache_dtype=torch.bfloat16, server_args=SimpleNamespace(speculative_algorithm=None),
                              token_to_kv_pool_allocator=SimpleNamespace(hot_prefix_table=table),

@@ -138,7 +138,7 @@ class GraniKVAttnBackend(AttentionBackend):
         self._logged_layer_reasons = set()
         # set when the dense prefill path has no workspace or failed: stock from then on
         self._extend_off_reason = self._extend_workspace_reason()
-        if self._extend_off_reason is not None and cfg.extend_path == "hot":
+        if self._extend_off_reason is not None and cfg.extend_path != "paged":
             logger.warning("GraniKV: prefill over HOT prefixes is off under %s (%s)", backend_name,
                            self._extend_off_reason)
         self._stock_prefill_wrappers = None  # the batch's wrappers the proxies stand in for

@@ -42,7 +42,7 @@ def prefill_backend_of(server_args) -> Optional[str]:
 
 def needs_own_workspace(server_args, cfg) -> bool:
     """Whether the HOT prefill path will need a workspace of its own (prefill not flashinfer)."""
-    return cfg.extend_path == "hot" and prefill_backend_of(server_args) != "flashinfer"
+    return cfg.extend_path != "paged" and prefill_backend_of(server_args) != "flashinfer"
 
 
 def reserve(holder, device, nbytes: int = EXTEND_WORKSPACE_BYTES) -> int:
