@@ -45,12 +45,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "multi_agent"))
+sys.path.insert(2, str(HERE.parent))  # benchmark/: the shared harness
 
 import checkpoint  # noqa: E402
 import metrics  # noqa: E402
 import results  # noqa: E402
 import run as ma_run  # noqa: E402  (the multi-agent runner: engine kwargs, Child, counters)
 import workloads as wl  # noqa: E402
+from harness.engine_proc import kill_group  # noqa: E402
 
 CONFIGS = ("baseline", "granikv", "fault")
 FAULT = "half_prefix"
@@ -202,7 +204,7 @@ def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float) -
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             bufsize=1, start_new_session=True)
     result, t0 = None, time.time()
-    watchdog = threading.Timer(timeout, ma_run._kill_group, (proc,))
+    watchdog = threading.Timer(timeout, kill_group, (proc,))
     watchdog.start()
     try:
         for line in proc.stdout:
@@ -213,7 +215,7 @@ def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float) -
         proc.wait()
     finally:
         watchdog.cancel()
-        ma_run._kill_group(proc)  # the engine's scheduler processes hold GPU memory
+        kill_group(proc)  # the engine's scheduler processes hold GPU memory
         os.unlink(f.name)
     if result is None and time.time() - t0 >= timeout:
         raise TimeoutError(f"{name}: killed after --child-timeout {timeout:.0f} s")
