@@ -200,4 +200,7 @@ def test_flashinfer_forest_prefix_part_is_one_call_and_matches_paged_prefill():
     ro, rl = paged.run(q, (k_buf.view(-1, 1, HKV, D), v_buf.view(-1, 1, HKV, D)), return_lse=True)
     assert not torch.isnan(o).any()
     assert (o.float() - ro.float()).abs().max() <= 2 ** -5
-    assert (lse - rl).abs().max() < 1e-3
+    # FA3 (the batched ragged calls) and FA2 (the paged reference) accumulate the bf16 scores in
+    # different orders: measured 1.2e-3 at |lse| ~ 14 on the H200 (1e-4 relative); a wrong key
+    # range moves the LSE by O(1).
+    assert (lse - rl).abs().max() < 4e-3

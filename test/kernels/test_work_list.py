@@ -160,7 +160,7 @@ def test_fill_reuses_the_prefix_half_only_while_the_grouping_is_unchanged():
 
 @pytest.mark.parametrize(
     "ratio,hkv,want",
-    [(4, 8, 4), (4, 2, 2), (8, 8, 2), (5, 8, 2), (1, 8, 8), (1, 32, 16), (7, 4, 2), (9, 8, 1), (16, 8, 1), (4, 1, 1), (3, 6, 2)],
+    [(4, 8, 4), (4, 2, 2), (8, 8, 2), (5, 8, 2), (1, 8, 8), (1, 32, 8), (7, 4, 2), (9, 8, 1), (16, 8, 1), (4, 1, 1), (3, 6, 2)],
 )
 def test_suffix_heads(ratio, hkv, want):
     """Heads per suffix program fill the tile's 16 (or next_pow2(ratio)) rows and divide Hkv."""
@@ -169,3 +169,15 @@ def test_suffix_heads(ratio, hkv, want):
     assert h == want
     assert hkv % h == 0 and h * ratio <= max(16, 1 << (ratio - 1).bit_length())
     assert suffix_heads(ratio, hkv, KernelConfig(suffix_head_group=False)) == 1
+
+
+@pytest.mark.parametrize("ratio,hkv,head_dim,want", [(1, 32, 128, 8), (1, 32, 64, 16), (4, 8, 128, 4), (2, 16, 256, 4)])
+def test_suffix_heads_fit_shared_memory(ratio, hkv, head_dim, want):
+    """A suffix tile gathers at most 256 keys x head_dim 128 (MHA at head_dim 128 with 16 heads
+    per program asked 282 KB of shared memory on the H200): tile_config scales the cap by head_dim."""
+    from granikv.kernels.kernel_config import tile_config
+
+    cfg = tile_config(ratio, head_dim)
+    h = suffix_heads(ratio, hkv, cfg)
+    assert h == want
+    assert h * cfg.suffix_block_n * head_dim <= 256 * 128

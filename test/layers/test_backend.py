@@ -212,11 +212,12 @@ def _replay_view(fb, padded):
     view = copy.copy(fb)
     view.batch_size = padded
     view.num_padding = extra
-    view.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(extra, dtype=torch.int64)])
-    view.seq_lens = torch.cat([fb.seq_lens, torch.ones(extra, dtype=torch.int64)])
-    view.seq_lens_cpu = view.seq_lens.clone()
+    dev = fb.seq_lens.device
+    view.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(extra, dtype=torch.int64, device=dev)])
+    view.seq_lens = torch.cat([fb.seq_lens, torch.ones(extra, dtype=torch.int64, device=dev)])
+    view.seq_lens_cpu = view.seq_lens.cpu()
     view.seq_lens_sum = int(view.seq_lens.sum())
-    view.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(extra, dtype=torch.int64)])
+    view.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(extra, dtype=torch.int64, device=dev)])
     return view
 
 

@@ -72,6 +72,11 @@ class KernelConfig:
     suffix_head_group: bool = True
     """A suffix program serves as many kv heads as fit the 16 rows of its tile (``suffix_heads``)
     instead of one kv head with padded rows: same MMA work, 1/heads the programs, contiguous reads."""
+    suffix_max_keys: int = 256
+    """Gathered keys per suffix tile at most (``suffix_block_n`` x kv heads per program): bounds
+    the tile's shared memory. 256 keys x head_dim 128 in bf16 fit an H200 SM; 512 x 128 (MHA,
+    16 heads per program) does not (282 KB asked, 227 KB available). ``tile_config`` scales it
+    by 128 / head_dim."""
 
     def __post_init__(self):
         if self.prefix_kernel not in ("pointer", "descriptor"):
@@ -101,7 +106,8 @@ def tile_config(ratio: int, head_dim: int) -> KernelConfig:
     over = SHAPE_TILES.get((ratio, head_dim))
     if over is None and head_dim > 128:
         over = SHAPE_TILES["head_dim>128"]
-    return replace(KernelConfig(), **(over or {}))
+    base = replace(KernelConfig(), suffix_max_keys=max(16, KernelConfig.suffix_max_keys * 128 // head_dim))
+    return replace(base, **(over or {}))
 
 
 def default_config(head_dim: int) -> KernelConfig:

@@ -60,12 +60,14 @@ def suffix_tile_rows(ratio: int) -> int:
 
 def suffix_heads(ratio: int, num_kv_heads: int, config: KernelConfig) -> int:
     """KV heads per suffix program: the largest power of two h dividing num_kv_heads with
-    h * ratio <= suffix_tile_rows(ratio) (the rows a tl.dot tile has anyway); 1 if disabled."""
+    h * ratio <= suffix_tile_rows(ratio) (the rows a tl.dot tile has anyway) and
+    h * suffix_block_n <= suffix_max_keys (shared memory); 1 if disabled."""
     if not config.suffix_head_group:
         return 1
     rows = suffix_tile_rows(ratio)
     h = 1
-    while num_kv_heads % (2 * h) == 0 and 2 * h * ratio <= rows:
+    while (num_kv_heads % (2 * h) == 0 and 2 * h * ratio <= rows
+           and 2 * h * config.suffix_block_n <= config.suffix_max_keys):
         h *= 2
     return h
 
