@@ -171,7 +171,7 @@ def test_suffix_heads(ratio, hkv, want):
     assert suffix_heads(ratio, hkv, KernelConfig(suffix_head_group=False)) == 1
 
 
-@pytest.mark.parametrize("ratio,hkv,head_dim,want", [(1, 32, 128, 8), (1, 32, 64, 16), (4, 8, 128, 4), (2, 16, 256, 4)])
+@pytest.mark.parametrize("ratio,hkv,head_dim,want", [(1, 32, 128, 8), (1, 32, 64, 16), (4, 8, 128, 4), (2, 16, 256, 8)])
 def test_suffix_heads_fit_shared_memory(ratio, hkv, head_dim, want):
     """A suffix tile gathers at most 256 keys x head_dim 128 (MHA at head_dim 128 with 16 heads
     per program asked 282 KB of shared memory on the H200): tile_config scales the cap by head_dim."""
