@@ -34,7 +34,7 @@ def test_defaults_and_overrides():
     [
         ({"hot_min_tokens": 3}, "--granikv-hot-min-tokens=3 is outside [16, "),
         ({"hot_min_sharers": 0}, "--granikv-hot-min-sharers=0"),
-        ({"hot_fraction": 0.95}, "--granikv-hot-fraction=0.95 is outside [0.0, 0.9]"),
+        ({"hot_fraction": 1.5}, "--granikv-hot-fraction=1.5 is outside [0.0, 1.0]"),
         ({"attention_path": "magic"}, "--granikv-attention-path='magic' is not one of auto"),
     ],
 )

@@ -42,10 +42,12 @@ class GraniKVConfig:
         hi=4096,
     )
     hot_fraction: float = _opt(
-        0.25,
-        "Upper bound on the HOT region, as a fraction of the KV slots; the rest is the COLD pool.",
+        0.5,
+        "Cap on the KV slots HOT extents may hold, as a fraction of all KV slots. Extents come "
+        "out of the same free slots as every request's KV and return to them when evicted; "
+        "nothing is reserved (0 = no promotions).",
         lo=0.0,
-        hi=0.9,
+        hi=1.0,
     )
     attention_path: AttentionPath = _opt(
         "auto",

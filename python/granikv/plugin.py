@@ -12,7 +12,6 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
     ServerArgs.__init__                            AROUND  same for Engine(enable_granikv=True, granikv_*=...)
     KVCacheConfigurator._build_token_to_kv_pool_allocator
                                                    AFTER   stock allocator -> GraniKVAllocator (HOT + COLD)
-    KVCacheConfigurator.configure                  AFTER   scheduler token budget = COLD capacity
     KVCacheConfigurator._profile_available_bytes   AFTER   reserve GraniKV's prefill workspace first
     register_radix_cache_backend("granikv")        registry GraniKVRadixCache
     _build_full_attention_backend_from_str         AROUND  wrap the stock backend in GraniKVAttnBackend
@@ -41,7 +40,6 @@ _TARGETS = {
     "server_args_init": f"{_SA}.__init__",
     "allocator": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     "._build_token_to_kv_pool_allocator",
-    "configure": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
     "profile_kv": "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     "._profile_available_bytes",
     "attn_backend": "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
@@ -65,7 +63,6 @@ def register() -> None:
         ("from_cli_args", _around_from_cli_args, HookType.AROUND),
         ("server_args_init", _around_server_args_init, HookType.AROUND),
         ("allocator", _after_build_allocator, HookType.AFTER),
-        ("configure", _after_configure, HookType.AFTER),
         ("profile_kv", _after_profile_available_bytes, HookType.AFTER),
         ("attn_backend", _around_build_attn_backend, HookType.AROUND),
         ("capture_one_shape", _around_capture_one_shape, HookType.AROUND),
@@ -177,24 +174,11 @@ def _after_build_allocator(result, configurator, **kw):
     # the attention backend (model runner) reads it; both reach the allocator.
     req_to_token_pool = kw["req_to_token_pool"]
     allocator.ensure_hot_prefix_table(req_to_token_pool.req_to_token.shape[0])
-    logger.info("GraniKV allocator: %d COLD slots, %d HOT slots from %d", allocator.cold_capacity,
-                allocator.hot_capacity, allocator.hot_base)
+    # HOT extents come out of the same free slots as requests' KV: SGLang's token budget
+    # (max_total_num_tokens) stays the whole pool, as stock.
+    logger.info("GraniKV allocator: %d KV slots shared by COLD and HOT (HOT capped at %d)",
+                allocator.size, allocator.hot_capacity)
     return allocator
-
-
-def _after_configure(result, configurator, **kw):
-    """SGLang budgets (and leak-checks) ``max_total_num_tokens`` against the allocator's
-    ``available_size()`` + the cache's evictable/protected sizes, all COLD-only under GraniKV:
-    the HOT region is a reserved, separately accounted part of the same KV buffers."""
-    allocator = result.token_to_kv_pool_allocator
-    cold = getattr(allocator, "cold_capacity", None)
-    if cold is None or config_of(configurator.server_args) is None:
-        return None
-    import msgspec
-
-    logger.info("GraniKV: scheduler token budget %d COLD of %d KV slots (%d HOT)",
-                cold, result.max_total_num_tokens, allocator.hot_capacity)
-    return msgspec.structs.replace(result, max_total_num_tokens=cold)
 
 
 def _after_profile_available_bytes(result, configurator, *args, **kw):

@@ -114,7 +114,7 @@ class Sim:
         return SimpleNamespace(indices=res.device_indices, node=res.last_device_node)
 
     def admit(self, prompt: List[int], *, register: bool = True) -> Optional[SimReq]:
-        """Prefill one request; ``None`` when rows or COLD slots run out (nothing leaks)."""
+        """Prefill one request; ``None`` when rows or KV slots run out (nothing leaks)."""
         req = self.prefill_begin(prompt, register=register)
         if req is not None:
             self.prefill_end(req)
@@ -231,7 +231,7 @@ class Sim:
         return {
             "extents": sorted((path(n), tuple(cache.hot_extent_of(n))) for n in cache._hot_start),
             "pending": [path(n) for n in cache._pending],
-            "holes": self.allocator.hot_pool.holes(),
+            "gaps": self.allocator.hot_pool.gaps(),
             "table": (cache.hot_prefix_table.start_np.tolist(),
                       cache.hot_prefix_table.length_np.tolist()),
             "cold_free": self.allocator.available_size(),
@@ -258,8 +258,7 @@ class Sim:
             self.unlock()
         for req in list(self.live.values()):
             self.finish(req)
-        self.evict(1 << 30)
-        self.cache.evict_hot(1 << 30)
+        self.evict(1 << 30)  # HOT and COLD leaves alike
 
     # ---- oracle ----------------------------------------------------------------------------
 
@@ -309,8 +308,8 @@ class Sim:
 
     def assert_all_free(self) -> None:
         a = self.allocator
-        assert a.available_size() == a.cold_capacity, (a.available_size(), a.cold_capacity)
-        assert a.hot_pool.free_size == a.hot_capacity and not a.hot_pool.extents()
+        assert a.available_size() == a.size, (a.available_size(), a.size)
+        assert a.hot_pool.used_size == 0 and not a.hot_pool.extents()
         assert not self.cache.root_node.children
         assert self.cache.evictable_size_ == 0 and self.cache.protected_size_ == 0
         assert self.cache.root_node.lock_ref == 1

@@ -2,7 +2,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_range, slot_bytes
+from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_slots, slot_bytes
 
 
 def _pool(size=67, layers=3, dtype=torch.bfloat16):
@@ -30,13 +30,18 @@ def test_copy_kv_slots_gathers_every_layer(n):
         assert torch.equal(new[:40], old[:40]) and torch.equal(new[40 + n :], old[40 + n :])
 
 
-@pytest.mark.parametrize("src,dst,n", [(30, 10, 17), (20, 13, 17), (13, 20, 17), (5, 5, 3)])
-def test_move_kv_range_is_overlap_safe(src, dst, n):
+@pytest.mark.parametrize("n", [0, 1, 17])
+def test_move_kv_slots_scatters_every_layer(n):
     pool = _pool()
     before = _snapshot(pool)
-    move_kv_range(pool, src, dst, n)
+    perm = torch.randperm(66, generator=torch.Generator().manual_seed(n)) + 1
+    src, dst = perm[:n], perm[n : 2 * n]  # disjoint, scattered
+    assert move_kv_slots(pool, src, dst) == n * slot_bytes(pool)
+    untouched = torch.ones(68, dtype=torch.bool)
+    untouched[dst] = False
     for old, new in zip(before, pool.k_buffer + pool.v_buffer):
-        assert torch.equal(new[dst : dst + n], old[src : src + n])
+        assert torch.equal(new[dst], old[src])
+        assert torch.equal(new[untouched], old[untouched])
 
 
 def test_layout_check_rejects_non_mha_pools():

@@ -6,7 +6,6 @@ import pytest
 import torch
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigResult
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
@@ -40,21 +39,16 @@ def _build(enable, **kw):
     return kv, req, stock, conf, got
 
 
-def test_allocator_swap_keeps_the_pool_and_reserves_the_hot_region():
+def test_allocator_swap_keeps_the_pool_and_reserves_nothing():
     kv, req, stock, conf, alloc = _build(True)
     assert isinstance(alloc, GraniKVAllocator) and alloc.get_kvcache() is kv
-    assert alloc.hot_capacity == SIZE // 4 and alloc.cold_capacity + alloc.hot_capacity == SIZE
-    assert alloc.available_size() == alloc.cold_capacity
+    assert alloc.hot_capacity == SIZE // 4  # a cap on extents, not a carve-out
+    assert alloc.available_size() == stock.available_size() == SIZE  # stock's token budget
+    assert torch.equal(alloc.free_pages, stock.free_pages)
     assert alloc.hot_prefix_table.num_rows == req.req_to_token.shape[0]
     alloc.check_integrity()
-    # SGLang budgets (and leak-checks) against COLD only
-    result = KVCacheConfigResult(max_total_num_tokens=SIZE, max_running_requests=6,
-                                 full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
-                                 req_to_token_pool=req, token_to_kv_pool=kv,
-                                 token_to_kv_pool_allocator=alloc, memory_pool_config=None)
-    fixed = plugin._after_configure(result, conf, pre_model_load_memory=0)
-    assert fixed.max_total_num_tokens == alloc.cold_capacity
-    assert fixed.token_to_kv_pool_allocator is alloc
+    # SGLang's budget (max_total_num_tokens) is not touched: no configure hook
+    assert "configure" not in plugin._TARGETS
 
 
 def test_disabled_or_draft_workers_keep_sglangs_allocator():

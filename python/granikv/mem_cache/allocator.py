@@ -1,19 +1,28 @@
-"""GraniKVAllocator: SGLang's page-size-1 token allocator over COLD, plus the HOT HotPool.
+"""GraniKVAllocator: SGLang's page-size-1 token allocator whose free slots also make HOT extents.
 
-    slot:  0 | 1 ..................... hot_base-1 | hot_base .............. size |
-           ^   COLD: SGLang's free_pages logic      HOT: HotPool extents
-           padding slot (never allocated)           (hot_capacity = size + 1 - hot_base)
+One slot space, one free list, no carve-out:
 
-- COLD is exactly SGLang's ``TokenToKVPoolAllocator`` with ``free_pages`` starting as
-  ``arange(1, hot_base)``; ``alloc`` / ``free`` / free groups / ``need_sort`` are inherited.
-- HOT slots are owned by radix-tree nodes only (a request never allocates them), so
-  ``free(tensor)`` only ever receives COLD slots; ``debug_checks=True`` asserts it (that
-  check syncs the device, so it is off by default).
-- ``available_size()`` counts COLD only: the HOT capacity is reserved for extents and can
-  never satisfy a request's allocation. The plugin therefore sets SGLang's
-  ``max_total_num_tokens`` to ``cold_capacity``, so its admission budget and its idle leak
-  check (``available + evictable + protected == max_total_num_tokens``) stay exact with the
-  radix cache's COLD-only evictable / protected sizes.
+    slot:  0 | 1 ........................................................... size |
+           padding   | COLD | ext A | COLD  free  COLD | ext B |  free   COLD ...  |
+           (never      free list = SGLang's free_pages / release_pages / free group:
+            allocated) every slot that is neither COLD-owned nor in a HOT extent
+
+- COLD allocation is exactly SGLang's ``TokenToKVPoolAllocator`` (``alloc`` / ``free`` / free
+  groups / ``need_sort`` inherited); a fresh allocator's free list is ``arange(1, size + 1)``,
+  as stock, so ``available_size()`` is the true number of slots a new request can take and a
+  workload that never promotes gets exactly stock's token budget.
+- A HOT extent is a contiguous range taken off the free list (``take_range`` /
+  ``take_window``) or adopted from slots a tree node already owns (``adopt_extent``), and
+  recorded in ``hot_pool``; ``free_extent`` gives its slots back to the free list. Which
+  range to take and what to move out of it is the radix cache's decision.
+- ``hot_capacity`` caps the slots extents may hold (``hot_fraction`` of the pool); it
+  reserves nothing.
+
+Owners (``check_integrity`` here: free slots unique, in ``[1, size]``, never inside an
+extent; the radix cache's check adds the tree and the requests for exact accounting):
+every slot of ``[1, size]`` is exactly one of free, a COLD node's, a request's private, or
+an extent's. ``free(tensor)`` only ever receives COLD slots; ``debug_checks=True`` asserts it
+(that check syncs the device, so it is off by default).
 """
 
 from typing import Optional
@@ -23,14 +32,14 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from granikv.mem_cache.hot_pool import HotPool, IntegrityError
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
+from granikv.mem_cache.slot_window import Window, find_window
 
 
-def hot_layout(size: int, hot_fraction: float) -> tuple:
-    """``(hot_base, hot_capacity)`` for a pool of ``size`` slots (slot 0 excluded)."""
-    if not 0.0 <= hot_fraction < 1.0:
-        raise ValueError(f"hot_fraction={hot_fraction} is outside [0, 1)")
-    hot_capacity = int(size * hot_fraction)
-    return size + 1 - hot_capacity, hot_capacity
+def hot_cap(size: int, hot_fraction: float) -> int:
+    """The most slots HOT extents may hold in a pool of ``size`` slots."""
+    if not 0.0 <= hot_fraction <= 1.0:
+        raise ValueError(f"hot_fraction={hot_fraction} is outside [0, 1]")
+    return int(size * hot_fraction)
 
 
 class GraniKVAllocator(TokenToKVPoolAllocator):
@@ -38,7 +47,7 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
                  hot_fraction: float, debug_checks: bool = False):
         self.hot_fraction = hot_fraction
         self.debug_checks = debug_checks
-        self.hot_pool = HotPool(size + 1, 0)  # laid out by clear()
+        self.hot_pool = HotPool(1, size)  # laid out by clear()
         # Per-request HOT runs: written by the radix cache (scheduler), read by the attention
         # backend (model runner); both reach this allocator, so it holds the one table.
         self.hot_prefix_table: Optional[HotPrefixTable] = None
@@ -47,7 +56,7 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
     @classmethod
     def from_stock(cls, stock: TokenToKVPoolAllocator, *, hot_fraction: float,
                    debug_checks: bool = False) -> "GraniKVAllocator":
-        """Same pool as SGLang's freshly built page-size-1 allocator, with a HOT region."""
+        """Same pool as SGLang's freshly built page-size-1 allocator, HOT extents enabled."""
         if type(stock) is not TokenToKVPoolAllocator:
             raise ValueError(
                 f"GraniKV replaces only SGLang's page-size-1 TokenToKVPoolAllocator, "
@@ -59,19 +68,68 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
     # ---- SGLang interface ------------------------------------------------------------------
 
     def clear(self):
-        # also reached through resize(): the HOT layout follows the (new) size
+        # also reached through resize(): the cap follows the (new) size; every extent goes
         super().clear()  # free_pages = arange(1, size + 1), free groups, release pages
-        self.hot_base, self.hot_capacity = hot_layout(self.size, self.hot_fraction)
-        self.hot_pool.reset(self.hot_base, self.hot_capacity)
-        self.free_pages = self.free_pages[: self.hot_base - 1]  # COLD = [1, hot_base)
+        self.hot_capacity = hot_cap(self.size, self.hot_fraction)
+        self.hot_pool.reset(1, self.size)
 
     def free(self, free_index: torch.Tensor):
         if self.debug_checks and free_index.numel():
-            hot = free_index >= self.hot_base
-            assert not bool(hot.any()), (
-                f"GraniKVAllocator.free got {int(hot.sum())} HOT slots (>= {self.hot_base}); "
-                "HOT extents are freed through hot_pool.free")
+            inside = self._in_extent(free_index)
+            assert not bool(inside.any()), (
+                f"GraniKVAllocator.free got {int(inside.sum())} slots of HOT extents; "
+                "extents are freed through free_extent")
         super().free(free_index)
+
+    # ---- HOT extents -----------------------------------------------------------------------
+
+    @property
+    def hot_used(self) -> int:
+        return self.hot_pool.used_size
+
+    def hot_room(self) -> int:
+        """Slots a new extent may still take under the cap."""
+        return self.hot_capacity - self.hot_pool.used_size
+
+    def take_range(self, start: int, n: int, *, owned_after: int = 0) -> bool:
+        """Make ``[start, start + n + owned_after)`` an extent if ``[start, start + n)`` is all
+        free (syncs the device) and the ``owned_after`` slots after it are the caller's own
+        (``adopt_extent``); ``False`` (nothing changed) otherwise.
+
+            slot:  | start ... free ... | start+n ... the caller's ... |
+                     taken off the free list   already owned (not free)
+        """
+        total = n + owned_after
+        if (n <= 0 or start < 1 or start + total > self.size + 1
+                or self.hot_pool.overlaps(start, total)):
+            return False
+        mask = self.free_mask()
+        if not bool(mask[start : start + n].all()):
+            return False
+        self._take(mask, start, n, 0, extent_len=total)
+        return True
+
+    def find_window(self, n: int, movable: torch.Tensor) -> Optional[Window]:
+        """The cheapest window for an extent of ``n`` slots (``slot_window.find_window``);
+        ``movable``: bool ``[size + 1]``, slots whose KV the caller can move elsewhere."""
+        return find_window(self.free_mask(), movable & ~self.free_mask(), n)
+
+    def take_window(self, window: Window, n: int) -> torch.Tensor:
+        """Make ``[window.start, window.start + n)`` an extent; returns ``window.moves`` free
+        slots outside it (lowest first), taken off the free list too: the caller moves the
+        window's movable KV into them BEFORE anything is written into the extent."""
+        return self._take(self.free_mask(), window.start, n, window.moves)
+
+    def adopt_extent(self, start: int, n: int) -> None:
+        """Make ``[start, start + n)``, slots the caller already owns (a node's own KV, never
+        on the free list), an extent."""
+        ok = self.hot_pool.alloc_at(start, n)
+        assert ok, f"adopt_extent({start}, {n}) overlaps an extent"
+
+    def free_extent(self, start: int, n: int) -> None:
+        """Give the extent ``[start, start + n)`` back to the free list (no host sync)."""
+        self.hot_pool.free(start, n)
+        super().free(torch.arange(start, start + n, dtype=torch.int64, device=self.device))
 
     # ---- GraniKV ---------------------------------------------------------------------------
 
@@ -84,24 +142,59 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
                              f"asked for {num_rows}")
         return self.hot_prefix_table
 
-    @property
-    def cold_capacity(self) -> int:
-        return self.hot_base - 1
-
-    def cold_free_slots(self) -> torch.Tensor:
-        """Every free COLD slot, including pending release / free-group entries (debug use)."""
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot, including pending release / free-group entries."""
         parts = [self.free_pages, self.release_pages] + list(self.free_group)
         return torch.cat([p.to(torch.int64) for p in parts])
 
+    def free_mask(self) -> torch.Tensor:
+        """bool ``[size + 1]``: slot ``i`` is free."""
+        mask = torch.zeros(self.size + 1, dtype=torch.bool, device=self.device)
+        mask[self.free_slots()] = True
+        return mask
+
     def check_integrity(self) -> None:
-        free = self.cold_free_slots().cpu()
-        if free.numel():
-            lo, hi = int(free.min()), int(free.max())
-            if lo < 1 or hi >= self.hot_base:
-                raise IntegrityError(
-                    f"GraniKVAllocator: free COLD slot outside [1, {self.hot_base}): "
-                    f"min {lo}, max {hi}")
-            dupes = free.numel() - torch.unique(free).numel()
-            if dupes:
-                raise IntegrityError(f"GraniKVAllocator: {dupes} COLD slots are free twice")
         self.hot_pool.check_integrity()
+        if self.hot_pool.used_size > self.hot_capacity:
+            raise IntegrityError(f"GraniKVAllocator: extents hold {self.hot_pool.used_size} "
+                                 f"slots, over the cap of {self.hot_capacity}")
+        free = self.free_slots().cpu()
+        if not free.numel():
+            return
+        lo, hi = int(free.min()), int(free.max())
+        if lo < 1 or hi > self.size:
+            raise IntegrityError(f"GraniKVAllocator: free slot outside [1, {self.size}]: "
+                                 f"min {lo}, max {hi}")
+        dupes = free.numel() - torch.unique(free).numel()
+        if dupes:
+            raise IntegrityError(f"GraniKVAllocator: {dupes} slots are free twice")
+        inside = int(self._in_extent(free).sum())
+        if inside:
+            raise IntegrityError(f"GraniKVAllocator: {inside} free slots lie inside HOT extents")
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _take(self, mask: torch.Tensor, start: int, n: int, extra: int, *,
+              extent_len: Optional[int] = None) -> torch.Tensor:
+        """Take ``[start, start + n)`` and the ``extra`` lowest free slots outside it off the
+        free list (which is rebuilt sorted, release pages merged); record the extent.
+
+            free before:  . F F . F F F F . F F . F    window [4, 8), extra 2
+            taken:        extent [4, 8);  extra: slots 1, 2
+            free after:   . . . . . . . . . F F . F
+        """
+        assert self.is_not_in_free_group, "extents are taken outside SGLang's free groups"
+        ok = self.hot_pool.alloc_at(start, n if extent_len is None else extent_len)
+        assert ok, f"take: [{start}, {start + n}) overlaps an extent"
+        mask[start : start + n] = False
+        rest = torch.nonzero(mask).flatten()
+        self.free_pages = rest[extra:]
+        self.release_pages = rest[:0]
+        return rest[:extra]
+
+    def _in_extent(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool per slot: inside some HOT extent."""
+        inside = torch.zeros_like(slots, dtype=torch.bool)
+        for s, n in self.hot_pool.extents().items():
+            inside |= (slots >= s) & (slots < s + n)
+        return inside

@@ -3,9 +3,10 @@
 Every check syncs the device (it reads node values and ``req_to_token`` rows) and raises
 ``IntegrityError`` with the first violated invariant: tree structure and size counters, HOT
 nodes (a shadow head covering the node's depth, or the continuation of its HOT parent's
-extent), HOT node extents == the hot pool's extents, COLD slots owned at most once (exactly
-once in strict mode: free + tree + live requests' private slots == COLD capacity), the
-per-request table == the tree's HOT runs, and lock counts == live holders (strict).
+extent), HOT node extents == the hot pool's extents, every slot of the one slot space owned
+at most once (exactly once in strict mode: free + COLD tree + live requests' private slots +
+HOT extents == size), the per-request table == the tree's HOT runs, and lock counts == live
+holders (strict).
 """
 
 from typing import TYPE_CHECKING, Dict
@@ -25,10 +26,11 @@ def check_cache(cache: "GraniKVRadixCache", *, strict: bool) -> None:
     cache.hot_prefix_table.check_integrity()
     nodes = _check_tree(cache)
     _check_hot_extents(cache, nodes)
-    owned = [n.value for n in nodes if n not in cache._hot_start]
+    owned = {"COLD tree": [n.value for n in nodes if n not in cache._hot_start],
+             "HOT extents": [torch.arange(s, s + n) for s, n in alloc.hot_pool.extents().items()]}
     if strict:
-        owned += [_private_slots(cache, r) for r in cache._live.values()]
-    _check_cold_ownership(alloc, owned, exact=strict)
+        owned["private"] = [_private_slots(cache, r) for r in cache._live.values()]
+    _check_ownership(alloc, owned, exact=strict)
     _check_live(cache, nodes, strict=strict)
 
 
@@ -36,7 +38,7 @@ def _check_tree(cache: "GraniKVRadixCache") -> list:
     """Structure, values, lock counts and size counters of every node; returns the nodes."""
     nodes, stack = [], [(c, 0) for c in cache.root_node.children.values()]
     evictable = protected = 0
-    hot_base = cache.token_to_kv_pool_allocator.hot_base
+    size = cache.token_to_kv_pool_allocator.size
     while stack:
         node, depth = stack.pop()
         nodes.append(node)
@@ -56,8 +58,8 @@ def _check_tree(cache: "GraniKVRadixCache") -> list:
         if start is None:
             if node in cache._head:
                 raise IntegrityError(f"{where}: COLD node has a shadow head")
-            if len(v) and (int(v.min()) < 1 or int(v.max()) >= hot_base):
-                raise IntegrityError(f"{where}: COLD node holds slots outside [1, {hot_base})")
+            if len(v) and (int(v.min()) < 1 or int(v.max()) > size):
+                raise IntegrityError(f"{where}: COLD node holds slots outside [1, {size}]")
             continue
         _check_hot_node(cache, node, depth, where)
     if (evictable, protected) != (cache.evictable_size_, cache.protected_size_):
@@ -103,18 +105,22 @@ def _check_hot_extents(cache: "GraniKVRadixCache", nodes: list) -> None:
                              f"{sorted(by_pool.items())[:8]}")
 
 
-def _check_cold_ownership(alloc: GraniKVAllocator, owned: list, *, exact: bool) -> None:
-    """No COLD slot owned twice among free list, tree and (exact) live requests."""
-    free = alloc.cold_free_slots().cpu()
-    held = torch.cat([t.cpu().to(torch.int64) for t in owned]) if owned else free[:0]
-    every = torch.cat([free, held])
+def _check_ownership(alloc: GraniKVAllocator, owned: Dict[str, list], *, exact: bool) -> None:
+    """No slot owned twice among the free list and ``owned`` (COLD tree, HOT extents and,
+    exact, live requests' private slots); exact: together they are every slot of
+    ``[1, size]``."""
+    parts = {"free": alloc.free_slots().cpu()}
+    for name, tensors in owned.items():
+        parts[name] = (torch.cat([t.cpu().to(torch.int64) for t in tensors]) if tensors
+                       else parts["free"][:0])
+    counts = ", ".join(f"{name} {t.numel()}" for name, t in parts.items())
+    every = torch.cat(list(parts.values()))
     dupes = every.numel() - torch.unique(every).numel()
     if dupes:
-        raise IntegrityError(f"COLD: {dupes} slots owned twice (free {free.numel()}, "
-                             f"held {held.numel()})")
-    if exact and every.numel() != alloc.cold_capacity:
-        raise IntegrityError(f"COLD: free {free.numel()} + held {held.numel()} != total "
-                             f"{alloc.cold_capacity} ({alloc.cold_capacity - every.numel()} leaked)")
+        raise IntegrityError(f"slots: {dupes} owned twice ({counts})")
+    if exact and every.numel() != alloc.size:
+        raise IntegrityError(f"slots: {counts} != total {alloc.size} "
+                             f"({alloc.size - every.numel()} leaked)")
 
 
 def _private_slots(cache: "GraniKVRadixCache", req) -> torch.Tensor:

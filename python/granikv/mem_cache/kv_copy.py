@@ -64,16 +64,20 @@ def copy_kv_slots(kv_pool, src_slots: torch.Tensor, dst_start: int) -> int:
     return n * slot_bytes(kv_pool)
 
 
-def move_kv_range(kv_pool, src_start: int, dst_start: int, n: int) -> int:
-    """Move ``[src_start, src_start + n)`` to ``[dst_start, dst_start + n)``; overlap-safe.
+def move_kv_slots(kv_pool, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> int:
+    """Copy the KV of ``src_slots[i]`` into ``dst_slots[i]`` (both scattered, same length,
+    disjoint sets). Used to move COLD KV out of the window a new HOT extent takes.
 
-    Used by HOT-region compaction (extents slide down, so the ranges may overlap).
-    Returns the number of bytes written.
+        src_slots:  [ 9, 4, 6 ]     dst_slots: [ 1, 2, 12 ]
+        buf[l]:     kv(9) -> slot 1,  kv(4) -> slot 2,  kv(6) -> slot 12
+
+    Returns the number of bytes written (all layers, K and V).
     """
-    if n == 0 or src_start == dst_start:
+    n = src_slots.numel()
+    assert dst_slots.numel() == n, f"move_kv_slots: {n} sources, {dst_slots.numel()} destinations"
+    if n == 0:
         return 0
-    overlap = abs(src_start - dst_start) < n
+    src, dst = src_slots.to(torch.int64), dst_slots.to(torch.int64)
     for buf in kv_layer_buffers(kv_pool):
-        src = buf[src_start : src_start + n]
-        buf[dst_start : dst_start + n] = src.clone() if overlap else src
+        buf.index_copy_(0, dst, buf.index_select(0, src))
     return n * slot_bytes(kv_pool)

@@ -21,11 +21,12 @@ class GraniKVMetrics:
     promoted_tokens: int = 0  # node tokens made HOT (shadow heads not included)
     shadow_head_tokens: int = 0  # ancestor tokens copied in front of promoted nodes
     extended_in_place: int = 0  # promotions placed right after the parent's HOT run (no head)
+    adopted: int = 0  # promotions whose node kept its own contiguous slots (no node KV copied)
     hot_evictions: int = 0
     hot_evicted_tokens: int = 0
     hot_splits: int = 0
-    compactions: int = 0
-    compaction_moves: int = 0
+    compactions: int = 0  # windows cleared of unlocked COLD KV for a new extent
+    compaction_moves: int = 0  # slots of KV those moves relocated
     rows_rewritten: int = 0
     bytes_copied: int = 0
     tp_checks: int = 0  # cross-rank fingerprint comparisons (tp_consistency.py)
@@ -46,7 +47,7 @@ class GraniKVMetrics:
         return (
             f"GraniKV: hot {self.hot_used_tokens}/{self.hot_capacity} ({hot_pct:.1f}%) "
             f"in {self.hot_extents} extents, cold {self.cold_used_tokens}/{self.cold_capacity} "
-            f"({cold_pct:.1f}%), promotions {self.promotions} (in place {self.extended_in_place}, "
+            f"({cold_pct:.1f}%), promotions {self.promotions} (adopted {self.adopted}, in place {self.extended_in_place}, "
             f"skipped {self.promotions_skipped}), "
             f"hot evictions {self.hot_evictions}, splits {self.hot_splits}, "
             f"compactions {self.compactions}, copied {self.bytes_copied / 2**20:.1f} MiB"

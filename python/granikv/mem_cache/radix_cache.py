@@ -25,15 +25,17 @@ Lifecycle (the plugin drives the two public extras; everything else is SGLang's 
 - ``inc_lock_ref`` (admission, ``cache_unfinished_req``) QUEUES the deepest node of the locked
   path that the policy accepts, if it is COLD;
 - ``apply_pending_promotions()`` EXECUTES the queue at a safe point (before a batch's
-  forward): extent alloc (right after the parent's HOT run when that covers the whole path
-  and the slots are free: no head, only the node's KV copied; else a fresh extent with a
-  shadow head, HOT eviction / compaction if needed), KV copy (ancestors + node),
-  rewrite of the holders' ``req_to_token`` rows and ``prefix_indices``, free of the COLD slots;
+  forward): placement (``_place``: the node's own slots when they are contiguous, nothing
+  or only a shadow head copied; else right after the parent's HOT run; else a fresh extent
+  taken off the common free list, with unlocked COLD KV moved out of its window and LRU
+  eviction if needed), KV copy, rewrite of the holders' ``req_to_token`` rows and
+  ``prefix_indices``, free of the old COLD slots;
 - ``update_request_hot_prefix(req)`` after ``alloc_for_extend`` registers a live request and
   points its row at its HOT run; ``cache_finished_req`` (finish, abort, retract) drops it.
 Anything that cannot be done safely is skipped and counted in ``metrics``; nothing raises
-mid-serving. ``evict`` (COLD pressure) evicts HOT nodes only where they pin COLD ancestors;
-``evict_hot`` (HOT pressure) evicts HOT subtrees.
+mid-serving. HOT extents come out of the same free slots as COLD KV and go back to them:
+``evict`` (SGLang's memory pressure) is LRU over every unlocked leaf, HOT or COLD, and
+counts the slots it frees; ``evict_hot`` (the HOT cap) evicts HOT subtrees.
 """
 
 import heapq
@@ -48,7 +50,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from granikv.mem_cache.allocator import GraniKVAllocator
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
-from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_range
+from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_slots
 from granikv.mem_cache.metrics import GraniKVMetrics
 from granikv.mem_cache.policy import PromotionPolicy, SharedLongPrefixPolicy
 
@@ -78,6 +80,15 @@ class HotExtent(NamedTuple):
     @property
     def size(self) -> int:
         return self.head + self.length
+
+
+class _Placement(NamedTuple):
+    """Where a promotion puts a node: ``ext``; ``adopted``: the node's own (contiguous) slots
+    are the extent's node part, so only the shadow head (if any) is copied and nothing is
+    freed."""
+
+    ext: HotExtent
+    adopted: bool
 
 
 class _Run(NamedTuple):
@@ -131,7 +142,7 @@ class GraniKVRadixCache(RadixCache):
     def reset(self):
         # every HOT extent belongs to a node (check_integrity), so all of them go, whether or
         # not the allocator was cleared first
-        self.hot_pool.reset(self.hot_pool.base, self.hot_pool.capacity)
+        self.hot_pool.reset(self.hot_pool.base, self.hot_pool.span)
         self._hot_start.clear()
         self._head.clear()
         self._pending.clear()
@@ -157,22 +168,24 @@ class GraniKVRadixCache(RadixCache):
             self.hot_prefix_table.clear(idx)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """LRU over COLD leaves, and over HOT nodes below a COLD node: a node promoted with a
-        shadow head pins its COLD ancestors, and evicting it is the only way to free them
-        (this keeps ``evictable_size()`` exact). Counts COLD slots only."""
+        """LRU over every unlocked leaf, HOT or COLD: both give their slots back to the one
+        free list. Counts the slots freed (a HOT node's whole extent, shadow head included),
+        so ``evictable_size()`` is exact."""
         start_time = time.perf_counter()
         hot = self._hot_start
-        eligible = lambda n: n not in hot or self._below(n, cold=True)  # noqa: E731
-        num = self._evict_lru(params.num_tokens, eligible=eligible,
-                              counts=lambda n: 0 if n in hot else len(n.value))
+        num = self._evict_lru(params.num_tokens, eligible=lambda n: True,
+                              counts=lambda n: self._extent(n).size if n in hot else len(n.value))
         self.update_eviction_metrics(num, start_time)
+        if num and hot:
+            self.refresh_gauges()
         return EvictResult(num_tokens_evicted=num)
 
     def evictable_size(self):
-        return self.evictable_size_ - self._hot_key_tokens(locked=False)
+        """Tokens of unlocked nodes (SGLang's counter, HOT included) + their shadow heads."""
+        return self.evictable_size_ + self._head_slots(locked=False)
 
     def protected_size(self):
-        return self.protected_size_ - self._hot_key_tokens(locked=True)
+        return self.protected_size_ + self._head_slots(locked=True)
 
     def _split_node(self, key, child: TreeNode, split_len: int):
         """A HOT ``child`` splits its extent: the upper half keeps the shadow head.
@@ -248,15 +261,10 @@ class GraniKVRadixCache(RadixCache):
                 self.metrics.skip("superseded")
                 work.extend(deeper)
                 continue
-            ext = self._extend_in_place(node)
-            if ext is None:
-                depth = self._depth(node)
-                start = self._reserve_extent(depth + len(node.value))
-                if start is None:
-                    self.metrics.skip("no_space")
-                    continue
-                ext = HotExtent(start, depth, len(node.value))
-            self._materialize(node, ext, holders)
+            placement = self._place(node)
+            if placement is None:
+                continue  # counted by _place
+            self._materialize(node, placement, holders)
             promoted += 1
         self._retry_counted = {n: None for n in self._retry_counted if n in self._pending}
         if promoted:
@@ -308,10 +316,10 @@ class GraniKVRadixCache(RadixCache):
     def refresh_gauges(self) -> None:
         alloc, m = self.token_to_kv_pool_allocator, self.metrics
         m.hot_extents = len(self._hot_start)
-        m.hot_used_tokens = self.hot_pool.used_size
-        m.hot_capacity = self.hot_pool.capacity
-        m.cold_capacity = alloc.cold_capacity
-        m.cold_used_tokens = alloc.cold_capacity - alloc.available_size()
+        m.hot_used_tokens = alloc.hot_used
+        m.hot_capacity = alloc.hot_capacity  # a cap: unused, it stays free for every request
+        m.cold_capacity = alloc.size - alloc.hot_used  # the slots COLD KV may use right now
+        m.cold_used_tokens = m.cold_capacity - alloc.available_size()
 
     def check_integrity(self, *, strict: bool = True) -> None:
         """Raise ``IntegrityError`` on the first violated invariant (syncs the device).
@@ -353,7 +361,7 @@ class GraniKVRadixCache(RadixCache):
         total = self._depth(node) + len(node.key)
         if not self.policy.should_promote(total, node.lock_ref, hit_count=node.hit_count):
             return None
-        if total > self.hot_pool.capacity:
+        if total > self.token_to_kv_pool_allocator.hot_capacity:
             self.metrics.skip("too_large")
             return None
         holders = [r for r in self._live_reqs() if node in self._path(r.last_node)]
@@ -374,89 +382,151 @@ class GraniKVRadixCache(RadixCache):
             return None
         return [t for t in targets if t is not None and t not in self._hot_start]
 
-    def _reserve_extent(self, n: int) -> Optional[int]:
-        """A HOT extent of ``n`` slots: best fit, else compaction (keeps every cached extent),
-        else LRU eviction of unlocked HOT subtrees one node at a time (then compaction again).
-        ``None`` when even that cannot make room: the promotion is skipped."""
-        pool = self.hot_pool
-        start = pool.alloc(n)
-        if start is None and pool.free_size >= n and self._compact(n):
-            start = pool.alloc(n)
-        while start is None and pool.free_size + self.hot_evictable_size() >= n > 0:
-            if self.evict_hot(1) == 0:
-                break
-            start = pool.alloc(n)
-            if start is None and pool.free_size >= n and self._compact(n):
-                start = pool.alloc(n)
-        return start
+    def _place(self, node: TreeNode) -> Optional[_Placement]:
+        """Where ``node`` goes, cheapest first; ``None`` (skip counted) when nowhere.
 
-    def _extend_in_place(self, node: TreeNode) -> Optional[HotExtent]:
-        """A head-less extent right after the HOT run of ``node``'s parent path, when that run
-        covers the whole path and the slots after it are free; ``None`` otherwise.
+        1. adopt: the node's own slots are contiguous ``[a, a + len)`` (a fresh prefill
+           usually is) and either it is a root child, or its parent's HOT run covers its
+           depth and ends at ``a``, or the ``depth`` slots before ``a`` are free (they take
+           the shadow head): nothing copied but the head, nothing freed;
+        2. extend in place: the parent's HOT run covers the depth and the ``len`` slots after
+           it are free: only the node's KV is copied;
+        3. a fresh extent of ``depth + len`` slots (``_reserve_extent``).
 
-            before:  | run of the parent path (depth d) | free ... |
-            after:   | run of the parent path (depth d) | node     |   one run of d + len(node)
-
-        No ancestor KV is copied (a shadow head would copy the whole path again), and the node
-        continues its HOT parent's extent, like the lower half of a split.
+        Every extent counts against the HOT cap (``hot_capacity``).
         """
-        depth = self._depth(node)
+        depth, length = self._depth(node), len(node.value)
+        alloc = self.token_to_kv_pool_allocator
         run = self._run_of(node.parent)
-        if depth == 0 or run.length != depth:
-            return None
-        start = run.start + run.length
-        if not self.hot_pool.alloc_at(start, len(node.value)):
-            return None
-        self.metrics.extended_in_place += 1
-        return HotExtent(start, 0, len(node.value))
+        covered = depth > 0 and run.length == depth
+        a = self._contiguous_start(node.value)
+        if a is not None:
+            if (depth == 0 or (covered and run.start + run.length == a)) and self._room(length):
+                alloc.adopt_extent(a, length)
+                self.metrics.adopted += 1
+                return _Placement(HotExtent(a, 0, length), True)
+            if (depth and a > depth and self._room(depth + length)
+                    and alloc.take_range(a - depth, depth, owned_after=length)):
+                self.metrics.adopted += 1
+                return _Placement(HotExtent(a - depth, depth, length), True)
+        if covered and self._room(length) and alloc.take_range(run.start + run.length, length):
+            self.metrics.extended_in_place += 1
+            return _Placement(HotExtent(run.start + run.length, 0, length), False)
+        start = self._reserve_extent(depth + length)
+        return None if start is None else _Placement(HotExtent(start, depth, length), False)
 
-    def _compact(self, need: int) -> bool:
-        """Slide unlocked extents down (KV moved) if that opens a hole of ``need`` slots.
-
-        Only unlocked extents move, so no live row points into them; a split's lower half
-        sits right after its upper half, so it moves with it or not at all (contiguity kept).
-        """
-        node_at = {self._extent(node).start: node for node in self._hot_start}
-        locked = [s for s, node in node_at.items() if node.lock_ref > 0]
-        plan = self.hot_pool.compaction_plan(locked)
-        if plan.largest_hole < need:
-            return False
-        for move in plan.moves:
-            self.metrics.bytes_copied += move_kv_range(self.kv_pool, *move)
-            self.hot_pool.apply_move(move)
-            node = node_at[move.src]
-            start = move.dst + self._head.get(node, 0)
-            node.value = self._arange(start, len(node.key))
-            self._hot_start[node] = start
-        self.metrics.compactions += 1
-        self.metrics.compaction_moves += len(plan.moves)
+    def _room(self, n: int) -> bool:
+        """Whether an extent of ``n`` slots fits under the HOT cap, after LRU-evicting
+        unlocked HOT subtrees if needed."""
+        alloc = self.token_to_kv_pool_allocator
+        while alloc.hot_room() < n:
+            if self.evict_hot(1) == 0:
+                return False
         return True
 
-    def _materialize(self, node: TreeNode, ext: HotExtent, holders: list) -> None:
+    def _reserve_extent(self, n: int) -> Optional[int]:
+        """A fresh extent of ``n`` slots off the common free list: the window with the
+        fewest movable slots (unlocked COLD KV, moved out first: ``_relocate``); if none,
+        LRU eviction (any unlocked leaf while free slots are short, then unlocked HOT
+        subtrees, which block windows) and again. ``None`` (skip counted) when even that
+        cannot make room."""
+        alloc = self.token_to_kv_pool_allocator
+        if not self._room(n):
+            self.metrics.skip("hot_cap")
+            return None
+        if alloc.available_size() < n:
+            self.evict(EvictParams(num_tokens=n - alloc.available_size()))
+        while True:
+            window = alloc.find_window(n, self._movable_mask())
+            if window is not None:
+                break
+            if alloc.available_size() < n or self.evict_hot(1) == 0:
+                self.metrics.skip("no_space")
+                return None
+        dst = alloc.take_window(window, n)
+        if window.moves:
+            self._relocate(window.start, n, dst)
+        return window.start
+
+    def _movable_mask(self) -> torch.Tensor:
+        """bool ``[size + 1]``: slots of unlocked COLD nodes (no live row reads them)."""
+        alloc = self.token_to_kv_pool_allocator
+        mask = torch.zeros(alloc.size + 1, dtype=torch.bool, device=alloc.device)
+        values = [n.value for n in self._movable_nodes()]
+        if values:
+            mask[torch.cat(values)] = True
+        return mask
+
+    def _movable_nodes(self) -> List[TreeNode]:
+        nodes, stack = [], list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.lock_ref == 0 and node not in self._hot_start and len(node.value):
+                nodes.append(node)
+        return nodes
+
+    def _relocate(self, start: int, n: int, dst: torch.Tensor) -> None:
+        """Move the unlocked COLD KV inside ``[start, start + n)`` to ``dst`` (free slots
+        outside it) and rewrite the owning nodes' values.
+
+            window:   | F  M1 F  M2 M3 F |      dst: [d1, d2, d3]
+            after:    KV(M1) -> d1, KV(M2) -> d2, KV(M3) -> d3; node values follow
+
+        Only unlocked nodes move, so no live row or ``prefix_indices`` points at them (the
+        same argument as evicting them; a waiting request's match is redone at admission).
+        """
+        nodes = self._movable_nodes()
+        values = torch.cat([nd.value for nd in nodes])
+        inside = (values >= start) & (values < start + n)
+        src = values[inside]
+        self.metrics.bytes_copied += move_kv_slots(self.kv_pool, src, dst)
+        values = values.clone()
+        values[inside] = dst.to(values.dtype)
+        for nd, v in zip(nodes, torch.split(values, [len(nd.value) for nd in nodes])):
+            nd.value = v.clone()
+        self.metrics.compactions += 1
+        self.metrics.compaction_moves += int(src.numel())
+
+    def _contiguous_start(self, value: torch.Tensor) -> Optional[int]:
+        """``a`` if ``value == arange(a, a + len)`` (one host sync), else ``None``."""
+        if not len(value):
+            return None
+        steps_ok = (value[1:] - value[:-1] == 1).all() if len(value) > 1 else value.new_ones((), dtype=torch.bool)
+        a, ok = torch.stack([value[0], steps_ok.to(value.dtype)]).tolist()
+        return int(a) if ok else None
+
+    def _materialize(self, node: TreeNode, placement: _Placement, holders: list) -> None:
         """Copy the path's last ``ext.size`` tokens of KV (ancestors, then ``node``) into ``ext``
-        and repoint at it.
+        (adopted: only the shadow head) and repoint at it.
 
             path:     | A (any slots) | h (any slots) | node (COLD)       |
             extent:   | ext.start ..... shadow head   | ext.node_start ... |   head = depth
             req_to_token[holder][:head + length] -> arange(ext.start, ext.start + ext.size)
 
-        (``head = 0``: the extent continues the parent's HOT run, only ``node``'s KV is copied,
-        ``_extend_in_place``.)
-
-        The ancestors keep their own slots (other requests use them); ``node``'s old COLD
-        slots are freed.
+        (``head = 0``: the extent continues the parent's HOT run, only ``node``'s KV is copied
+        unless adopted.) The ancestors keep their own slots (other requests use them);
+        ``node``'s old COLD slots are freed unless adopted (then they are the extent).
         """
+        ext = placement.ext
         path = self._path(node)
-        src = torch.cat([n.value for n in path])[-ext.size:]  # head = depth: the whole path
-        self.metrics.bytes_copied += copy_kv_slots(self.kv_pool, src, ext.start)
-        old = node.value
+        if placement.adopted:
+            if ext.head:
+                src = torch.cat([n.value for n in path[:-1]])[-ext.head:]
+                self.metrics.bytes_copied += copy_kv_slots(self.kv_pool, src, ext.start)
+            old = None
+        else:
+            src = torch.cat([n.value for n in path])[-ext.size:]  # head = depth: the whole path
+            self.metrics.bytes_copied += copy_kv_slots(self.kv_pool, src, ext.start)
+            old = node.value
         node.value = self._arange(ext.node_start, ext.length)
         self._hot_start[node] = ext.node_start
         if ext.head:
             self._head[node] = ext.head
         runs = [self._run(r) for r in holders]
         self._repoint(list(zip(holders, runs)))
-        self.token_to_kv_pool_allocator.free(old)
+        if old is not None:
+            self.token_to_kv_pool_allocator.free(old)
         self._publish(holders, runs)
         self.metrics.promotions += 1
         self.metrics.promoted_tokens += ext.length
@@ -556,7 +626,7 @@ class GraniKVRadixCache(RadixCache):
         ext = self._extent(node)
         del self._hot_start[node]
         self._head.pop(node, None)
-        self.hot_pool.free(ext.start, ext.size)  # host metadata only, no .item()
+        self.token_to_kv_pool_allocator.free_extent(ext.start, ext.size)  # no host sync
         self.metrics.hot_evictions += 1
         self.metrics.hot_evicted_tokens += ext.size
 
@@ -564,9 +634,9 @@ class GraniKVRadixCache(RadixCache):
         head = self._head.get(node, 0)
         return HotExtent(self._hot_start[node] - head, head, len(node.key))
 
-    def _hot_key_tokens(self, *, locked: bool) -> int:
-        """Tree tokens (node keys) of HOT nodes: what SGLang's size counters include."""
-        return sum(len(n.key) for n in self._hot_start if (n.lock_ref > 0) == locked)
+    def _head_slots(self, *, locked: bool) -> int:
+        """Shadow-head slots of HOT nodes: held, but in no node key (SGLang's counters)."""
+        return sum(h for n, h in self._head.items() if (n.lock_ref > 0) == locked)
 
     def _hot_slots(self, *, locked: bool) -> int:
         """HOT slots (shadow heads included) of HOT nodes."""
