@@ -51,6 +51,7 @@ class SimConfig:
     min_sharers: int = 2
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    shuffle_free: bool = False  # start from a scattered free list (prefills not contiguous)
 
 
 class SimReq:
@@ -92,6 +93,9 @@ class Sim:
             head_dim=cfg.head_dim, layer_num=cfg.layers, device="cpu", enable_memory_saver=False)
         self.allocator = GraniKVAllocator(cfg.kv_size, cfg.dtype, "cpu", self.kv_pool, False,
                                           hot_fraction=cfg.hot_fraction, debug_checks=debug_checks)
+        if cfg.shuffle_free:  # as after long serving: promotions copy instead of adopting
+            perm = torch.randperm(cfg.kv_size, generator=gen)
+            self.allocator.free_pages = self.allocator.free_pages[perm]
         self.req_pool = ReqToTokenPool(cfg.max_reqs, cfg.max_context, "cpu", False)
         self.config = GraniKVConfig(enable=True, hot_min_tokens=cfg.min_tokens,
                                     hot_min_sharers=cfg.min_sharers, hot_fraction=cfg.hot_fraction)

@@ -25,24 +25,42 @@ def _share(sim, prefix, k, first_suffix=100):
 
 
 def test_promotion_rewrites_rows_and_frees_cold_slots():
-    sim = Sim()
+    sim = Sim(SimConfig(shuffle_free=True))  # scattered slots: the prefix is copied
     reqs = _share(sim, P, 3)
     views = [sim.request_view(r).clone() for r in reqs]
-    cold_before = sim.allocator.available_size()
+    free_before = sim.allocator.available_size()
     assert sim.promote() == 1
     sim.check()
     node = reqs[0].last_node.parent
     ext = sim.cache.hot_extent_of(node)
     start, n = ext.start, ext.length
-    assert ext.head == 0 and n == len(P) and start >= sim.allocator.hot_base  # a root child
-    assert sim.allocator.available_size() == cold_before + len(P)
+    assert ext.head == 0 and n == len(P)  # a root child
+    # the extent came off the free list and the old COLD slots went back to it
+    assert sim.allocator.available_size() == free_before
     for r, v in zip(reqs, views):
         assert torch.equal(sim.request_view(r), v)
         assert sim.cache.hot_prefix_table.get(r.req_pool_idx) == (start, len(P))
         assert torch.equal(r.prefix_indices[: len(P)], torch.arange(start, start + len(P)))
     m = sim.cache.metrics
-    assert (m.promotions, m.rows_rewritten) == (1, 3)
+    assert (m.promotions, m.adopted, m.rows_rewritten) == (1, 0, 3)
     assert m.bytes_copied == len(P) * 2 * 2 * 2 * 4 * 2  # layers * K/V * heads * dim * bf16
+
+
+def test_contiguous_prefix_is_adopted_without_a_copy():
+    sim = Sim()  # fresh free list: the prefill's slots are contiguous
+    reqs = _share(sim, P, 3)
+    node = reqs[0].last_node.parent
+    own = node.value.clone()
+    free_before = sim.allocator.available_size()
+    assert sim.promote() == 1
+    sim.check()
+    ext = sim.cache.hot_extent_of(node)
+    assert torch.equal(own, torch.arange(ext.start, ext.start + len(P))) and ext.head == 0
+    m = sim.cache.metrics
+    assert (m.adopted, m.bytes_copied) == (1, 0)
+    assert sim.allocator.available_size() == free_before  # nothing taken, nothing freed
+    for r in reqs:
+        assert sim.cache.hot_prefix_table.get(r.req_pool_idx) == (ext.start, len(P))
 
 
 def test_new_requests_match_hot_slots_and_decode_continues():
@@ -79,21 +97,31 @@ def test_split_of_a_hot_node_keeps_both_halves_hot_and_contiguous():
     sim.assert_all_free()
 
 
-def test_cold_eviction_spares_hot_nodes_and_hot_eviction_frees_extents():
-    sim = Sim()
+def test_eviction_frees_hot_and_cold_leaves_into_one_pool():
+    sim = Sim(SimConfig(shuffle_free=True))
     reqs = _share(sim, P, 2)
     sim.promote()
     for r in reqs:
         sim.finish(r)
     assert sim.cache.hot_evictable_size() == len(P)
-    assert sim.cache.evictable_size() == 4  # the two 2-token COLD suffixes
-    assert sim.evict(1 << 20) == 4
-    sim.check()
+    assert sim.cache.evictable_size() == len(P) + 4  # SGLang's admission sees HOT slots too
+    assert sim.evict(4) == 4  # LRU leaves: the two COLD suffixes first
     assert sim.allocator.hot_pool.used_size == len(P)
-    assert sim.cache.evict_hot(1) == len(P)
+    assert sim.evict(1) == len(P)  # then the HOT node, its whole extent
     sim.check()
     sim.assert_all_free()
     assert sim.cache.metrics.hot_evictions == 1
+
+
+def test_hot_eviction_takes_the_cold_leaves_below():
+    sim = Sim(SimConfig(shuffle_free=True))
+    reqs = _share(sim, P, 2)
+    sim.promote()
+    for r in reqs:
+        sim.finish(r)
+    assert sim.cache.evict_hot(1) == len(P)  # counts HOT slots; the suffixes went first
+    sim.check()
+    sim.assert_all_free()
 
 
 def test_locked_hot_nodes_are_never_evicted():
@@ -114,63 +142,60 @@ def _promote_groups(sim, seqs):
     return groups
 
 
-def test_compaction_moves_unlocked_extents_and_keeps_their_kv():
-    sim = Sim(SimConfig(kv_size=300, hot_fraction=0.4, min_tokens=16))  # HOT capacity 120
-    a, b, c = _promote_groups(sim, [_tokens(11, 30), _tokens(12, 50), _tokens(13, 30)])
-    h = sim.allocator.hot_base
-    for r in a + c:
-        sim.finish(r)  # a@h and c@h+80 unlocked but cached; b@h+30 locked
-    sim.evict(1 << 20)  # COLD suffixes only
-    assert sim.allocator.hot_pool.extents() == {h: 30, h + 30: 50, h + 80: 30}
-    for r in b:
-        sim.finish(r)
-    sim.admit(_tokens(12, 50) + [1, 2])  # b locked again; a, c stay unlocked
-    sim.evict(1 << 20)
-    sim.cache.evict_hot(1)  # LRU: a goes (c was used later) -> holes 30 @h, 10 @h+110
-    assert sim.allocator.hot_pool.extents() == {h + 30: 50, h + 80: 30}
-    d = _share(sim, _tokens(14, 35), 2)  # 35 contiguous: compaction cannot (b is locked)
-    assert sim.promote() == 1  # so c (LRU, unlocked) is evicted, then it fits
-    sim.check()
-    assert sim.cache.hot_run(d[0])[1] == 35
-    assert sim.cache.metrics.hot_evictions == 2
-    sim.drain()
-    sim.assert_all_free()
-
-
-def test_compaction_when_holes_are_fragmented():
-    sim = Sim(SimConfig(kv_size=300, hot_fraction=0.4, min_tokens=16))  # HOT capacity 120
-    groups = _promote_groups(sim, [_tokens(20 + i, 30) for i in range(4)])
-    h = sim.allocator.hot_base
-    for i in (0, 2, 1):  # unlock extents 0, 2, then 1 (1 is the most recently used)
-        for r in groups[i]:
-            sim.finish(r)
-    sim.evict(1 << 20)
-    assert sim.cache.evict_hot(60) == 60  # LRU: extents 0 and 2
-    assert sim.allocator.hot_pool.holes() == [(h, 30), (h + 60, 30)]
-    big = _share(sim, _tokens(30, 45), 2)  # 60 free, largest hole 30
+def test_new_extent_moves_unlocked_cold_kv_out_of_its_window():
+    sim = Sim(SimConfig(kv_size=200, max_reqs=10, shuffle_free=True, hot_fraction=1.0))
+    for i in range(6):  # 126 slots of unlocked cached KV, scattered over the pool
+        sim.finish(sim.admit(_tokens(60 + i, 21)))
+    big = _tokens(70, 45)
+    reqs = _share(sim, big, 2)  # no free run of 45 slots is left
     assert sim.promote() == 1
-    sim.check()  # extent 1 moved h+30 -> h (overlapping move); tree walk checks its KV
+    sim.check()  # every node's KV, moved or not, is checked against the oracle
     m = sim.cache.metrics
-    assert (m.compactions, m.compaction_moves, m.hot_evictions) == (1, 1, 2)
-    assert sim.allocator.hot_pool.extents() == {h: 30, h + 30: 45, h + 90: 30}
-    assert sim.cache.hot_run(big[0]) == (h + 30, 45)
+    assert m.compactions == 1 and m.compaction_moves > 0
+    assert sim.cache.hot_run(reqs[0])[1] == 45
     sim.drain()
     sim.assert_all_free()
 
 
-def test_no_room_when_every_extent_is_locked():
-    sim = Sim(SimConfig(kv_size=300, hot_fraction=0.4, min_tokens=16))  # HOT capacity 120
-    groups = _promote_groups(sim, [_tokens(40 + i, 30) for i in range(4)])
-    for r in groups[0] + groups[2]:
-        sim.finish(r)
-    sim.evict(1 << 20)
-    sim.cache.evict_hot(60)
-    _share(sim, _tokens(50, 45), 2)
+def test_no_space_when_live_requests_hold_the_slots():
+    sim = Sim(SimConfig(kv_size=150, max_reqs=12, shuffle_free=True, hot_fraction=1.0))
+    _share(sim, P, 2)
+    while sim.allocator.available_size() >= 20:
+        assert sim.admit(_tokens(80 + sim.allocator.available_size(), 19)) is not None
     assert sim.promote() == 0
     assert sim.cache.metrics.skip_reasons["no_space"] == 1
     sim.check()
     sim.drain()
     sim.assert_all_free()
+
+
+def test_hot_cap_evicts_unlocked_extents_then_skips():
+    sim = Sim(SimConfig(kv_size=300, hot_fraction=0.15, min_tokens=16, shuffle_free=True))  # cap 45
+    a = _share(sim, _tokens(40, 30), 2)
+    assert sim.promote() == 1
+    b = _share(sim, _tokens(41, 30), 2)
+    assert sim.promote() == 0  # a is locked: over the cap
+    assert sim.cache.metrics.skip_reasons["hot_cap"] == 1
+    for r in a:
+        sim.finish(r)
+    sim.lock(_tokens(41, 30) + [0])  # re-queue b's promotion (a new admission lock)
+    sim.unlock()
+    assert sim.promote() == 1  # a (unlocked) is LRU-evicted to make room under the cap
+    m = sim.cache.metrics
+    assert (m.hot_evictions, sim.allocator.hot_used) == (1, 30)
+    sim.check()
+    del b
+    sim.drain()
+    sim.assert_all_free()
+
+
+def test_too_large_for_the_cap():
+    sim = Sim(SimConfig(hot_fraction=0.1))  # cap 38 < len(P)
+    _share(sim, P, 2)
+    assert sim.promote() == 0
+    assert sim.cache.metrics.skip_reasons["too_large"] == 1
+    sim.check()
+
 
 
 def test_temporary_lock_blocks_promotion_safely():

@@ -86,36 +86,73 @@ def test_short_common_head_does_not_hide_long_shared_prompts():
     sim.assert_all_free()
 
 
-def test_deeper_shared_node_extends_an_earlier_promotion_in_place():
-    """A, then A+B shared: B goes right after A's extent (no shadow head, A's KV not copied
-    again), one run covers A+B; A's own holders keep their run."""
-    sim = Sim()
-    a, b = _tokens(30, 30), _tokens(31, 23)
+def _free_last(sim, start, n):
+    """Reorder the free list so that ``[start, start + n)`` is handed out last (the other
+    free slots first, scattered): the next prefills leave that range free."""
+    fp = sim.allocator.free_pages
+    keep = (fp >= start) & (fp < start + n)
+    others = fp[~keep]
+    others = others[torch.randperm(len(others), generator=torch.Generator().manual_seed(0))]
+    sim.allocator.free_pages = torch.cat([others, fp[keep]])
+
+
+def _extend_scenario(sim):
+    """A promoted (adopted at [1, 31)), its holders gone, A+B about to be shared."""
+    a = _tokens(30, 30)
     first = [sim.admit(a + [1]), sim.admit(a + [2])]
     assert sim.promote() == 1
     ea = sim.cache.hot_extent_of(first[0].last_node.parent)
-    assert ea.head == 0
-    copied = sim.cache.metrics.bytes_copied
+    assert (ea.start, ea.head, ea.length) == (1, 0, 30) and sim.cache.metrics.adopted == 1
+    _finish_all(sim, first)
+    assert sim.evict(2) == 2  # the two 1-token suffixes at 31, 32; A stays HOT
+    return a, ea
+
+
+def test_deeper_shared_node_adopts_its_slots_right_after_the_parents_run():
+    sim = Sim()
+    a, ea = _extend_scenario(sim)
+    sim.allocator.free_pages = sim.allocator.free_pages.sort().values  # B gets [31, 54)
+    b = _tokens(31, 23)
     agents = [sim.admit(a + b + [3]), sim.admit(a + b + [4])]
+    copied = sim.cache.metrics.bytes_copied
     assert sim.promote() == 1
     sim.check()
     eb = sim.cache.hot_extent_of(agents[0].last_node.parent)
-    assert (eb.start, eb.head, eb.length) == (ea.start + 30, 0, 23)  # continues A's extent
-    assert sim.allocator.hot_pool.extents() == {ea.start: 30, eb.start: 23}  # nothing duplicated
+    assert (eb.start, eb.head, eb.length) == (31, 0, 23)  # continues A's extent, no copy
+    assert sim.cache.metrics.bytes_copied == copied and sim.cache.metrics.adopted == 2
+    _assert_runs(sim, agents, (1, 53))
+    _finish_all(sim, agents)
+    sim.drain()
+    sim.assert_all_free()
+
+
+def test_deeper_shared_node_extends_an_earlier_promotion_in_place():
+    """A, then A+B shared: B's KV is copied right after A's extent (no shadow head, A's KV
+    not copied again), one run covers A+B; A's own holders keep their run."""
+    sim = Sim()
+    a, ea = _extend_scenario(sim)
+    _free_last(sim, 31, 23)  # the next prefills get scattered slots; [31, 54) stays free
+    held = [sim.admit(a + [1])]  # an A-only holder
+    b = _tokens(31, 23)
+    agents = [sim.admit(a + b + [3]), sim.admit(a + b + [4])]
+    copied = sim.cache.metrics.bytes_copied
+    assert sim.promote() == 1
+    sim.check()
+    eb = sim.cache.hot_extent_of(agents[0].last_node.parent)
+    assert (eb.start, eb.head, eb.length) == (31, 0, 23)  # continues A's extent
+    assert sim.allocator.hot_pool.extents() == {1: 30, 31: 23}  # nothing duplicated
     assert sim.cache.metrics.extended_in_place == 1 and sim.cache.metrics.shadow_head_tokens == 0
-    per_token = (copied // 30)
-    assert sim.cache.metrics.bytes_copied - copied == 23 * per_token  # only B's KV moved
-    _assert_runs(sim, first, (ea.start, 30))
-    _assert_runs(sim, agents, (ea.start, 53))
+    assert sim.cache.metrics.bytes_copied - copied == 23 * 64  # only B's KV moved
+    _assert_runs(sim, held, (1, 30))
+    _assert_runs(sim, agents, (1, 53))
     late = sim.admit(a + b + [5, 5])
-    _assert_runs(sim, [late], (ea.start, 53))
+    _assert_runs(sim, [late], (1, 53))
     assert sim.promote() == 0  # nothing deeper is shared: no re-promotion
     for step in range(3):
         for r in agents + [late]:
             assert sim.decode(r, (5 * step + r.rid) % 61)
         sim.check()
-    _finish_all(sim, first)
-    sim.evict(1 << 20)
+    _finish_all(sim, held)
     assert sim.cache.evict_hot(1 << 20) == 0  # A and B stay locked by B's holders
     sim.check()
     _finish_all(sim, agents + [late])
@@ -134,7 +171,7 @@ def test_deeper_shared_node_gets_a_shadow_head_when_the_slots_after_its_parent_a
     others = [sim.admit(c + [1]), sim.admit(c + [2])]
     assert sim.promote() == 1
     ec = sim.cache.hot_extent_of(others[0].last_node.parent)
-    assert ec.start == ea.start + 30  # best fit took the slots right after A
+    assert ec.start > ea.start + 30  # C adopted its own slots; A's suffixes sit in between
     agents = [sim.admit(a + b + [3]), sim.admit(a + b + [4])]
     assert sim.promote() == 1  # B: shadow head = a copy of A's HOT KV
     sim.check()
@@ -180,10 +217,10 @@ def test_eviction_of_a_node_with_a_shadow_head_frees_exactly_its_extent():
     sim.check()
     assert sim.allocator.hot_pool.extents() == {e1.start: e1.size}
     _finish_all(sim, g1)
-    # COLD pressure: P1 (HOT) pins its COLD head; evict() may take it to free the head
-    cold = sim.cache.evictable_size()
-    assert cold == 4 + 2  # the head + the two 1-token suffixes
-    assert sim.evict(cold) == cold
+    # memory pressure: evict() takes HOT and COLD leaves alike, shadow heads included
+    evictable = sim.cache.evictable_size()
+    assert evictable == 4 + 2 + e1.size  # H, the two 1-token suffixes, P1's whole extent
+    assert sim.evict(evictable) == evictable
     sim.check()
     sim.assert_all_free()
     assert sim.cache.metrics.hot_evicted_tokens == 4 + len(P2) + 4 + len(P1)
@@ -209,22 +246,18 @@ def test_split_of_a_node_with_a_shadow_head():
     sim.assert_all_free()
 
 
-def test_compaction_moves_extents_with_their_shadow_heads():
-    sim = Sim(SimConfig(kv_size=300, hot_fraction=0.4, min_tokens=16))  # HOT capacity 120
-    groups = [[sim.admit(H + _tokens(50 + g, 26) + [i]) for i in range(2)] for g in range(4)]
-    assert sim.promote() == 4  # 4 extents of 4 + 26: the region is full
-    h = sim.allocator.hot_base
-    for g in (0, 2, 1):  # group 1 is the most recently used; group 3 stays locked
-        _finish_all(sim, groups[g])
-    assert sim.cache.evict_hot(60) == 60  # LRU: groups 0 and 2 -> holes of 30 at h, h + 60
-    assert sim.allocator.hot_pool.holes() == [(h, 30), (h + 60, 30)]
-    big = [sim.admit(H + _tokens(60, 41) + [i]) for i in range(2)]  # needs 45 contiguous
+def test_shadow_head_takes_the_free_slots_before_the_node():
+    sim = Sim()
+    other = sim.admit(H + _tokens(9, 20))  # slots 1..24
+    sim.allocator.free_pages = torch.cat([torch.arange(29, 385), torch.arange(25, 29)])
+    agents = [sim.admit(H + P2 + [i]) for i in range(2)]  # P2 at [29, 58), [25, 29) free
     assert sim.promote() == 1
-    sim.check()  # group 1's extent slid h+30 -> h with its head; the oracle checks both
-    assert sim.cache.metrics.compactions == 1
-    assert sim.allocator.hot_pool.extents() == {h: 30, h + 30: 45, h + 90: 30}
-    moved = groups[1][0].last_node.parent
-    assert sim.cache.hot_extent_of(moved) == (h, 4, 26)
-    _assert_runs(sim, big, (h + 30, 45))
+    sim.check()
+    ext = sim.cache.hot_extent_of(agents[0].last_node.parent)
+    assert tuple(ext) == (25, 4, len(P2))  # head in the free slots, the node's own slots kept
+    m = sim.cache.metrics
+    assert (m.adopted, m.shadow_head_tokens, m.bytes_copied) == (1, 4, 4 * 64)  # only the head
+    _assert_runs(sim, agents, (25, 4 + len(P2)))
+    _finish_all(sim, agents + [other])
     sim.drain()
     sim.assert_all_free()

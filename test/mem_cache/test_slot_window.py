@@ -36,5 +36,15 @@ def test_matches_reference_on_random_slot_states(seed):
     state = torch.randint(0, 3, (num,), generator=g)  # 0 free, 1 movable, 2 blocked
     free, movable = state == 0, state == 1
     free[0] = movable[0] = False  # slot 0: padding, blocked
+    own = (torch.rand(num, generator=g) < 0.2) & (state == 2)
+    own[0] = False
     for n in (1, 2, 3, 5, 8, 13):
         assert find_window(free, movable, n) == find_window_reference(free, movable, n), (seed, n)
+        assert find_window(free, movable, n, own) == find_window_reference(free, movable, n, own)
+
+
+def test_own_slots_are_usable_without_a_move():
+    free, movable = _masks("BFFOOOFB")
+    own = torch.tensor([c == "O" for c in "BFFOOOFB"])
+    assert find_window(free, movable, 6) is None
+    assert find_window(free, movable, 6, own) == Window(1, 0)

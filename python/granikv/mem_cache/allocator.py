@@ -109,10 +109,12 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
         self._take(mask, start, n, 0, extent_len=total)
         return True
 
-    def find_window(self, n: int, movable: torch.Tensor) -> Optional[Window]:
+    def find_window(self, n: int, movable: torch.Tensor, own: torch.Tensor) -> Optional[Window]:
         """The cheapest window for an extent of ``n`` slots (``slot_window.find_window``);
-        ``movable``: bool ``[size + 1]``, slots whose KV the caller can move elsewhere."""
-        return find_window(self.free_mask(), movable & ~self.free_mask(), n)
+        ``movable``: bool ``[size + 1]``, slots whose KV the caller can move elsewhere;
+        ``own``: the slots whose KV the extent will receive (they may lie inside it)."""
+        free = self.free_mask()
+        return find_window(free, movable & ~free, n, own & ~free)
 
     def take_window(self, window: Window, n: int) -> torch.Tensor:
         """Make ``[window.start, window.start + n)`` an extent; returns ``window.moves`` free

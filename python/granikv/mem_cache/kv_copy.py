@@ -47,7 +47,7 @@ def copy_kv_slots(kv_pool, src_slots: torch.Tensor, dst_start: int) -> int:
     Args:
         kv_pool: an ``MHATokenToKVPool`` (see module docstring for the layout).
         src_slots: int64 (or int32) ``[n]`` on the KV device; any order, may be scattered.
-            Must not intersect the destination range.
+            May intersect the destination range (the gather completes before the write).
         dst_start: first destination slot (host int).
 
         src_slots:  [ 7, 3, 12, 4 ]              dst: [dst_start .. dst_start+4)

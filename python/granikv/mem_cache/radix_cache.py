@@ -412,7 +412,7 @@ class GraniKVRadixCache(RadixCache):
         if covered and self._room(length) and alloc.take_range(run.start + run.length, length):
             self.metrics.extended_in_place += 1
             return _Placement(HotExtent(run.start + run.length, 0, length), False)
-        start = self._reserve_extent(depth + length)
+        start = self._reserve_extent(node, depth + length)
         return None if start is None else _Placement(HotExtent(start, depth, length), False)
 
     def _room(self, n: int) -> bool:
@@ -424,7 +424,7 @@ class GraniKVRadixCache(RadixCache):
                 return False
         return True
 
-    def _reserve_extent(self, n: int) -> Optional[int]:
+    def _reserve_extent(self, node: TreeNode, n: int) -> Optional[int]:
         """A fresh extent of ``n`` slots off the common free list: the window with the
         fewest movable slots (unlocked COLD KV, moved out first: ``_relocate``); if none,
         LRU eviction (any unlocked leaf while free slots are short, then unlocked HOT
@@ -437,7 +437,7 @@ class GraniKVRadixCache(RadixCache):
         if alloc.available_size() < n:
             self.evict(EvictParams(num_tokens=n - alloc.available_size()))
         while True:
-            window = alloc.find_window(n, self._movable_mask())
+            window = alloc.find_window(n, self._movable_mask(), self._slot_mask([node.value]))
             if window is not None:
                 break
             if alloc.available_size() < n or self.evict_hot(1) == 0:
@@ -450,9 +450,11 @@ class GraniKVRadixCache(RadixCache):
 
     def _movable_mask(self) -> torch.Tensor:
         """bool ``[size + 1]``: slots of unlocked COLD nodes (no live row reads them)."""
+        return self._slot_mask([n.value for n in self._movable_nodes()])
+
+    def _slot_mask(self, values: list) -> torch.Tensor:
         alloc = self.token_to_kv_pool_allocator
         mask = torch.zeros(alloc.size + 1, dtype=torch.bool, device=alloc.device)
-        values = [n.value for n in self._movable_nodes()]
         if values:
             mask[torch.cat(values)] = True
         return mask
@@ -525,8 +527,9 @@ class GraniKVRadixCache(RadixCache):
             self._head[node] = ext.head
         runs = [self._run(r) for r in holders]
         self._repoint(list(zip(holders, runs)))
-        if old is not None:
-            self.token_to_kv_pool_allocator.free(old)
+        if old is not None:  # the node's old slots, except those the extent now holds
+            outside = (old < ext.start) | (old >= ext.start + ext.size)
+            self.token_to_kv_pool_allocator.free(old[outside])
         self._publish(holders, runs)
         self.metrics.promotions += 1
         self.metrics.promoted_tokens += ext.length

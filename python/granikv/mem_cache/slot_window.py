@@ -29,26 +29,35 @@ class Window(NamedTuple):
     moves: int
 
 
-def find_window(free: torch.Tensor, movable: torch.Tensor, n: int) -> Optional[Window]:
+def find_window(free: torch.Tensor, movable: torch.Tensor, n: int,
+                own: Optional[torch.Tensor] = None) -> Optional[Window]:
     """The cheapest usable window of ``n`` slots, or ``None`` if none exists or the free
     slots outside it could not take its movable KV.
 
     Args:
         free, movable: bool ``[num_slots]``, disjoint (slot ``i`` is entry ``i``).
         n: window length, >= 1.
+        own: bool ``[num_slots]`` or None: slots whose KV is the source of the new extent
+            itself (the node being promoted): usable without a move, but not free.
     """
     if n <= 0:
         raise ValueError(f"find_window needs n >= 1, got {n}")
+    own = torch.zeros_like(free) if own is None else own
     num = free.numel()
     total_free = int(free.sum())
-    if n > num or total_free < n:  # the moves need n - free_in_window free slots outside
+    if n > num:
         return None
     zero = torch.zeros(1, dtype=torch.int64, device=free.device)
-    blocked = torch.cat([zero, torch.cumsum((~(free | movable)).to(torch.int64), 0)])
-    frees = torch.cat([zero, torch.cumsum(free.to(torch.int64), 0)])
-    blocked_in = blocked[n:] - blocked[:-n]  # [num - n + 1]: window w = [w, w + n)
-    moves = n - (frees[n:] - frees[:-n])
-    score = torch.where(blocked_in == 0, moves, torch.full_like(moves, n + 1))
+
+    def per_window(mask):  # [num - n + 1]: count of ``mask`` in window w = [w, w + n)
+        c = torch.cat([zero, torch.cumsum(mask.to(torch.int64), 0)])
+        return c[n:] - c[:-n]
+
+    blocked_in = per_window(~(free | movable | own))
+    free_in = per_window(free)
+    moves = n - free_in - per_window(own)
+    feasible = (blocked_in == 0) & (moves <= total_free - free_in)  # room for the moves
+    score = torch.where(feasible, moves, torch.full_like(moves, n + 1))
     best = int(torch.argmin(score))  # first minimum: the lowest start
     best_moves = int(score[best])
     if best_moves > n:
@@ -56,15 +65,17 @@ def find_window(free: torch.Tensor, movable: torch.Tensor, n: int) -> Optional[W
     return Window(best, best_moves)
 
 
-def find_window_reference(free: torch.Tensor, movable: torch.Tensor, n: int) -> Optional[Window]:
+def find_window_reference(free: torch.Tensor, movable: torch.Tensor, n: int,
+                          own: Optional[torch.Tensor] = None) -> Optional[Window]:
     """Slot-by-slot Python version of ``find_window`` (tests)."""
     f, m = free.tolist(), movable.tolist()
-    if n > len(f) or sum(f) < n:
-        return None
+    o = [False] * len(f) if own is None else own.tolist()
     best = None
     for w in range(len(f) - n + 1):
-        if all(f[i] or m[i] for i in range(w, w + n)):
-            cost = sum(1 for i in range(w, w + n) if not f[i])
-            if best is None or cost < best.moves:
+        span = range(w, w + n)
+        if all(f[i] or m[i] or o[i] for i in span):
+            cost = sum(1 for i in span if m[i] and not f[i])
+            room = sum(f) - sum(1 for i in span if f[i])
+            if cost <= room and (best is None or cost < best.moves):
                 best = Window(w, cost)
     return best
