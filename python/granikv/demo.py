@@ -155,7 +155,7 @@ def run_cpu_walkthrough(args: argparse.Namespace) -> int:
     print(f"granikv-demo: CPU walk-through (no GPU used): {args.agents} agents, shared prefix "
           f"{args.prefix}, suffix {args.suffix}, {args.turns} turns x {args.decode} tokens "
           f"(+{args.tool} tool tokens); real SGLang pools ({kv_size} KV slots: "
-          f"{sim.allocator.cold_capacity} COLD, {sim.allocator.hot_capacity} HOT), "
+          f"shared by COLD and HOT, HOT capped at {sim.allocator.hot_capacity}), "
           f"GraniKV allocator + radix cache.")
     tok = lambda n: [rng.randrange(cfg.vocab) for _ in range(n)]  # noqa: E731
     prefix = tok(args.prefix)

@@ -11,9 +11,9 @@ from typing import Dict, Mapping, Optional
 
 STORAGE_GAUGES = {
     "hot_used_tokens": "KV slots used by HOT extents.",
-    "hot_capacity": "KV slots of the HOT region.",
+    "hot_capacity": "Cap on the KV slots HOT extents may hold (nothing reserved).",
     "cold_used_tokens": "KV slots used in the COLD region.",
-    "cold_capacity": "KV slots of the COLD region.",
+    "cold_capacity": "KV slots not held by HOT extents (what COLD KV may use now).",
     "hot_extents": "HOT extents (promoted shared prefixes and their split halves).",
     "promotions": "Prefixes promoted to HOT extents (total).",
     "promotions_skipped": "Promotions skipped (no space, superseded, unknown holders) (total).",

@@ -15,12 +15,12 @@ Events (``random.Random(seed)``, no hypothesis: the sequence depends only on the
     lock, unlock  a temporary admission lock (PrefillAdder._lock_node) with no row
     rotate        the set of shared prefixes changes: old ones stop being shared, new ones start
     match         a lookup of part of a prefix (splits HOT nodes, no lock)
-    evict         COLD pressure from elsewhere (``evict_from_tree_cache``): LRU COLD leaves and
-                  HOT nodes pinning COLD ancestors go, leaving holes in the HOT region
+    evict         memory pressure from elsewhere (``evict_from_tree_cache``): LRU leaves, HOT
+                  or COLD, go back to the free list
 
 The prefix family: two prefixes below a short common head (4 tokens, < min_tokens), one
 prefix that is a prefix of another, and fresh random prefixes of random lengths on every
-rotation (so HOT extents of many sizes come and go: holes, compaction, eviction).
+rotation (so HOT extents of many sizes come and go: fragmentation, relocation, eviction).
 """
 
 import random
@@ -92,7 +92,7 @@ class ChurnWorkload:
         out.update(promotions=m.promotions, hot_evictions=m.hot_evictions,
                    hot_splits=m.hot_splits, compactions=m.compactions,
                    compaction_moves=m.compaction_moves, shadow_head_tokens=m.shadow_head_tokens,
-                   extended_in_place=m.extended_in_place,
+                   extended_in_place=m.extended_in_place, adopted=m.adopted,
                    skipped_no_space=m.skip_reasons.get("no_space", 0),
                    skipped_unknown_holders=m.skip_reasons.get("unknown_holders", 0))
         out["aborts"] = sum(v for k, v in self.counts.items() if k.startswith("abort_"))
@@ -216,14 +216,14 @@ class ChurnWorkload:
     def _evict(self) -> None:
         n = self.rng.randrange(1, 120)
         freed = [sim.evict(n) for sim in self.sims]
-        assert len(set(freed)) == 1, f"ranks disagree on COLD eviction: {freed}"
+        assert len(set(freed)) == 1, f"ranks disagree on eviction: {freed}"
         self.counts["cold_evictions"] += 1
 
     # ---- helpers ---------------------------------------------------------------------------
 
     def _promote(self) -> None:
-        """The plugin's hook before run_batch. Locked HOT extents must not move (compaction
-        moves only unlocked ones); right after a promotion, sometimes abort a holder."""
+        """The plugin's hook before run_batch. Locked HOT extents must not move (a new extent
+        moves only unlocked COLD KV); right after a promotion, sometimes abort a holder."""
         for sim in self.sims:
             cache = sim.cache
             locked = {n: cache.hot_extent_of(n) for n in cache._hot_start if n.lock_ref > 0}

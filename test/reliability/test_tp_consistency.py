@@ -3,9 +3,10 @@
 Each ``Sim`` is one TP rank: its own pools with its share of the KV heads (and, for one rank,
 other KV values), fed the same scheduler events (``ChurnWorkload`` applies each event to every
 rank and asserts the same admissions, retractions and COLD evictions). After every event the
-ranks must agree on: the order of executed promotions (node path, extent), HOT evictions and
-compaction moves, every HOT node's extent (start, head, length), the promotion queue in
-order, the hot pool's holes, every HotPrefixTable row, and every metrics counter (bytes
+ranks must agree on: the order of executed promotions (node path, extent, adopted or
+copied), HOT evictions and relocations of COLD KV out of a new extent's window, every HOT
+node's extent (start, head, length), the promotion queue in order, the hot pool's gaps, the
+free slot count, every HotPrefixTable row, and every metrics counter (bytes
 copied per slot, since a slot's bytes differ per rank).
 """
 
@@ -23,14 +24,15 @@ EVENTS = 1500
 
 
 def record_decisions(sim: Sim) -> list:
-    """Log, in order, every promotion, HOT eviction and compaction move ``sim`` executes
+    """Log, in order, every promotion, HOT eviction and relocation ``sim`` executes
     (wraps the instance's methods; behaviour unchanged)."""
     cache, log = sim.cache, []
     path = lambda n: tuple(t for m in cache._path(n) for t in m.key.token_ids)  # noqa: E731
 
-    def materialize(node, ext, holders, _orig=cache._materialize):
-        log.append(("promote", path(node), tuple(ext), sorted(r.req_pool_idx for r in holders)))
-        _orig(node, ext, holders)
+    def materialize(node, placement, holders, _orig=cache._materialize):
+        log.append(("promote", path(node), tuple(placement.ext), placement.adopted,
+                    sorted(r.req_pool_idx for r in holders)))
+        _orig(node, placement, holders)
 
     def release(node, _orig=cache._release_value):
         ext = cache.hot_extent_of(node)
@@ -38,12 +40,11 @@ def record_decisions(sim: Sim) -> list:
             log.append(("evict_hot", path(node), tuple(ext)))
         _orig(node)
 
-    def apply_move(move, _orig=cache.hot_pool.apply_move):
-        log.append(("move", tuple(move)))
-        _orig(move)
+    def relocate(start, n, dst, _orig=cache._relocate):
+        log.append(("move", start, n, tuple(dst.tolist())))
+        _orig(start, n, dst)
 
-    cache._materialize, cache._release_value = materialize, release
-    cache.hot_pool.apply_move = apply_move
+    cache._materialize, cache._release_value, cache._relocate = materialize, release, relocate
     return log
 
 
@@ -76,7 +77,7 @@ def test_ranks_with_different_head_shares_and_kv_decide_identically():
         kinds.update(entry[0] for entry in run_ranks(ranks, seed))
     print(f"\nTP consistency: {len(SEEDS)} seeds x {EVENTS} events x 3 ranks, identical "
           f"decisions: {dict(kinds)}")
-    assert all(kinds[k] > 0 for k in ("promote", "evict_hot", "move")), kinds  # all compared
+    assert all(kinds[k] > 0 for k in ("promote", "evict_hot")), kinds  # all compared
 
 
 def test_a_diverging_rank_is_caught():
