@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, get_args
 
 AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
 ExtendPath = Literal["auto", "hot", "paged"]
+HotPolicy = Literal["pays_off", "threshold"]
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
@@ -40,6 +41,21 @@ class GraniKVConfig:
         "A prefix becomes HOT only when at least this many live requests share it.",
         lo=1,
         hi=4096,
+    )
+    hot_policy: HotPolicy = _opt(
+        "pays_off",
+        "Which shared prefixes become HOT: pays_off = those whose estimated decode-time saving "
+        "(cost model: sharers, prefix length, expected remaining decode steps) exceeds the copy "
+        "cost, never one the dispatcher would not serve with the shared-prefix path; "
+        "threshold = every prefix past --granikv-hot-min-tokens and --granikv-hot-min-sharers.",
+        choices=get_args(HotPolicy),
+    )
+    hot_expected_decode_steps: int = _opt(
+        128,
+        "Decode steps a sharer is expected to run when its request sets no max_new_tokens "
+        "(the pays_off policy's horizon).",
+        lo=1,
+        hi=1 << 20,
     )
     hot_fraction: float = _opt(
         0.5,

@@ -208,7 +208,28 @@ def _make_radix_cache(ctx):
             f"--radix-cache-backend={CACHE_BACKEND_NAME} is set without --enable-granikv"
         )
     allocator = ctx.params.token_to_kv_pool_allocator
-    return GraniKVRadixCache(ctx.params, cfg, allocator.get_kvcache(), allocator.hot_prefix_table)
+    return GraniKVRadixCache(ctx.params, cfg, allocator.get_kvcache(), allocator.hot_prefix_table,
+                             policy=_promotion_policy(ctx, cfg))
+
+
+def _promotion_policy(ctx, cfg):
+    """``--granikv-hot-policy``: pays_off asks the attention layer's cost model (through the
+    model runner's GraniKV backend, built before the cache) what a promotion is worth."""
+    from granikv.mem_cache.policy import PaysOffPolicy, SharedLongPrefixPolicy
+
+    backend = getattr(getattr(getattr(ctx, "tp_worker", None), "model_runner", None),
+                      "attn_backend", None)
+    dispatcher = getattr(backend, "dispatcher", None)
+    if cfg.hot_policy == "threshold" or dispatcher is None:
+        if cfg.hot_policy != "threshold":
+            logger.warning("GraniKV: no GraniKV attention backend found; promotion policy "
+                           "falls back to the length / sharers thresholds")
+        return SharedLongPrefixPolicy.from_config(cfg)
+    from granikv.layers.attention.cascade.promotion_estimate import PromotionEstimate
+
+    policy = PaysOffPolicy.from_config(cfg, PromotionEstimate.from_config(dispatcher, cfg))
+    logger.info("GraniKV promotion policy: %r", policy)
+    return policy
 
 
 # ---- attention -----------------------------------------------------------------------------

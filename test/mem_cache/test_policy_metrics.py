@@ -23,3 +23,61 @@ def test_metrics_snapshot_and_format():
     assert snap["promotions_skipped"] == 2 and snap["skip_reasons"] == {"no_space": 2}
     line = m.format()
     assert "\n" not in line and "25/100 (25.0%)" in line
+
+
+class _Estimate:
+    """saving = (sharers - 1) * prefix_len / 1000 us per step; copy = prefix_len / 10 us."""
+
+    def __init__(self):
+        self.calls = []
+
+    def saving_us(self, prefix_len, num_sharers):
+        self.calls.append((prefix_len, num_sharers))
+        return (num_sharers - 1) * prefix_len / 1000
+
+    def copy_us(self, num_tokens):
+        return num_tokens / 10
+
+
+def test_pays_off_policy_weighs_saving_over_steps_against_copy():
+    from granikv.mem_cache.policy import PaysOffPolicy
+
+    p = PaysOffPolicy(_Estimate(), min_tokens=16, min_sharers=2, default_steps=200)
+    # 2 sharers, 1000 tokens: 1 us/step * 200 steps = 200 > copy 100
+    assert p.should_promote(1000, 2)
+    assert not p.should_promote(1000, 2, remaining_steps=50)  # 50 < 100
+    assert p.should_promote(1000, 3, remaining_steps=51)  # 2 us/step * 51 = 102 > 100
+    assert not p.should_promote(1000, 1)  # the floors stay: never asks the estimate
+    assert not p.should_promote(15, 50)
+    assert p.estimate.calls == [(1000, 2), (1000, 2), (1000, 3)]
+    slots = PaysOffPolicy(_Estimate(), min_tokens=16, min_sharers=2, default_steps=200, slot_us=0.2)
+    assert not slots.should_promote(1000, 2)  # 200 < 100 + 0.2 * 1000
+    with pytest.raises(ValueError, match="default_steps"):
+        PaysOffPolicy(_Estimate(), min_tokens=16, min_sharers=2, default_steps=0)
+
+
+def test_pays_off_policy_in_the_cache_skips_what_does_not_pay():
+    """Queued on the default horizon; executed only if the holders' remaining decode budget
+    still pays (``does_not_pay``); decisions depend only on tree and request state."""
+    import random
+    from types import SimpleNamespace
+
+    from granikv.mem_cache.policy import PaysOffPolicy
+    from granikv.scheduler_sim import Sim
+
+    sim = Sim()
+    sim.cache.policy = PaysOffPolicy(_Estimate(), min_tokens=16, min_sharers=2, default_steps=200)
+    rng = random.Random(0)
+    prefix = [rng.randrange(61) for _ in range(40)]
+    reqs = []
+    for i, budget in enumerate((1, 2)):  # 0.04 us/step * 1.5 steps < copy 4 us
+        r = sim.admit(prefix + [i, i])
+        r.sampling_params = SimpleNamespace(max_new_tokens=budget)
+        reqs.append(r)
+    assert sim.promote() == 0 and sim.cache.metrics.skip_reasons["does_not_pay"] == 1
+    for r in reqs:
+        r.sampling_params.max_new_tokens = 1000  # 0.04 * 1000 = 40 > 4
+    sim.lock(prefix + [0])  # an admission re-queues it
+    sim.unlock()
+    assert sim.promote() == 1
+    sim.check()

@@ -372,6 +372,11 @@ class GraniKVRadixCache(RadixCache):
                 self._retry_counted[node] = None
                 self.metrics.skip("unknown_holders")
             return _RETRY
+        steps = _remaining_steps(holders)
+        if steps is not None and not self.policy.should_promote(
+                total, node.lock_ref, hit_count=node.hit_count, remaining_steps=steps):
+            self.metrics.skip("does_not_pay")
+            return None
         return holders
 
     def _superseded_by(self, node: TreeNode, holders: list) -> Optional[list]:
@@ -671,6 +676,18 @@ class GraniKVRadixCache(RadixCache):
 
     def _arange(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, dtype=torch.int64, device=self.device)
+
+
+def _remaining_steps(reqs) -> Optional[float]:
+    """Mean decode steps ``reqs`` may still run (``max_new_tokens`` minus tokens output so
+    far); ``None`` if some request does not say."""
+    left = []
+    for r in reqs:
+        budget = getattr(getattr(r, "sampling_params", None), "max_new_tokens", None)
+        if budget is None:
+            return None
+        left.append(max(budget - len(r.output_ids), 0))
+    return sum(left) / len(left) if left else None
 
 
 def _splice_prefix(indices: Optional[torch.Tensor], new: torch.Tensor):
