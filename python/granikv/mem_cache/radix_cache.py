@@ -487,6 +487,8 @@ class GraniKVRadixCache(RadixCache):
         values = torch.cat([nd.value for nd in nodes])
         inside = (values >= start) & (values < start + n)
         src = values[inside]
+        assert src.numel() == dst.numel(), (
+            f"relocate: {src.numel()} movable slots in [{start}, {start + n}), {dst.numel()} targets")
         self.metrics.bytes_copied += move_kv_slots(self.kv_pool, src, dst)
         values = values.clone()
         values[inside] = dst.to(values.dtype)
