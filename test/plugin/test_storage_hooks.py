@@ -88,6 +88,35 @@ def test_registered_cache_factory_builds_the_granikv_cache():
         plugin._make_radix_cache(off)
 
 
+def test_cache_factory_wires_the_pays_off_policy_to_the_backends_cost_model():
+    from granikv.layers.attention.cascade.cost_model import CostModel
+    from granikv.layers.attention.cascade.dispatcher import Dispatcher
+    from granikv.mem_cache.policy import PaysOffPolicy, SharedLongPrefixPolicy
+
+    dispatcher = Dispatcher(CostModel.load(None, "NVIDIA H200"), num_q_heads=32, num_kv_heads=8,
+                            head_dim=128, kv_dtype_bytes=2, num_layers=32)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=SimpleNamespace(
+        dispatcher=dispatcher)))
+
+    def build(tp_worker, **cfg):
+        kv, req, stock, conf, alloc = _build(True)
+        conf.server_args._granikv = GraniKVConfig(enable=True, **cfg)
+        params = CacheInitParams(disable=False, req_to_token_pool=req,
+                                 token_to_kv_pool_allocator=alloc, page_size=1)
+        ctx = TreeCacheBuildContext(server_args=conf.server_args, params=params,
+                                    is_hybrid_swa=False, is_hybrid_ssm=False,
+                                    enable_hierarchical_cache=False, disable_radix_cache=False,
+                                    effective_chunked_prefill_size=None, tp_worker=tp_worker,
+                                    model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+        return plugin._make_radix_cache(ctx).policy
+
+    policy = build(worker)
+    assert isinstance(policy, PaysOffPolicy) and policy.estimate.dispatcher is dispatcher
+    assert policy.should_promote(16384, 64) and not policy.should_promote(1100, 3)
+    assert isinstance(build(worker, hot_policy="threshold"), SharedLongPrefixPolicy)
+    assert isinstance(build(None), SharedLongPrefixPolicy)  # no GraniKV backend: thresholds
+
+
 def test_register_is_idempotent_per_process():
     from sglang.srt.mem_cache.registry import _RADIX_CACHE_REGISTRY
 
