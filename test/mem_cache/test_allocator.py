@@ -65,8 +65,11 @@ def test_take_window_returns_lowest_free_slots_outside():
     a.free(torch.tensor([3, 4, 9, 11, 12, 13, 30], dtype=torch.int64))
     movable = torch.zeros(41, dtype=torch.bool)
     movable[[10, 14]] = True  # e.g. unlocked COLD KV
-    w = a.find_window(5, movable)
+    own = torch.zeros(41, dtype=torch.bool)
+    w = a.find_window(5, movable, own)
     assert tuple(w) == (9, 1)  # [9, 14): 9, 11, 12, 13 free, 10 movable
+    own[[5, 6, 7, 8]] = True  # a promoted node's own slots: usable with no move
+    assert tuple(a.find_window(5, movable, own)) == (3, 0)  # [3, 8): 3, 4 free, 5..7 own
     dst = a.take_window(w, 5)
     assert dst.tolist() == [3]
     assert sorted(a.free_slots().tolist()) == [4, 30]

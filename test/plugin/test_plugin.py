@@ -101,7 +101,7 @@ LAUNCH = textwrap.dedent(
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--granikv-hot-fraction", "2.0"], "error: --granikv-hot-fraction=2.0 is outside [0.0, 0.9]"),
+    (["--granikv-hot-fraction", "2.0"], "error: --granikv-hot-fraction=2.0 is outside [0.0, 1.0]"),
     (["--granikv-attention-path", "magic"],
      "error: --granikv-attention-path='magic' is not one of auto, cascade, fused, bgemm, paged"),
     (["--disable-radix-cache"],
