@@ -129,7 +129,7 @@ def _config_from_flags(values) -> GraniKVConfig:
 
 def _around_from_cli_args(orig, cls, args):
     """Command line -> ``server_args._granikv``. An invalid GraniKV value ends the launcher
-    with one line, ``error: --granikv-hot-fraction=2.0 is outside [0.0, 0.9]``, and exit
+    with one line, ``error: --granikv-hot-fraction=2.0 is outside [0.0, 1.0]``, and exit
     status 2 (argparse's convention for usage errors), not a traceback."""
     try:
         cfg = _config_from_flags(vars(args))
