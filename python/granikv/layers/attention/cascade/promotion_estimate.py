@@ -4,7 +4,7 @@ The storage layer's ``PaysOffPolicy`` (mem_cache/policy.py) asks two questions; 
 answers them with the same ``CostModel`` and geometry the dispatcher decides with, so the
 policy never promotes a prefix the dispatcher would not serve with the shared-prefix path:
 
-    saving_us(P, g) = paged_time(w) - cascade_time(w)      all layers, one decode step
+    saving_us(P, g) = paged_time(w) - step_time("cascade", w)   all layers, one served step
         w: one group of g requests sharing a P-token HOT prefix, each with a
            ``suffix_tokens`` private suffix (a typical agent suffix; not known at promotion)
         0 when g < min_group_size (never grouped) or the forced path is paged;
@@ -49,7 +49,7 @@ class PromotionEstimate:
                                prefix_tokens=p, stacked_prefix_tokens=g * p, num_grouped=g,
                                num_groups=1)
         cm, n = d.cost_model, d.num_layers
-        return cm.paged_time(w, num_layers=n) - cm.cascade_time(w, num_layers=n)
+        return cm.paged_time(w, num_layers=n) - cm.step_time("cascade", w, num_layers=n)
 
     def copy_us(self, num_tokens: int) -> float:
         d = self.dispatcher
