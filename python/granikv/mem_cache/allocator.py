@@ -116,6 +116,20 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
         free = self.free_mask()
         return find_window(free, movable & ~free, n, own & ~free)
 
+    def window_at(self, start: int, n: int, movable: torch.Tensor,
+                  own: torch.Tensor) -> Optional[Window]:
+        """``[start, start + n)`` as a window (``find_window``'s rules) if it is usable there,
+        else ``None`` (syncs the device)."""
+        if start < 1 or start + n > self.size + 1 or self.hot_pool.overlaps(start, n):
+            return None
+        free = self.free_mask()
+        span = slice(start, start + n)
+        usable = free[span] | movable[span] | own[span]
+        n_free, n_moves = int(free[span].sum()), int((movable[span] & ~free[span]).sum())
+        if not bool(usable.all()) or n_moves > int(free.sum()) - n_free:
+            return None
+        return Window(start, n_moves)
+
     def take_window(self, window: Window, n: int) -> torch.Tensor:
         """Make ``[window.start, window.start + n)`` an extent; returns ``window.moves`` free
         slots outside it (lowest first), taken off the free list too: the caller moves the

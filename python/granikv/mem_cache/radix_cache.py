@@ -392,11 +392,11 @@ class GraniKVRadixCache(RadixCache):
 
         1. adopt: the node's own slots are contiguous ``[a, a + len)`` (a fresh prefill
            usually is) and either it is a root child, or its parent's HOT run covers its
-           depth and ends at ``a``, or the ``depth`` slots before ``a`` are free (they take
-           the shadow head): nothing copied but the head, nothing freed;
+           depth and ends at ``a``: nothing copied, nothing freed;
         2. extend in place: the parent's HOT run covers the depth and the ``len`` slots after
-           it are free: only the node's KV is copied;
-        3. a fresh extent of ``depth + len`` slots (``_reserve_extent``).
+           it hold no blocked slot: unlocked COLD KV there is moved out, the node's KV copied;
+        3. adopt with a shadow head in the ``depth`` free slots before the node's own;
+        4. a fresh extent of ``depth + len`` slots (``_reserve_extent``).
 
         Every extent counts against the HOT cap (``hot_capacity``).
         """
@@ -405,18 +405,24 @@ class GraniKVRadixCache(RadixCache):
         run = self._run_of(node.parent)
         covered = depth > 0 and run.length == depth
         a = self._contiguous_start(node.value)
-        if a is not None:
-            if (depth == 0 or (covered and run.start + run.length == a)) and self._room(length):
-                alloc.adopt_extent(a, length)
-                self.metrics.adopted += 1
-                return _Placement(HotExtent(a, 0, length), True)
-            if (depth and a > depth and self._room(depth + length)
-                    and alloc.take_range(a - depth, depth, owned_after=length)):
-                self.metrics.adopted += 1
-                return _Placement(HotExtent(a - depth, depth, length), True)
-        if covered and self._room(length) and alloc.take_range(run.start + run.length, length):
-            self.metrics.extended_in_place += 1
-            return _Placement(HotExtent(run.start + run.length, 0, length), False)
+        if (a is not None and (depth == 0 or (covered and run.start + run.length == a))
+                and self._room(length)):
+            alloc.adopt_extent(a, length)
+            self.metrics.adopted += 1
+            return _Placement(HotExtent(a, 0, length), True)
+        if covered and self._room(length):
+            end = run.start + run.length
+            window = alloc.window_at(end, length, self._movable_mask(), self._slot_mask([node.value]))
+            if window is not None:
+                dst = alloc.take_window(window, length)
+                if window.moves:
+                    self._relocate(end, length, dst)
+                self.metrics.extended_in_place += 1
+                return _Placement(HotExtent(end, 0, length), False)
+        if (a is not None and depth and a > depth and self._room(depth + length)
+                and alloc.take_range(a - depth, depth, owned_after=length)):
+            self.metrics.adopted += 1
+            return _Placement(HotExtent(a - depth, depth, length), True)
         start = self._reserve_extent(node, depth + length)
         return None if start is None else _Placement(HotExtent(start, depth, length), False)
 
