@@ -66,7 +66,8 @@ def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None, *,
     ``cfg.attention_path`` (``"paged"`` when some layer cannot be served)."""
     mc = model_runner.model_config
     tp = attention_tp_size(model_runner)
-    gpu = torch.cuda.get_device_name(model_runner.device) if torch.device(model_runner.device).type == "cuda" else None
+    gpu = torch.cuda.get_device_name(model_runner.device) if (torch.cuda.is_available()
+                                                              and torch.device(model_runner.device).type == "cuda") else None
     loaded = CostModel.load(cfg.cost_model, gpu)
     cost_model = loaded.for_backend(backend_name)
     if backend_name and cost_model is loaded and backend_name != "flashinfer":
