@@ -17,6 +17,7 @@ What differs (0.5.17 -> 0.5.23):
     ServerArgs              a dataclass (its __init__ is hookable) -> a msgspec Struct (it is not)
 """
 
+import re
 from typing import Optional, Tuple
 
 import torch
@@ -28,10 +29,12 @@ def parse_version(text: str) -> Tuple[int, ...]:
     """``"0.5.23.post1"`` -> ``(0, 5, 23)``: the numeric release part only."""
     out = []
     for part in text.split("."):
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
+        digits = re.match(r"\d+", part)
+        if digits is None:
             break
-        out.append(int(digits))
+        out.append(int(digits.group()))
+        if digits.end() < len(part):  # "24rc1": the release number ends here
+            break
     return tuple(out)
 
 
