@@ -187,11 +187,10 @@ def _around_server_args_init(orig, self, *args, **kwargs):
     """``ServerArgs(**kwargs)`` as ``sglang.Engine(**kwargs)`` builds it: GraniKV keywords
     (``enable_granikv``, ``granikv_*``) are taken out, validated and attached as ``_granikv``.
     (``Engine.__init__`` itself cannot be hooked: it loads the plugins.)"""
-    values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
-    cfg = _version_gate(_config_from_flags(values))
-    _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
+    given = any(is_granikv_key(k) for k in kwargs)
+    cfg = _take_granikv_kwargs(kwargs)
     orig(self, *args, **kwargs)
-    if getattr(self, "_granikv", None) is None or values:
+    if getattr(self, "_granikv", None) is None or given:
         self._granikv = cfg
         _log_enabled(cfg)
 
@@ -199,13 +198,20 @@ def _around_server_args_init(orig, self, *args, **kwargs):
 def _build_engine_server_args(server_args_class, **kwargs):
     """``Engine(**kwargs)``'s ServerArgs where it is a msgspec Struct (no ``__init__`` hook):
     the GraniKV keywords are taken out, validated and attached as ``_granikv``."""
-    values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
-    cfg = _version_gate(GraniKVConfig.from_mapping(values))
-    _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
+    cfg = _take_granikv_kwargs(kwargs)
     server_args = server_args_class(**kwargs)
     server_args._granikv = cfg
     _log_enabled(cfg)
     return server_args
+
+
+def _take_granikv_kwargs(kwargs: dict) -> GraniKVConfig:
+    """Pops the GraniKV keywords off ServerArgs keywords, validates them (version gate
+    included) and sets what GraniKV needs from SGLang in the rest."""
+    values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
+    cfg = _version_gate(_config_from_flags(values))
+    _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
+    return cfg
 
 
 # ---- storage -------------------------------------------------------------------------------

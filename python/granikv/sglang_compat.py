@@ -39,9 +39,13 @@ def parse_version(text: str) -> Tuple[int, ...]:
 
 
 def sglang_version() -> str:
-    import sglang
+    """The installed SGLang's version (its package metadata: importing sglang is not needed)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return getattr(sglang, "__version__", "unknown")
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def is_tested(version: Optional[str] = None) -> bool:
