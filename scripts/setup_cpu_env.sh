@@ -26,7 +26,7 @@ pip_install() {
   python -m pip install -q "$@" >"$log" 2>&1 || rc=$?
   grep -v -E \
     -e "^ERROR: pip's dependency resolver does not currently take into account all the packages" \
-    -e "^[A-Za-z0-9_.-]+ [^ ]+ requires [^ ]+, (which is not installed|but you have .* which is incompatible)\.$" \
+    -e "^[A-Za-z0-9_.-]+ [^ ]+ requires .*(, which is not installed|, but you have .* which is incompatible)\.$" \
     -e "^WARNING: Location 'file://[^']*' is ignored: it is neither a file nor a directory\.$" \
     "$log" >&2 || true
   rm -f "$log"
