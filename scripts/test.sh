@@ -1,8 +1,25 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it: sets up .venv (scripts/setup_cpu_env.sh), then runs pytest.
-# Fails on any failing test and on zero collected tests (pytest exits 5 then).
+# The test suite, as CI runs it: for every supported SGLang release (scripts/sglang_versions.sh)
+# set up its CPU environment (scripts/setup_cpu_env.sh) and run pytest in it. Fails if the suite
+# fails on any release or collects no tests there (pytest exits 5 then); every release runs
+# even after one fails. Extra arguments go to pytest. One release only:
+#   GRANIKV_SGLANG_VERSIONS=0.5.23 bash scripts/test.sh test/mem_cache
 # GPU tests (marked `gpu`) are skipped without CUDA; Triton kernels run in the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_cpu_env.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+. scripts/sglang_versions.sh
+failed=""
+for v in ${GRANIKV_SGLANG_VERSIONS:-$SGLANG_VERSIONS}; do
+  echo "=== SGLang $v: $(venv_for "$v")" >&2
+  bash scripts/setup_cpu_env.sh "$v"
+  rc=0
+  "$(venv_for "$v")/bin/python" -m pytest -q -p no:cacheprovider "$@" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "=== SGLang $v: pytest exited $rc" >&2
+    failed="$failed $v"
+  fi
+done
+if [ -n "$failed" ]; then
+  echo "test.sh: the suite failed on SGLang$failed" >&2
+  exit 1
+fi

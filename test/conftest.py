@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -25,3 +26,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Test support modules (the scheduler simulator) import as top-level modules in every test.
+_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)

@@ -14,7 +14,7 @@ from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade import backend_registry
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 from granikv.mem_cache.policy import NeverPromote
-from granikv.scheduler_sim import Sim, SimConfig
+from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch
 
 sys.path.insert(0, str(Path(__file__).parent / "layers"))
@@ -58,7 +58,7 @@ def test_the_decode_half_of_a_hybrid_plans_normally():
     sim = Sim(SimConfig(min_tokens=16))
     sched = _scheduler(sim, runner)
     fb, rows = tb._batch(runner, hot={0, 2, 3})
-    reqs = [SimpleNamespace(req_pool_idx=int(r)) for r in rows]
+    reqs = [SimpleNamespace(req_pool_idx=int(r), kv=SimpleNamespace(req_pool_idx=int(r))) for r in rows]
     on_run_batch(sched, SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs), CFG)
     q, k, v = tb._qkv(fb.batch_size, 1)
     decode.init_forward_metadata(fb)

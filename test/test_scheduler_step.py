@@ -8,7 +8,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 from granikv.layers.attention.cascade.extend_plan import plan_extend
-from granikv.scheduler_sim import Sim, SimConfig
+from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch
 
 CFG = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, log_interval=1)

@@ -121,6 +121,10 @@ class GraniKVConfig:
     log_interval: int = _opt(
         40, "Log GraniKV metrics every N decode steps (0 = never).", lo=0, hi=1 << 30
     )
+    allow_untested_sglang: bool = _opt(
+        False, "Run on an SGLang release GraniKV has not been tested with (by default GraniKV "
+        "then turns itself off with a warning and stock SGLang serves)."
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

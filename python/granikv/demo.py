@@ -5,10 +5,10 @@ vs SGLang + GraniKV, ``benchmark/multi_agent/run.py --quick``) and writes its re
 temporary folder or ``--out``. Without one it runs the CPU walk-through: N agents sharing one
 long prefix, each with a private suffix, several turns (output + a tool result appended each
 turn), through the REAL SGLang pools (ReqToTokenPool, MHATokenToKVPool on CPU) and GraniKV's
-allocator and radix cache, in SGLang's scheduler call order (``granikv.scheduler_sim``). Per
-decode step it prints HOT/COLD occupancy, promotions, the groups the attention planner forms,
-and the KV bytes one decode step of Llama-3.1-8B would read with and without the shared HOT
-prefix. It ends with an integrity check: every slot free again and every request's KV
+allocator and radix cache, in SGLang's scheduler call order (the test suite's
+``scheduler_sim``: it runs from a source checkout). Per decode step it prints HOT/COLD
+occupancy, promotions, the groups the attention planner forms, and the KV bytes one decode step
+of Llama-3.1-8B would read with and without the shared HOT prefix. It ends with an integrity check: every slot free again and every request's KV
 bit-identical to what was written.
 """
 
@@ -139,9 +139,24 @@ def _find_benchmark():
 # ---- CPU: the walk-through ----------------------------------------------------------------
 
 
+def _scheduler_sim():
+    """``(Sim, SimConfig)`` of the test suite's scheduler simulator (``test/support``): the CPU
+    walk-through runs from a source checkout (``pip install -e .``)."""
+    support = Path(__file__).resolve().parents[2] / "test" / "support"
+    if not (support / "scheduler_sim.py").is_file():
+        raise SystemExit(f"granikv-demo --cpu drives the test suite's scheduler simulator, not "
+                         f"found at {support / 'scheduler_sim.py'}: run it from a source checkout "
+                         f"(git clone, then pip install -e .)")
+    if str(support) not in sys.path:
+        sys.path.insert(0, str(support))
+    from scheduler_sim import Sim, SimConfig
+
+    return Sim, SimConfig
+
+
 def run_cpu_walkthrough(args: argparse.Namespace) -> int:
     from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
-    from granikv.scheduler_sim import Sim, SimConfig
+    Sim, SimConfig = _scheduler_sim()
 
     rng = random.Random(args.seed)
     private = args.suffix + args.turns * (args.decode + args.tool)

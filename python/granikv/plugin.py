@@ -5,11 +5,12 @@ SGLang calls :func:`register` in every process (launcher, Engine, each scheduler
 (``server_args._granikv.enable``), so an installed-but-disabled GraniKV changes nothing: same
 allocator class, same radix cache, same attention backend.
 
-Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
+Hook map (SGLang 0.5.17 and 0.5.23; what differs between them lives in ``sglang_compat``):
 
     ServerArgs.add_cli_args                        AFTER   add --enable-granikv, --granikv-*
     ServerArgs.from_cli_args                       AROUND  flags -> GraniKVConfig on server_args._granikv
-    ServerArgs.__init__                            AROUND  same for Engine(enable_granikv=True, granikv_*=...)
+    ServerArgs.__init__ (0.5.17)                   AROUND  same for Engine(enable_granikv=True, granikv_*=...)
+    Engine.server_args_class (0.5.23)              factory same (a msgspec ServerArgs has no __init__ to hook)
     KVCacheConfigurator._build_token_to_kv_pool_allocator
                                                    AFTER   stock allocator -> GraniKVAllocator (HOT + COLD)
     KVCacheConfigurator._profile_available_bytes   AFTER   reserve GraniKV's prefill workspace first
@@ -23,11 +24,13 @@ Hook map (SGLang 0.5.17; review this file on an SGLang upgrade):
     Scheduler.get_internal_state                   AFTER   GraniKV counters in server info
 """
 
+import dataclasses
 import logging
 import sys
 from typing import Any, Optional
 
-from granikv.config import ENABLE_FLAG, GraniKVConfig, given_flags, is_granikv_key
+from granikv import sglang_compat as compat
+from granikv.config import ENABLE_FLAG, GraniKVConfig, cli_flag, given_flags, is_granikv_key
 
 logger = logging.getLogger("granikv")
 
@@ -61,7 +64,6 @@ def register() -> None:
     hooks = [
         ("add_cli_args", _after_add_cli_args, HookType.AFTER),
         ("from_cli_args", _around_from_cli_args, HookType.AROUND),
-        ("server_args_init", _around_server_args_init, HookType.AROUND),
         ("allocator", _after_build_allocator, HookType.AFTER),
         ("profile_kv", _after_profile_available_bytes, HookType.AFTER),
         ("attn_backend", _around_build_attn_backend, HookType.AROUND),
@@ -72,8 +74,11 @@ def register() -> None:
         ("war_barrier", _around_apply_war_barrier, HookType.AROUND),
         ("internal_state", _after_get_internal_state, HookType.AFTER),
     ]
+    if not compat.SERVER_ARGS_IS_STRUCT:
+        hooks.append(("server_args_init", _around_server_args_init, HookType.AROUND))
     for key, fn, kind in hooks:
         HookRegistry.register(_TARGETS[key], fn, kind)
+    compat.install_engine_server_args(_build_engine_server_args)
     if CACHE_BACKEND_NAME not in _RADIX_CACHE_REGISTRY:
         register_radix_cache_backend(CACHE_BACKEND_NAME, _make_radix_cache)
 
@@ -108,6 +113,37 @@ def _apply_to_server_kwargs(cfg: GraniKVConfig, get, set_) -> None:
         raise ValueError("--enable-granikv needs the radix cache; drop --disable-radix-cache")
 
 
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logger.warning(msg)
+
+
+def _version_gate(cfg: GraniKVConfig) -> GraniKVConfig:
+    """``cfg``, or ``cfg`` turned off on an SGLang release GraniKV was not tested with (unless
+    ``--granikv-allow-untested-sglang``): stock SGLang then serves, nothing GraniKV's is set."""
+    version = compat.sglang_version()
+    if not cfg.enable or compat.is_tested(version):
+        return cfg
+    tested = ", ".join(compat.SUPPORTED)
+    flag = cli_flag("allow_untested_sglang")
+    if cfg.allow_untested_sglang:
+        _warn_once(f"GraniKV: SGLang {version} is not a tested release (tested: {tested}); "
+                   f"running anyway ({flag}), as SGLang {compat.release.name}")
+        return cfg
+    _warn_once(f"GraniKV: SGLang {version} is not a tested release (tested: {tested}): GraniKV "
+               f"is OFF and stock SGLang serves; pass {flag} to run it anyway")
+    return dataclasses.replace(cfg, enable=False)
+
+
+def _log_enabled(cfg: GraniKVConfig) -> None:
+    if cfg.enable:
+        logger.info("GraniKV enabled on SGLang %s: %s", compat.sglang_version(), cfg)
+
+
 def _after_add_cli_args(result, parser):
     from granikv.config import add_cli_args
 
@@ -132,7 +168,7 @@ def _around_from_cli_args(orig, cls, args):
     with one line, ``error: --granikv-hot-fraction=2.0 is outside [0.0, 1.0]``, and exit
     status 2 (argparse's convention for usage errors), not a traceback."""
     try:
-        cfg = _config_from_flags(vars(args))
+        cfg = _version_gate(_config_from_flags(vars(args)))
         _apply_to_server_kwargs(cfg, lambda k: getattr(args, k, None),
                                 lambda k, v: setattr(args, k, v))
     except ValueError as e:
@@ -140,8 +176,7 @@ def _around_from_cli_args(orig, cls, args):
         raise SystemExit(2) from None
     server_args = orig(cls, args)
     server_args._granikv = cfg
-    if cfg.enable:
-        logger.info("GraniKV enabled: %s", cfg)
+    _log_enabled(cfg)
     return server_args
 
 
@@ -149,12 +184,31 @@ def _around_server_args_init(orig, self, *args, **kwargs):
     """``ServerArgs(**kwargs)`` as ``sglang.Engine(**kwargs)`` builds it: GraniKV keywords
     (``enable_granikv``, ``granikv_*``) are taken out, validated and attached as ``_granikv``.
     (``Engine.__init__`` itself cannot be hooked: it loads the plugins.)"""
-    values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
-    cfg = _config_from_flags(values)
-    _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
+    given = any(is_granikv_key(k) for k in kwargs)
+    cfg = _take_granikv_kwargs(kwargs)
     orig(self, *args, **kwargs)
-    if getattr(self, "_granikv", None) is None or values:
+    if getattr(self, "_granikv", None) is None or given:
         self._granikv = cfg
+        _log_enabled(cfg)
+
+
+def _build_engine_server_args(server_args_class, **kwargs):
+    """``Engine(**kwargs)``'s ServerArgs where it is a msgspec Struct (no ``__init__`` hook):
+    the GraniKV keywords are taken out, validated and attached as ``_granikv``."""
+    cfg = _take_granikv_kwargs(kwargs)
+    server_args = server_args_class(**kwargs)
+    server_args._granikv = cfg
+    _log_enabled(cfg)
+    return server_args
+
+
+def _take_granikv_kwargs(kwargs: dict) -> GraniKVConfig:
+    """Pops the GraniKV keywords off ServerArgs keywords, validates them (version gate
+    included) and sets what GraniKV needs from SGLang in the rest."""
+    values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
+    cfg = _version_gate(_config_from_flags(values))
+    _apply_to_server_kwargs(cfg, kwargs.get, kwargs.__setitem__)
+    return cfg
 
 
 # ---- storage -------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import time
 import numpy as np
 import torch
 
+from granikv import sglang_compat as compat
+
 logger = logging.getLogger("granikv")
 
 
@@ -70,7 +72,8 @@ def batch_rows(batch) -> np.ndarray:
         if _ROWS_VIEW[0] is not cpu:
             _ROWS_VIEW[:] = cpu, cpu.numpy()
         return _ROWS_VIEW[1]
-    return np.fromiter((r.req_pool_idx for r in batch.reqs), dtype=np.int64, count=len(batch.reqs))
+    return np.fromiter((compat.req_pool_idx(r) for r in batch.reqs), dtype=np.int64,
+                       count=len(batch.reqs))
 
 
 def _tp_check(scheduler, cfg):

@@ -417,3 +417,34 @@ def test_extend_batch_plans_nothing_and_fills_no_workspace():
     be.init_forward_metadata(fb)
     assert seen == [fb] and not fills and be._staged is None
     assert be.stats.planned == 0 and be.stats.steps == 0
+
+
+def test_every_base_class_name_reads_from_the_wrapped_backend():
+    """Each name SGLang's AttentionBackend defines (0.5.23 adds flags such as
+    supports_prefill_cuda_graph_max_context_size) answers from the wrapped backend, not the
+    base's default: the list is the base class's own namespace."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    names = GraniKVAttnBackend.forwarded_base_names
+    base = {n for n in vars(AttentionBackend) if not n.startswith("__") and n != "_abc_impl"}
+    own = base - set(names)
+    assert own <= {"forward", "forward_metadata", "forward_decode", "forward_extend",
+                   "init_forward_metadata", "init_forward_metadata_out_graph",
+                   "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value",
+                   "init_forward_metadata_in_graph"} | set(GraniKVAttnBackend.__dict__), own
+    be = _backend(_runner(), "auto")
+    flags = [n for n in names if not callable(vars(AttentionBackend)[n])
+             or isinstance(vars(AttentionBackend)[n], property)]
+    for n in flags:
+        sentinel = object()
+        setattr(be.inner, n, sentinel)
+        assert getattr(be, n) is sentinel, n
+    methods = [n for n in names if n not in flags]
+    for n in methods:
+        setattr(be.inner, n, lambda *a, n=n, **kw: (n, a, kw))
+        assert getattr(be, n)(1, x=2) == (n, (1,), {"x": 2}), n
+    be.prefill_attention_backend_str = "fa3"  # SGLang stamps it on the wrapper
+    assert be.inner.prefill_attention_backend_str == "fa3"
+    if "supports_prefill_cuda_graph_max_context_size" in vars(AttentionBackend):  # 0.5.23
+        be.inner.supports_prefill_cuda_graph_max_context_size = True
+        assert be.supports_prefill_cuda_graph_max_context_size is True

@@ -355,3 +355,34 @@ def test_a_forest_prefill_is_batched_into_few_calls_and_matches_reference(n_ext,
         torch.testing.assert_close(o[t: t + n], ro.to(DTYPE), atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(lse[t: t + n], rl.float(), atol=1e-4, rtol=0)
         t += n
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(None, None), (1.0, 1.0), (0.5, 2.0)])
+def test_proxy_serves_the_scaled_paged_prefix_call(k_scale, v_scale):
+    """SGLang 0.5.23's flashinfer extend passes ``k_scale=`` / ``v_scale=`` to the paged prefix
+    call: served (logits scaled by k_scale, output by v_scale), not sent back to the wrapper."""
+    kinds, new = ["A", "A"], [3, 4]
+    runner, fb, rows, q, _, _ = _setup(kinds, new)
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    plan, _ = plan_extend(rows, np.array(fb.extend_prefix_lens_cpu), np.array(new), table.start_np,
+                          table.length_np)
+    attn = HotExtendAttention(TorchDense(), "cpu")
+    attn.begin(plan, runner.req_to_token_pool.req_to_token)
+    calls = []
+    orig = SimpleNamespace(forward_return_lse=lambda *a, **kw: calls.append(kw) or "orig")
+    proxy = PrefixPartProxy(attn, orig)
+    q3 = q.view(-1, HQ, D)
+    kb, vb = runner.token_to_kv_pool.k_buffer[0], runner.token_to_kv_pool.v_buffer[0]
+    o, lse = proxy.forward_return_lse(q3, (kb, vb), causal=False, sm_scale=SCALE,
+                                      k_scale=k_scale, v_scale=v_scale)
+    assert not calls
+    s, p = PREFIX["A"]
+    ro, rl = attend(q3, kb[s: s + p], vb[s: s + p], SCALE * (k_scale or 1.0))
+    torch.testing.assert_close(o, (ro * (v_scale or 1.0)).to(DTYPE), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(lse, rl.float(), atol=1e-4, rtol=0)
+    # an unknown keyword, or scales with a soft cap, still go to the original wrapper
+    assert proxy.forward_return_lse(q3, (kb, vb), k_scale=k_scale, q_scale=2.0) == "orig"
+    assert calls[-1].get("k_scale") == k_scale and calls[-1]["q_scale"] == 2.0
+    if k_scale not in (None, 1.0):
+        assert proxy.forward_return_lse(q3, (kb, vb), logits_soft_cap=30.0, k_scale=k_scale,
+                                        v_scale=v_scale) == "orig"

@@ -67,7 +67,7 @@ def test_reused_plan_follows_hot_table_changes():
 
 
 def test_batch_rows_is_a_stable_view_of_sglangs_host_rows():
-    reqs = [SimpleNamespace(req_pool_idx=i) for i in (4, 2, 9)]
+    reqs = [SimpleNamespace(req_pool_idx=i, kv=SimpleNamespace(req_pool_idx=i)) for i in (4, 2, 9)]  # 0.5.17, 0.5.23
     t = torch.tensor([4, 2, 9], dtype=torch.int64)
     b = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=t)
     r1, r2 = batch_rows(b), batch_rows(b)

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from granikv.scheduler_sim import Sim, SimConfig
+from scheduler_sim import Sim, SimConfig
 
 
 def _tokens(seed, n, vocab=61):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from granikv.scheduler_sim import Sim, SimConfig
+from scheduler_sim import Sim, SimConfig
 
 SLOW = os.environ.get("GRANIKV_SLOW_TESTS") == "1"
 CFG = SimConfig(kv_size=320, max_reqs=10, max_context=120, hot_fraction=0.3, min_tokens=16)
@@ -47,7 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
                     self.sim.admit(p + [j])
 
     def _live(self, i):
-        reqs = [r for r in self.sim.live.values() if r.kv_committed_len]
+        reqs = [r for r in self.sim.live.values() if r.written_len]
         return reqs[i % len(reqs)] if reqs else None
 
     @rule(p=st.integers(0, 2), cut=st.sampled_from([None, None, 20, 30, 13, 5]),
@@ -98,7 +98,7 @@ class CacheMachine(RuleBasedStateMachine):
         """Every request on one prefix finishes: its HOT extent stays cached, unlocked."""
         head = list(PREFIXES[p][:GROUP_KEY])
         for req in list(self.sim.live.values()):
-            if req.kv_committed_len and list(req.tokens[:GROUP_KEY]) == head:
+            if req.written_len and list(req.tokens[:GROUP_KEY]) == head:
                 self.sim.finish(req)
 
     @rule(p=st.integers(0, 2), n=st.integers(2, 40))

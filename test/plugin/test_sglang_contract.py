@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from granikv import plugin
+from granikv import plugin, sglang_compat as compat
 
 
 def _assigned_self_attrs(cls) -> set:
@@ -60,6 +60,9 @@ def test_flashinfer_attributes_read_with_defaults_exist():
         fi.FlashInferAttnBackend)
 
 
+@pytest.mark.skipif(compat.LIFECYCLE == "checkpoint",
+                    reason="SGLang 0.5.23's triton backend sets other attributes (0.5.17's names: "
+                           "GraniKV's full extend reads them with defaults there)")
 def test_triton_attributes_read_with_defaults_exist():
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 

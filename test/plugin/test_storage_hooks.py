@@ -1,5 +1,6 @@
 """The storage hooks with SGLang's real objects on CPU: allocator swap, token budget, cache."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -74,11 +75,12 @@ def test_registered_cache_factory_builds_the_granikv_cache():
     kv, req, stock, conf, alloc = _build(True)
     params = CacheInitParams(disable=False, req_to_token_pool=req,
                              token_to_kv_pool_allocator=alloc, page_size=1)
-    ctx = TreeCacheBuildContext(server_args=conf.server_args, params=params, is_hybrid_swa=False,
-                                is_hybrid_ssm=False, enable_hierarchical_cache=False,
-                                disable_radix_cache=False, effective_chunked_prefill_size=None,
-                                tp_worker=None, model_config=None, tp_size=1, tp_rank=0,
-                                tp_group=None)
+    values = dict(server_args=conf.server_args, params=params, is_hybrid_swa=False,
+                  is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
+                  effective_chunked_prefill_size=None,  # 0.5.17 only
+                  tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+    known = {f.name for f in dataclasses.fields(TreeCacheBuildContext)}
+    ctx = TreeCacheBuildContext(**{k: v for k, v in values.items() if k in known})
     cache = plugin._make_radix_cache(ctx)
     assert isinstance(cache, GraniKVRadixCache)
     assert cache.hot_prefix_table is alloc.hot_prefix_table

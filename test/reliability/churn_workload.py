@@ -27,7 +27,7 @@ import random
 from collections import Counter
 from typing import Dict, List, Optional
 
-from granikv.scheduler_sim import Sim, SimReq
+from scheduler_sim import Sim, SimReq
 
 EVENTS = {"join": 24, "forward": 14, "next_chunk": 8, "decode": 20, "finish": 14, "abort": 7,
           "lock": 2, "unlock": 4, "rotate": 3, "match": 3, "evict": 2}
@@ -139,7 +139,7 @@ class ChurnWorkload:
             if agent.reqs[0].req_pool_idx is None:  # aborted right after a promotion
                 return
             tok = self.rng.randrange(self.sims[0].cfg.vocab)
-            if agent.reqs[0].kv_committed_len >= self.sims[0].cfg.max_context:
+            if agent.reqs[0].written_len >= self.sims[0].cfg.max_context:
                 return
             ok = [sim.decode(r, tok) for sim, r in zip(self.sims, agent.reqs)]
             if self._agree("retracted_decode", [not x for x in ok]):

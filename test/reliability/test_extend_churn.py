@@ -22,7 +22,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
-from granikv.scheduler_sim import Sim, SimConfig
+from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import on_run_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))

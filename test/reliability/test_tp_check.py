@@ -73,7 +73,7 @@ def test_check_is_off_with_one_rank_or_interval_zero(world, interval):
 
 def test_a_failing_collective_turns_the_check_off_without_raising(caplog):
     """Without an initialised process group all_gather_object raises: the step goes on."""
-    from granikv.scheduler_sim import Sim, SimConfig
+    from scheduler_sim import Sim, SimConfig
 
     sim = Sim(SimConfig())
     check = TPConsistencyCheck(object(), 2, 1)

@@ -13,13 +13,16 @@ import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
-from churn_workload import ChurnWorkload
 
-from granikv.scheduler_sim import Sim, SimConfig
-from granikv import tp_consistency
-from granikv.tp_consistency import TPConsistencyCheck
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from churn_workload import ChurnWorkload  # noqa: E402
+from scheduler_sim import Sim, SimConfig  # noqa: E402
+
+from granikv import tp_consistency  # noqa: E402
+from granikv.tp_consistency import TPConsistencyCheck  # noqa: E402
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
+from granikv import sglang_compat as compat
 from granikv.mem_cache.hot_pool import HotPool, IntegrityError
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 from granikv.mem_cache.slot_window import Window, find_window
@@ -160,7 +161,7 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
 
     def free_slots(self) -> torch.Tensor:
         """Every free slot, including pending release / free-group entries."""
-        parts = [self.free_pages, self.release_pages] + list(self.free_group)
+        parts = [self.free_pages, self.release_pages] + compat.free_group_parts(self)
         return torch.cat([p.to(torch.int64) for p in parts])
 
     def free_mask(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Dict
 import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from granikv import sglang_compat as compat
 from granikv.mem_cache.allocator import GraniKVAllocator
 from granikv.mem_cache.hot_pool import IntegrityError
 
@@ -26,12 +27,12 @@ def check_cache(cache: "GraniKVRadixCache", *, strict: bool) -> None:
     cache.hot_prefix_table.check_integrity()
     nodes = _check_tree(cache)
     _check_hot_extents(cache, nodes)
+    _check_live(cache, nodes, strict=strict)  # first: every live request still has its row
     owned = {"COLD tree": [n.value for n in nodes if n not in cache._hot_start],
              "HOT extents": [torch.arange(s, s + n) for s, n in alloc.hot_pool.extents().items()]}
     if strict:
         owned["private"] = [_private_slots(cache, r) for r in cache._live.values()]
     _check_ownership(alloc, owned, exact=strict)
-    _check_live(cache, nodes, strict=strict)
 
 
 def _check_tree(cache: "GraniKVRadixCache") -> list:
@@ -125,16 +126,16 @@ def _check_ownership(alloc: GraniKVAllocator, owned: Dict[str, list], *, exact: 
 
 def _private_slots(cache: "GraniKVRadixCache", req) -> torch.Tensor:
     """The slots a live request owns itself: row[cache_protected_len : kv_allocated_len]."""
-    end = req.kv.kv_allocated_len if getattr(req, "kv", None) is not None else 0
-    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-    return row[req.cache_protected_len : end]
+    row = cache.req_to_token_pool.req_to_token[compat.req_pool_idx(req)]
+    return row[compat.cache_protected_len(req) : compat.kv_allocated_len(req)]
 
 
 def _check_live(cache: "GraniKVRadixCache", nodes: list, *, strict: bool) -> None:
     table, r2t = cache.hot_prefix_table, cache.req_to_token_pool.req_to_token
     for idx, req in cache._live.items():
-        if req.req_pool_idx != idx:
-            raise IntegrityError(f"live request at row {idx} now has req_pool_idx {req.req_pool_idx}")
+        if compat.req_pool_idx(req) != idx:
+            raise IntegrityError(f"live request at row {idx} now has req_pool_idx "
+                                 f"{compat.req_pool_idx(req)}")
         start, n = cache.hot_run(req)
         if table.get(idx) != (start, n):
             raise IntegrityError(f"row {idx}: table says {table.get(idx)}, tree says {(start, n)}")

@@ -19,19 +19,22 @@ case of the same code. The tree keeps the ancestors' own slots: other requests u
 The HOT run of a request walks its path from the root: a node whose head covers its whole
 depth (re)starts the run, a HOT node whose slots follow the run's end extends it. It is
 published in the ``HotPrefixTable`` row of the request's ``req_pool_idx``, and the request's
-``req_to_token`` row (and ``prefix_indices``) point at the run.
+``req_to_token`` row (and, on 0.5.17, ``prefix_indices``) point at the run.
 
-Lifecycle (the plugin drives the two public extras; everything else is SGLang's own calls):
-- ``inc_lock_ref`` (admission, ``cache_unfinished_req``) QUEUES the deepest node of the locked
+Lifecycle (the plugin drives the two public extras; everything else is SGLang's own calls, named
+per release in ``sglang_compat``: 0.5.17 ``cache_unfinished_req`` / ``cache_finished_req``,
+0.5.23 ``checkpoint`` / ``on_release``):
+- ``inc_lock_ref`` (admission, and each insert's re-lock) QUEUES the deepest node of the locked
   path that the policy accepts, if it is COLD;
 - ``apply_pending_promotions()`` EXECUTES the queue at a safe point (before a batch's
   forward): placement (``_place``: the node's own slots when they are contiguous, nothing
   or only a shadow head copied; else right after the parent's HOT run; else a fresh extent
   taken off the common free list, with unlocked COLD KV moved out of its window and LRU
-  eviction if needed), KV copy, rewrite of the holders' ``req_to_token`` rows and
-  ``prefix_indices``, free of the old COLD slots;
+  eviction if needed), KV copy, rewrite of the holders' ``req_to_token`` rows (and
+  0.5.17's ``prefix_indices``), free of the old COLD slots;
 - ``update_request_hot_prefix(req)`` after ``alloc_for_extend`` registers a live request and
-  points its row at its HOT run; ``cache_finished_req`` (finish, abort, retract) drops it.
+  points its row at its HOT run; so does every insert of the request's KV (``_after_insert``);
+  the release of its row (finish, abort, retract: ``_after_release``) drops it.
 Anything that cannot be done safely is skipped and counted in ``metrics``; nothing raises
 mid-serving. HOT extents come out of the same free slots as COLD KV and go back to them:
 ``evict`` (SGLang's memory pressure) is LRU over every unlocked leaf, HOT or COLD, and
@@ -48,6 +51,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
+from granikv import sglang_compat as compat
 from granikv.mem_cache.allocator import GraniKVAllocator
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_slots
@@ -100,7 +104,7 @@ class _Run(NamedTuple):
     head: int
 
 
-class GraniKVRadixCache(RadixCache):
+class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
     def __init__(self, params: CacheInitParams, config, kv_pool,
                  hot_prefix_table: HotPrefixTable, *, policy: Optional[PromotionPolicy] = None,
                  metrics: Optional[GraniKVMetrics] = None):
@@ -155,13 +159,14 @@ class GraniKVRadixCache(RadixCache):
         self._maybe_queue(node)
         return result
 
-    def cache_unfinished_req(self, req, chunked=False):
-        super().cache_unfinished_req(req, chunked=chunked)
+    # lifecycle callbacks (``sglang_compat.lifecycle_mixin`` maps SGLang's calls onto them)
+
+    def _after_insert(self, req) -> None:
+        """The request's KV went into the tree (a chunk, a prefill, a finish): re-publish."""
         self.update_request_hot_prefix(req)
 
-    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
-        idx = req.req_pool_idx
-        super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+    def _after_release(self, idx: Optional[int], req) -> None:
+        """The request gave row ``idx`` back (finish, abort, retract): forget it."""
         if idx is not None and self._live.get(idx) is req:
             del self._live[idx]
         if idx is not None:
@@ -217,9 +222,9 @@ class GraniKVRadixCache(RadixCache):
         where a run starts with a shadow head, the row's first columns still point at the
         ancestors' slots (same KV): those rows are repointed (device-side, no host sync).
         """
-        reqs = [r for r in reqs if r.req_pool_idx is not None]
+        reqs = [r for r in reqs if compat.req_pool_idx(r) is not None]
         for req in reqs:
-            self._live[req.req_pool_idx] = req
+            self._live[compat.req_pool_idx(req)] = req
         runs = [self._run(r) for r in reqs]
         self._repoint([(r, run) for r, run in zip(reqs, runs) if run.head])
         self._publish(reqs, runs)
@@ -564,10 +569,10 @@ class GraniKVRadixCache(RadixCache):
         if not reqs_runs:
             return
         for req, run in reqs_runs:
-            req.prefix_indices = _splice_prefix(req.prefix_indices, self._arange(run.start, run.length))
+            compat.splice_prefix_indices(req, self._arange(run.start, run.length))
         r2t = self.req_to_token_pool.req_to_token
         width = max(run.length for _, run in reqs_runs)
-        host = torch.tensor([[r.req_pool_idx, run.start, run.length] for r, run in reqs_runs],
+        host = torch.tensor([[compat.req_pool_idx(r), run.start, run.length] for r, run in reqs_runs],
                             dtype=torch.int64)
         rows, starts, lens = host.to(r2t.device, non_blocking=True).unbind(1)
         cols = torch.arange(width, dtype=torch.int64, device=r2t.device)
@@ -581,7 +586,7 @@ class GraniKVRadixCache(RadixCache):
     def _run(self, req) -> _Run:
         """``req``'s HOT run, capped at ``cache_protected_len`` (never its private slots)."""
         run = self._run_of(getattr(req, "last_node", None))
-        limit = getattr(req, "cache_protected_len", run.length)
+        limit = compat.cache_protected_len(req, run.length)
         return run if run.length <= limit else _Run(run.start, max(limit, 0), min(run.head, limit))
 
     def _run_of(self, node: Optional[TreeNode]) -> _Run:
@@ -606,12 +611,12 @@ class GraniKVRadixCache(RadixCache):
         return _Run(start, length, head)
 
     def _publish(self, reqs, runs) -> None:
-        self.hot_prefix_table.set_many([r.req_pool_idx for r in reqs],
+        self.hot_prefix_table.set_many([compat.req_pool_idx(r) for r in reqs],
                                        [run.start for run in runs], [run.length for run in runs])
 
     def _live_reqs(self) -> list:
-        stale = [i for i, r in self._live.items() if r.req_pool_idx != i]
-        for i in stale:  # released through a path that bypassed cache_finished_req
+        stale = [i for i, r in self._live.items() if compat.req_pool_idx(r) != i]
+        for i in stale:  # released through a path that bypassed the release callback
             del self._live[i]
             self.hot_prefix_table.clear(i)
         return list(self._live.values())
@@ -628,7 +633,7 @@ class GraniKVRadixCache(RadixCache):
             freed += counts(x)
             self._release_value(x)
             self._delete_leaf(x)
-            self._record_remove_event(x)
+            compat.record_remove(self, x)
             p = x.parent
             if p is not self.root_node and not p.children and p.lock_ref == 0 and eligible(p):
                 heapq.heappush(heap, (prio(p), p))
@@ -697,11 +702,3 @@ def _remaining_steps(reqs) -> Optional[float]:
         left.append(max(budget - len(r.output_ids), 0))
     return sum(left) / len(left) if left else None
 
-
-def _splice_prefix(indices: Optional[torch.Tensor], new: torch.Tensor):
-    """``indices`` with its first ``min(len(indices), len(new))`` entries replaced by ``new``'s
-    (a new tensor; ``None`` stays ``None``)."""
-    if indices is None:
-        return None
-    k = min(len(indices), len(new))
-    return torch.cat([new[:k].to(device=indices.device, dtype=indices.dtype), indices[k:]])

@@ -77,17 +77,6 @@ try:  # SGLang is the host; GraniKV's kernels and planner do not need it.
 except ImportError:  # pragma: no cover
     AttentionBackend = object
 
-# Class-level flags of AttentionBackend that __getattr__ would not forward (they exist on the
-# base class), copied from the wrapped backend at construction.
-_FORWARDED_FLAGS = (
-    "needs_cpu_seq_lens",
-    "supports_ragged_verify_graph",
-    "use_captured_forward_metadata_for_breakable_cuda_graph",
-    "supports_full_cuda_graph_chunked_prefix",
-    "prefill_attention_backend_str",
-    "decode_attention_backend_str",
-)
-
 
 class GraniKVAttnBackend(AttentionBackend):
     """Decode through the shared-prefix kernels when the plan says so; everything else as-is."""
@@ -107,9 +96,6 @@ class GraniKVAttnBackend(AttentionBackend):
         self.cfg = cfg
         self.backend_name = backend_name
         self.model_runner = model_runner
-        for name in _FORWARDED_FLAGS:
-            if hasattr(inner, name):
-                setattr(self, name, getattr(inner, name))
         self.dispatcher = build_dispatcher(model_runner, cfg, backend_name)
         self._chooser = SteadyChooser(self.dispatcher)  # steady steps: O(1) path choice
         geo = self.dispatcher.geometry
@@ -661,21 +647,36 @@ class GraniKVAttnBackend(AttentionBackend):
 
 
 # ``forward`` dispatches to this class's forward_decode / forward_extend: never forwarded.
-_NOT_FORWARDED = ("forward",) + _FORWARDED_FLAGS
+_NOT_FORWARDED = ("forward", "_abc_impl")
+
+
+def forwarded_base_names(cls) -> list:
+    """What ``_forward_base_methods`` forwards: every name SGLang's ``AttentionBackend``
+    defines itself that ``cls`` does not (the base's own namespace, not a hand list)."""
+    return [n for n in vars(AttentionBackend)
+            if not n.startswith("__") and n not in cls.__dict__ and n not in _NOT_FORWARDED]
 
 
 def _forward_base_methods(cls) -> None:
-    """Methods and properties defined on SGLang's ``AttentionBackend`` (breakable prefill CUDA
-    graphs, chunked-prefix MHA, verify buffers, ...) would shadow ``__getattr__``: forward
-    each one this class does not define to the wrapped backend explicitly."""
+    """Everything defined on SGLang's ``AttentionBackend`` (methods, properties, class-level
+    flags such as triton's ``supports_prefill_cuda_graph_max_context_size``, breakable prefill
+    CUDA graphs, chunked-prefix MHA, verify buffers, ...) would shadow ``__getattr__`` with
+    the base's default: each one this class does not define reads from the wrapped backend
+    (methods are called on it; flags and properties are read from and written to it). The
+    names come from the base class itself, so a release's additions are forwarded as they come.
+    """
     if AttentionBackend is object:  # pragma: no cover
         return
-    for name, attr in vars(AttentionBackend).items():
-        if name.startswith("__") or name in cls.__dict__ or name in _NOT_FORWARDED:
-            continue
+    cls.forwarded_base_names = tuple(forwarded_base_names(cls))
+    for name in cls.forwarded_base_names:
+        attr = vars(AttentionBackend)[name]
         if isinstance(attr, property):
-            setattr(cls, name, property(lambda self, n=name: getattr(self.inner, n)))
-        elif callable(attr):
+            setattr(cls, name, property(lambda self, n=name: getattr(self.inner, n),
+                                        lambda self, v, n=name: setattr(self.inner, n, v)))
+        elif not callable(attr):  # a class-level flag: the base's default if the inner lacks it
+            setattr(cls, name, property(lambda self, n=name, d=attr: getattr(self.inner, n, d),
+                                        lambda self, v, n=name: setattr(self.inner, n, v)))
+        else:
             setattr(cls, name, lambda self, *a, n=name, **kw: getattr(self.inner, n)(*a, **kw))
 
 

@@ -303,9 +303,10 @@ def pad_rows(o: torch.Tensor, lse: torch.Tensor, rows: int) -> Tuple[torch.Tenso
 class PrefixPartProxy:
     """Stands in for SGLang's paged prefill wrapper for one extend batch.
 
-    ``forward_return_lse(q, kv_cache, causal=False, ...)`` (the prefix part SGLang asks for)
-    is served by ``HotExtendAttention``; any other call, or arguments it does not serve
-    (causal, a sliding window, a KV cache that is not a ``(k, v)`` pair), goes to the original
+    ``forward_return_lse(q, kv_cache, causal=False, ...)`` (the prefix part SGLang asks for,
+    with or without ``k_scale`` / ``v_scale``) is served by ``HotExtendAttention``; any other
+    call, or arguments it does not serve (causal, a sliding window, a KV cache that is not a
+    ``(k, v)`` pair, an unknown keyword), goes to the original
     wrapper, which SGLang planned for the same batch. ``on_compare`` (debug): called once with
     ``(ours, original)`` results on the first call. If the dense path raises (a FlashInfer
     module missing for this shape, say), the original wrapper serves the call and
@@ -320,29 +321,34 @@ class PrefixPartProxy:
         self._on_failure = on_failure
 
     def forward_return_lse(self, q, kv_cache, causal=False, sm_scale=None, window_left=-1,
-                           logits_soft_cap=None, **kwargs):
+                           logits_soft_cap=None, k_scale=None, v_scale=None, **kwargs):
+        """``k_scale`` / ``v_scale`` (SGLang 0.5.23 passes ``layer.k_scale_float`` /
+        ``v_scale_float``, ``None`` without quantized-KV scales): FlashInfer's meaning, the
+        logits scale by ``k_scale`` and the output by ``v_scale``; served the same way (the
+        LSE follows the scaled logits). Any other keyword goes to the original wrapper."""
+        scaled = k_scale not in (None, 1.0) or v_scale not in (None, 1.0)
         served = (self._attn.plan is not None and not causal and window_left in (None, -1) and not kwargs
-                  and isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2)
+                  and isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2
+                  and not (scaled and logits_soft_cap))  # soft cap + scales: leave to FlashInfer
+        stock = dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
+                     logits_soft_cap=logits_soft_cap, **kwargs)
+        if k_scale is not None or v_scale is not None:  # 0.5.17's call has neither keyword
+            stock.update(k_scale=k_scale, v_scale=v_scale)
         if not served:
-            return self._original.forward_return_lse(q, kv_cache, causal=causal, sm_scale=sm_scale,
-                                                     window_left=window_left,
-                                                     logits_soft_cap=logits_soft_cap, **kwargs)
+            return self._original.forward_return_lse(q, kv_cache, **stock)
         k_buf, v_buf = kv_cache
-        scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
+        scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * (k_scale or 1.0)
         try:
-            ours = self._attn.prefix_part(q, k_buf, v_buf, scale, logits_soft_cap or 0.0)
+            o, lse = self._attn.prefix_part(q, k_buf, v_buf, scale, logits_soft_cap or 0.0)
+            ours = (o * v_scale if v_scale not in (None, 1.0) else o), lse
         except Exception as e:  # noqa: BLE001 - serve the stock way, never fail the forward
             if self._on_failure is None:
                 raise
             self._on_failure(e)
-            return self._original.forward_return_lse(q, kv_cache, causal=False, sm_scale=sm_scale,
-                                                     window_left=window_left,
-                                                     logits_soft_cap=logits_soft_cap)
+            return self._original.forward_return_lse(q, kv_cache, **stock)
         if self._on_compare is not None:
             cb, self._on_compare = self._on_compare, None
-            cb(ours, self._original.forward_return_lse(q, kv_cache, causal=False, sm_scale=sm_scale,
-                                                       window_left=window_left,
-                                                       logits_soft_cap=logits_soft_cap))
+            cb(ours, self._original.forward_return_lse(q, kv_cache, **stock))
         return ours
 
     def __getattr__(self, name):
