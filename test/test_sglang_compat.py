@@ -79,3 +79,17 @@ def test_request_state_match_results_and_remove_events_on_real_objects():
     assert torch.equal(torch.cat(compat.free_group_parts(sim.allocator)).sort().values,
                        slots.sort().values)
     sim.allocator.free_group_end()
+
+
+def test_kv_slot_translation_read_from_each_releases_own_attribute():
+    from types import SimpleNamespace
+
+    old, new = compat._pick("0.5.17"), compat._pick("0.5.23")
+    v0517 = SimpleNamespace(_translate_kv_loc=lambda loc: loc)
+    v0523 = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True))
+    assert old.backend_translates_kv_slots(v0517) and not old.backend_translates_kv_slots(v0523)
+    assert new.backend_translates_kv_slots(v0523) and not new.backend_translates_kv_slots(v0517)
+    plain = SimpleNamespace(_translate_kv_loc=None,
+                            kv_index_translator=SimpleNamespace(is_translating=False))
+    assert not old.backend_translates_kv_slots(plain) and not new.backend_translates_kv_slots(plain)
+    assert compat.KV_TRANSLATION_ATTR == compat.release.kv_translation_attr

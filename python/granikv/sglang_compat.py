@@ -97,6 +97,16 @@ class _Release:
     def free_group_parts(self, allocator) -> list:
         return list(allocator.free_group)
 
+    # attention backends
+    #: the attribute a wrapped backend sets when its kernels may read translated slot ids
+    kv_translation_attr = "_translate_kv_loc"
+
+    def backend_translates_kv_slots(self, backend) -> bool:
+        """Whether ``backend`` reads KV through a virtual-to-physical slot translation (its
+        pool's ``req_to_token`` ids are not the K/V buffer rows). 0.5.17: the backend holds
+        the allocator's translate function, ``None`` on a plain pool."""
+        return getattr(backend, "_translate_kv_loc", None) is not None
+
     # offline API
     def install_engine_server_args(self, build) -> None:
         """Route ``sglang.Engine(**kwargs)``'s ServerArgs through ``build(cls, **kwargs)``.
@@ -129,6 +139,14 @@ class _Release0523(_Release):
 
     def free_group_parts(self, allocator) -> list:
         return list(allocator.free_group or [])
+
+    kv_translation_attr = "kv_index_translator"
+
+    def backend_translates_kv_slots(self, backend) -> bool:
+        """0.5.23: the backend holds the model runner's ``KVIndexTranslator``, which says
+        ``is_translating`` (a unified pool); a plain pool's translator is the identity."""
+        translator = getattr(backend, "kv_index_translator", None)
+        return bool(getattr(translator, "is_translating", False))
 
     def install_engine_server_args(self, build) -> None:
         """A msgspec ServerArgs rejects unknown keywords before any hook runs, and
@@ -168,6 +186,8 @@ match_length = release.match_length
 match_indices = release.match_indices
 record_remove = release.record_remove
 free_group_parts = release.free_group_parts
+KV_TRANSLATION_ATTR = release.kv_translation_attr
+backend_translates_kv_slots = release.backend_translates_kv_slots
 install_engine_server_args = release.install_engine_server_args
 
 

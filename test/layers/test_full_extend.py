@@ -115,6 +115,11 @@ def test_layer_and_backend_reasons():
     assert backend_reason(SimpleNamespace(), pool) is None
     assert "deterministic" in backend_reason(SimpleNamespace(enable_deterministic=True), pool)
     assert "context parallel" in backend_reason(SimpleNamespace(dcp_size=2), pool)
+    translating = {"_translate_kv_loc": lambda loc: loc,
+                   "kv_index_translator": SimpleNamespace(is_translating=True)}
+    assert "translated slots" in backend_reason(SimpleNamespace(**translating), pool)
+    plain = {"_translate_kv_loc": None, "kv_index_translator": SimpleNamespace(is_translating=False)}
+    assert backend_reason(SimpleNamespace(**plain), pool) is None
 
 
 def test_a_deterministic_wrapped_backend_keeps_its_own_extend():

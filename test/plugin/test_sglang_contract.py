@@ -60,14 +60,13 @@ def test_flashinfer_attributes_read_with_defaults_exist():
         fi.FlashInferAttnBackend)
 
 
-@pytest.mark.skipif(compat.LIFECYCLE == "checkpoint",
-                    reason="SGLang 0.5.23's triton backend sets other attributes (0.5.17's names: "
-                           "GraniKV's full extend reads them with defaults there)")
 def test_triton_attributes_read_with_defaults_exist():
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    assert {"enable_deterministic", "dcp_size", "_translate_kv_loc", "forward_metadata"} <= _assigned_self_attrs(
-        TritonAttnBackend)
+    # full_extend.backend_reason: a missing name would read as "no translation" / "not
+    # deterministic" and let GraniKV's extend kernel read slot ids it cannot interpret
+    assert {"enable_deterministic", "dcp_size", compat.KV_TRANSLATION_ATTR,
+            "forward_metadata"} <= _assigned_self_attrs(TritonAttnBackend)
 
 
 def test_model_runner_and_pool_attributes_exist():

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from granikv import sglang_compat as compat
 from granikv.layers.attention.cascade.hot_extend import HotExtendAttention
 
 __all__ = ["FullExtend", "backend_reason", "graph_reason"]
@@ -51,7 +52,7 @@ def backend_reason(inner, pool) -> Optional[str]:
         return "deterministic inference (the wrapped backend's own kernel)"
     if getattr(inner, "dcp_size", 1) > 1:
         return "decode context parallelism"
-    if getattr(inner, "_translate_kv_loc", None) is not None or not hasattr(pool, "set_kv_buffer"):
+    if compat.backend_translates_kv_slots(inner) or not hasattr(pool, "set_kv_buffer"):
         return "KV pool with translated slots"
     if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "store_dtype", None) != getattr(
             pool, "dtype", None):
