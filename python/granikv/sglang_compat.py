@@ -97,6 +97,10 @@ class _Release:
     def free_group_parts(self, allocator) -> list:
         return list(allocator.free_group)
 
+    def outside_free_group(self, allocator) -> bool:
+        """No ``free_group_begin`` / ``free_group_end`` bracket is open on ``allocator``."""
+        return allocator.is_not_in_free_group
+
     # attention backends
     #: the attribute a wrapped backend sets when its kernels may read translated slot ids
     kv_translation_attr = "_translate_kv_loc"
@@ -139,6 +143,9 @@ class _Release0523(_Release):
 
     def free_group_parts(self, allocator) -> list:
         return list(allocator.free_group or [])
+
+    def outside_free_group(self, allocator) -> bool:
+        return allocator.free_group is None
 
     kv_translation_attr = "kv_index_translator"
 
@@ -186,6 +193,7 @@ match_length = release.match_length
 match_indices = release.match_indices
 record_remove = release.record_remove
 free_group_parts = release.free_group_parts
+outside_free_group = release.outside_free_group
 KV_TRANSLATION_ATTR = release.kv_translation_attr
 backend_translates_kv_slots = release.backend_translates_kv_slots
 install_engine_server_args = release.install_engine_server_args

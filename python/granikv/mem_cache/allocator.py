@@ -200,7 +200,7 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
             taken:        extent [4, 8);  extra: slots 1, 2
             free after:   . . . . . . . . . F F . F
         """
-        assert self.is_not_in_free_group, "extents are taken outside SGLang's free groups"
+        assert compat.outside_free_group(self), "extents are taken outside SGLang's free groups"
         ok = self.hot_pool.alloc_at(start, n if extent_len is None else extent_len)
         assert ok, f"take: [{start}, {start + n}) overlaps an extent"
         mask[start : start + n] = False
