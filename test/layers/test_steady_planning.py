@@ -59,11 +59,11 @@ def test_reused_plan_follows_hot_table_changes():
         fb, _ = _batch(runner, hot=hot)  # rewrites the table (a no-op when unchanged)
         be.stage_batch(rows)  # the same array object every step
         be.init_forward_metadata(fb)
-        assert be._path is Path.CASCADE and be._filled_grouping.num_grouped == want
+        assert be.decode.path is Path.CASCADE and be.decode.filled_grouping.num_grouped == want
         q, k, v = _qkv(fb.batch_size, 5)
         o = be.forward_decode(q, k, v, LAYER, fb)
         torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
-    assert be._grouping_memo.hits >= 1
+    assert be.decode.grouping_memo.hits >= 1
 
 
 def test_batch_rows_is_a_stable_view_of_sglangs_host_rows():
