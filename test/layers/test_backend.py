@@ -417,3 +417,21 @@ def test_extend_batch_plans_nothing_and_fills_no_workspace():
     be.init_forward_metadata(fb)
     assert seen == [fb] and not fills and be._staged is None
     assert be.stats.planned == 0 and be.stats.steps == 0
+
+
+def test_forwarding_never_shadows_what_granikv_defines():
+    """Only base-class methods GraniKV does not define are forwarded, on the class and on a
+    subclass of it (the forwarding runs again for every subclass)."""
+    from granikv.layers.attention.cascade.forwarding import AttentionBackend, ForwardingBackend
+
+    class Sub(GraniKVAttnBackend):
+        pass
+
+    own = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_cuda_graph_state",
+           "forward_decode", "forward_extend")
+    for name in own:
+        assert name in vars(AttentionBackend)
+        assert getattr(Sub, name) is vars(GraniKVAttnBackend)[name]
+        assert vars(GraniKVAttnBackend)[name].__qualname__ == f"GraniKVAttnBackend.{name}"
+    assert Sub.forward_metadata is vars(ForwardingBackend)["forward_metadata"]
+    assert Sub.forward is AttentionBackend.forward
