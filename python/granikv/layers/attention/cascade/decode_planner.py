@@ -17,7 +17,6 @@ a separate eager workspace, grown on demand.
 ``model_runner`` are read from it at each call (they may be replaced after construction).
 """
 
-import copy
 import logging
 import time
 from types import SimpleNamespace
@@ -46,6 +45,8 @@ class DecodePlanner:
         self.graph_mode = False  # True once CUDA-graph state exists
         self.graphs = GraphVariants(parse_graph_bs(host.cfg.cascade_graph_bs), can_win=self.cascade_can_win)
         self._last_rows = None  # (rows array, table version, hot_start, hot_len, grouping) of the last plan
+        self.last_desc = None  # BatchDescription of the last plan (reused while its arrays are)
+        self._seq_view = None  # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
         self._capture_metadata = {}  # bs -> the wrapped backend's forward_metadata of its stock capture
         self._ones = None
         self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
@@ -143,14 +144,22 @@ class DecodePlanner:
         if hot_start is None:  # no request starts with a HOT run: nothing to group
             stats.record_paged(bs, "no HOT prefix in the batch")
             return None
-        seq_lens = np.asarray(fb.seq_lens_cpu.numpy()[:bs], dtype=np.int64)
-        desc = BatchDescription(staged, seq_lens, hot_start, hot_len)
+        seq_lens = self._seq_lens_view(fb.seq_lens_cpu, bs)
+        if seq_lens is None:  # fewer host lengths than requests: not a batch to plan
+            stats.unplanned += 1
+            return None
         if grouping is None:
+            desc = BatchDescription(staged, seq_lens, hot_start, hot_len)
             grouping = self.grouping_memo.group(desc, min_group_size=host.cfg.min_group_size)
             if (hot_len <= seq_lens).all():  # then the grouping does not depend on seq_lens
                 self._last_rows = self._last_rows[:4] + (grouping,)
-        else:
+        else:  # the arrays of the step that made this grouping: known to match
+            desc = self.last_desc
+            if (desc is None or desc.seq_lens is not seq_lens or desc.req_pool_indices is not staged
+                    or desc.hot_len is not hot_len):
+                desc = BatchDescription.unchecked(staged, seq_lens, hot_start, hot_len)
             self.grouping_memo.hits += 1
+        self.last_desc = desc
         if grouping.num_groups == 0:
             stats.record_paged(bs, "no group")
             return None
@@ -167,12 +176,33 @@ class DecodePlanner:
             return None
         return grouping, desc, decision
 
+    def _seq_lens_view(self, seq_lens_cpu, bs: int):
+        """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
+        SGLang hands over the same memory (graph replays slice one persistent host buffer): a
+        zero-copy view holds the tensor, so its address cannot be reused while cached."""
+        key = (seq_lens_cpu.data_ptr(), bs)
+        cached = self._seq_view
+        if cached is not None and cached[0] == key and cached[1] is seq_lens_cpu.dtype:
+            return cached[2]
+        view = seq_lens_cpu.numpy()[:bs]
+        if view.shape[0] != bs:
+            return None
+        if view.dtype != np.int64:
+            view = view.astype(np.int64)  # a copy: not cached
+            self._seq_view = None
+            return view
+        self._seq_view = (key, seq_lens_cpu.dtype, view)
+        return view
+
     def _fill_workspace(self, plan, fb) -> None:
         ws = self.ws = self.workspace_for(fb.batch_size)
         grouping, desc, decision = plan
+        same = grouping is self.filled_grouping and ws is self._filled_ws
+        if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
+                               single_prefix_chunk=decision.path is Path.BGEMM):
+            return  # a steady step: only the suffix ends changed
         prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens, desc.req_pool_indices,
                                          fb.batch_size)
-        same = grouping is self.filled_grouping and ws is self._filled_ws
         ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
                 single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same)
@@ -183,7 +213,11 @@ class DecodePlanner:
         bs = fb.batch_size
         # SGLang's replay view is a SimpleNamespace (a plain attribute copy is the cheap copy);
         # an eager step's ForwardBatch is a dataclass
-        view = SimpleNamespace(**vars(fb)) if type(fb) is SimpleNamespace else copy.copy(fb)
+        if type(fb) is SimpleNamespace:
+            view = SimpleNamespace(**vars(fb))
+        else:  # what copy.copy does for a dataclass, without its generic protocol
+            view = object.__new__(type(fb))
+            view.__dict__.update(fb.__dict__)
         key = (bs, fb.seq_lens.dtype, fb.seq_lens_cpu.dtype)
         ones = self._ones_views.get(key)
         if ones is None:  # per batch size, made once (read-only for the wrapped backend)
