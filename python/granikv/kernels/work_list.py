@@ -466,7 +466,8 @@ class CascadeWorkspace:
                 f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
                 f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
             )
-        base = _ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk, factor=self.config.reuse_chunk_factor,
+        base = _ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk,
+                             factor=self.config.reuse_chunk_factor,
                              sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
         self._upload(wl, req_pool_indices, base)
         self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
