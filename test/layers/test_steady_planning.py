@@ -122,10 +122,10 @@ def test_steady_graph_steps_match_the_full_fill_every_step():
 
     runner = _runner()
     fast, slow = _graph_backend(runner), _graph_backend(runner)
-    slow._workspace_for(8).advance = lambda *a, **k: False  # always the full fill path
+    slow.decode.workspace_for(8).advance = lambda *a, **k: False  # always the full fill path
     advanced = []
-    real_advance = fast.workspace.advance
-    fast.workspace.advance = lambda *a, **k: advanced.append(real_advance(*a, **k)) or advanced[-1]
+    real_advance = fast.decode.workspace.advance
+    fast.decode.workspace.advance = lambda *a, **k: advanced.append(real_advance(*a, **k)) or advanced[-1]
     fb, rows = _batch(runner, hot={0, 1, 3})
     host = torch.ones(16, dtype=torch.int64)  # SGLang's persistent seq_lens_cpu buffer
     steps = 30
@@ -139,21 +139,21 @@ def test_steady_graph_steps_match_the_full_fill_every_step():
             v.seq_lens_cpu = host[:8]  # a new slice of the same memory every step
             be.stage_batch(rows)
             be.init_forward_metadata_out_graph(v)
-        assert fast._path is slow._path is Path.CASCADE and fast.graphs.planned_cascade
-        assert torch.equal(fast.workspace.meta, slow.workspace.meta), f"step {step}"
-        grouping, desc = fast._filled_grouping, fast._last_desc
+        assert fast.decode.path is slow.decode.path is Path.CASCADE and fast.graphs.planned_cascade
+        assert torch.equal(fast.decode.workspace.meta, slow.decode.workspace.meta), f"step {step}"
+        grouping, desc = fast.decode.filled_grouping, fast.decode.last_desc
         want = fast.dispatcher.choose(grouping, BatchDescription(rows, fb.seq_lens_cpu.numpy().copy(),
                                                                  desc.hot_start, desc.hot_len))
-        assert want.path is fast._path
-        fast.workspace.check_integrity()
+        assert want.path is fast.decode.path
+        fast.decode.workspace.check_integrity()
         if step in (0, steps - 1):
             q, k, v = _qkv(8, step)
             o = fast.forward_decode(q, k, v, LAYER, view)
             torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
-    ws = fast.workspace
-    assert ws.fills_reused >= steps - 5 and slow.workspace.fills_reused == ws.fills_reused
+    ws = fast.decode.workspace
+    assert ws.fills_reused >= steps - 5 and slow.decode.workspace.fills_reused == ws.fills_reused
     assert sum(advanced) == ws.fills_reused  # every reuse of the fast backend was an advance
-    assert fast._grouping_memo.hits >= steps - 2
+    assert fast.decode.grouping_memo.hits >= steps - 2
 
 
 def test_seq_lens_view_follows_the_memory():
@@ -161,13 +161,13 @@ def test_seq_lens_view_follows_the_memory():
     lengths; another buffer, another batch size or another dtype gives another array."""
     be = _backend(_runner(), "cascade")
     host = torch.arange(10, 26, dtype=torch.int64)
-    a = be._seq_lens_view(host[:8], 8)
-    assert be._seq_lens_view(host[:8], 8) is a and a.tolist() == list(range(10, 18))
+    a = be.decode._seq_lens_view(host[:8], 8)
+    assert be.decode._seq_lens_view(host[:8], 8) is a and a.tolist() == list(range(10, 18))
     host[:8] += 100
     assert a.tolist() == list(range(110, 118))
-    assert be._seq_lens_view(host[:8], 5).tolist() == list(range(110, 115))
+    assert be.decode._seq_lens_view(host[:8], 5).tolist() == list(range(110, 115))
     other = host.clone()
-    assert be._seq_lens_view(other[:8], 8) is not a
-    i32 = be._seq_lens_view(host[:8].to(torch.int32), 8)
+    assert be.decode._seq_lens_view(other[:8], 8) is not a
+    i32 = be.decode._seq_lens_view(host[:8].to(torch.int32), 8)
     assert i32.dtype == np.int64 and i32.tolist() == list(range(110, 118))
-    assert be._seq_lens_view(host[:3], 5) is None  # fewer lengths than requests
+    assert be.decode._seq_lens_view(host[:3], 5) is None  # fewer lengths than requests
