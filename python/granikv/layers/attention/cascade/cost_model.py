@@ -314,7 +314,7 @@ def never_fastest(cases) -> Tuple[str, ...]:
 
 
 def gpu_slug(gpu_name: str) -> str:
-    """``"NVIDIA H200"`` -> ``"nvidia-h200"`` (file-name safe)."""
+    """A GPU name as a file-name-safe slug: ``"NVIDIA A100-SXM4-80GB"`` -> ``"nvidia-a100-sxm4-80gb"``."""
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
