@@ -242,7 +242,7 @@ def regenerate_run_page(text: str, rows: Sequence[Mapping], where: str) -> str:
 def _is_run(doc) -> bool:
     """A run.py result: ``{"meta", "rows": [{"baseline_out_tok_s", ...}, ...]}``."""
     rows = doc.get("rows") if isinstance(doc, dict) else None
-    return bool(rows) and isinstance(rows[0], dict) and "baseline_out_tok_s" in rows[0]
+    return bool(rows) and isinstance(rows[0], dict) and {"baseline_out_tok_s", "ceiling_ratio"} <= rows[0].keys()
 
 
 def pages(root: Path = ROOT) -> List[Tuple[Path, Optional[Path]]]:

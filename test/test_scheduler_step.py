@@ -17,15 +17,16 @@ CFG = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, log_in
 def _scheduler(sim):
     backend = object.__new__(GraniKVAttnBackend)  # only stage_batch / stats_snapshot are used here
     backend._staged = None
+    from granikv.layers.attention.cascade.decode_planner import DecodePlanner
+    from granikv.layers.attention.cascade.dispatcher import SteadyChooser
     from granikv.layers.attention.cascade.plan import GroupingMemo
     from granikv.layers.attention.cascade.step_stats import StepStats
 
     backend.stats = StepStats()
-    backend.workspace = backend._eager_workspace = None
-    backend._grouping_memo = GroupingMemo()
-    from granikv.layers.attention.cascade.dispatcher import SteadyChooser
-
-    backend._chooser = SteadyChooser(None)
+    backend.decode = object.__new__(DecodePlanner)
+    backend.decode.workspace = backend.decode.eager_workspace = None
+    backend.decode.grouping_memo = GroupingMemo()
+    backend.decode.chooser = SteadyChooser(None)
     runner = SimpleNamespace(attn_backend=backend)
     return SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
                            tp_worker=SimpleNamespace(model_runner=runner),

@@ -52,7 +52,7 @@ import metrics  # noqa: E402
 import results  # noqa: E402
 import run as ma_run  # noqa: E402  (the multi-agent runner: engine kwargs, Child, counters)
 import workloads as wl  # noqa: E402
-from harness.engine_proc import kill_group  # noqa: E402
+from harness.engine_proc import exit_after, kill_group  # noqa: E402
 
 CONFIGS = ("baseline", "granikv", "fault")
 FAULT = "half_prefix"
@@ -282,11 +282,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(code)  # SGLang leaves non-daemon threads behind
+    exit_after(main)

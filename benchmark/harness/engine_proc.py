@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -113,3 +114,17 @@ def engine_env(backend: str, base: Optional[Mapping[str, str]] = None) -> Dict[s
     if backend == "flashinfer":
         env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it
     return env
+
+
+def exit_after(main: Callable[[], int]) -> None:
+    """Run a benchmark script's ``main`` and leave with its status through ``os._exit``:
+    SGLang's engine leaves non-daemon threads behind, which a normal exit would wait for.
+    An exception prints its traceback and exits 1."""
+    try:
+        code = main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(code)

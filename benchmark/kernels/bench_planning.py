@@ -240,8 +240,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3000, help="decode steps per serving row")
     ap.add_argument("--micro", action="store_true", help="also the per-function table")
     args = ap.parse_args()
-    print(f"# {cpu_name()}, python {platform.python_version()}, numpy {np.__version__}; serving path, "
-          f"{args.steps} decode steps per row; us per step")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"# {cpu_name()} ({os.cpu_count()} cores, load average {load}), python {platform.python_version()}, "
+          f"numpy {np.__version__}; serving path, {args.steps} decode steps per row; us per step")
     serving_table(args.steps)
     if not args.micro:
         return

@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 import agreement  # noqa: E402
 import report  # noqa: E402
 import workloads as wl  # noqa: E402
-from harness.engine_proc import ERROR_TAG, INFO_TAG, ROW_TAG, emit, engine_env, run_tagged  # noqa: E402,F401
+from harness.engine_proc import ERROR_TAG, INFO_TAG, ROW_TAG, emit, engine_env, exit_after, run_tagged  # noqa: E402,F401
 
 CONFIG_DIR = HERE / "configs"
 CONFIGS = ("baseline", "granikv")
@@ -616,12 +616,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    # SGLang's engine leaves non-daemon threads behind; exit without waiting for them.
-    os._exit(code)
+    exit_after(main)

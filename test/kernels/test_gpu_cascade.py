@@ -195,3 +195,29 @@ def test_descriptor_prefix_kernel_bf16_eager_and_graph(hq, hkv, warp_specialize)
     ref = _ref(b)
     assert _rel_err(outs[1], ref) < 1e-2
     assert _rel_err(outs[1], outs[0].double()) < 1e-2
+
+
+def test_steady_advances_on_the_device_match_a_host_fill():
+    """Pinned double-buffered uploads on the GPU: 40 steady steps of a padded batch through
+    ``advance`` (and the rebuilds it refuses into) leave, after each step's copy, the device
+    metadata that a CPU workspace filling the padded arrays holds."""
+    import numpy as np
+
+    b = make_batch(suffix=40, ungrouped_len=70)
+    extra = 3
+    z = np.zeros(extra, np.int64)
+    p_len, rpi = np.concatenate([b.prefix_len, z]), np.concatenate([b.req_pool_indices, z])
+    kw = dict(sm_count=32, max_splits=4)
+    ref = CascadeWorkspace(b.bs + extra, 8, 2, 64, "cpu", **kw)
+    ws = CascadeWorkspace(b.bs + extra, 8, 2, 64, "cuda", **kw)
+    for step in range(40):
+        seq = b.seq_lens + step
+        pad = np.concatenate([seq, np.ones(extra, np.int64)])
+        ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad, rpi,
+                 same_grouping=step > 0)
+        if not ws.advance(seq, b.req_pool_indices, bs=b.bs + extra):
+            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad, rpi,
+                    same_grouping=step > 0)
+        torch.cuda.synchronize()
+        assert torch.equal(ws.meta.cpu(), ref.meta), f"step {step}"
+    assert ws.fills_reused == ref.fills_reused >= 20

@@ -227,3 +227,101 @@ def test_partial_upload_check_can_fail():
                  b.seq_lens + 3, b.req_pool_indices)
     fresh._upload(wl, b.req_pool_indices)
     assert not torch.equal(ws.meta, fresh.meta)
+
+
+def _padded(b, extra):
+    """The batch as a graph replay pads it: ``extra`` rows of row 0, seq_len 1, no prefix."""
+    z, one = np.zeros(extra, np.int64), np.ones(extra, np.int64)
+    return (np.concatenate([b.prefix_len, z]), lambda seq: np.concatenate([seq, one]),
+            np.concatenate([b.req_pool_indices, z]))
+
+
+def _same_work_list(a, b):
+    assert a.bs == b.bs and (a.prefix_chunk, a.suffix_chunk) == (b.prefix_chunk, b.suffix_chunk)
+    for f in a._fields[3:]:
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_advance_equals_a_fill_of_the_padded_batch_every_step(extra):
+    """``advance`` (real rows only, the padding kept from the build) leaves the device metadata
+    and the work list that ``fill`` of the padded batch leaves, step after step, through
+    rebuilds; the rows array is the same object every step (SGLang's staged rows)."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    bs = b.bs + extra
+    p_len, pad_seq, rpi = _padded(b, extra)
+    ref, ws = _workspace(b, extra=extra + 2), _workspace(b, extra=extra + 2)
+    rows = b.req_pool_indices
+    advanced = built = 0
+    for step in range(40):
+        seq = b.seq_lens + step
+        want = ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad_seq(seq), rpi,
+                        same_grouping=step > 0)
+        if ws.advance(seq, rows, bs=bs):
+            advanced += 1
+        else:
+            built += 1
+            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad_seq(seq), rpi,
+                    same_grouping=step > 0)
+        assert torch.equal(ws.meta, ref.meta), f"step {step}"
+        _same_work_list(ws.work_list, want)
+        ws.check_integrity()
+        _check_cover(ws.work_list, p_len, pad_seq(seq), SMALL_CONFIG.reuse_chunk_factor * want.suffix_chunk)
+    assert advanced >= 25 and built >= 2, (advanced, built)
+    assert (ws.fills_reused, ws.fills_built) == (ref.fills_reused, ref.fills_built)  # same builds, same reuses
+
+
+def test_advance_refuses_what_it_cannot_serve():
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = _workspace(b, extra=4)
+    assert not ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs)  # nothing built yet
+    wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, b.seq_lens,
+                 b.req_pool_indices)
+    before = ws.meta.clone()
+    assert not ws.advance(b.seq_lens + 1, b.req_pool_indices, bs=b.bs + 1)  # another batch size
+    assert not ws.advance(b.seq_lens + 1, b.req_pool_indices, bs=b.bs, single_prefix_chunk=True)  # bgemm plan
+    shrunk = b.seq_lens.copy()
+    shrunk[0] = wl.sfx_lo[np.flatnonzero(wl.sfx_req == 0)[-1]]  # last chunk would be empty
+    assert not ws.advance(shrunk, b.req_pool_indices, bs=b.bs)
+    far = b.seq_lens + int(SMALL_CONFIG.reuse_chunk_factor * wl.suffix_chunk) + 1  # would outgrow the limit
+    assert not ws.advance(far, b.req_pool_indices, bs=b.bs)
+    assert torch.equal(ws.meta, before) and ws.fills_reused == 0  # refusals change nothing
+    ws.fill_empty()
+    assert not ws.advance(b.seq_lens + 1, b.req_pool_indices, bs=b.bs)  # the empty list is no build
+
+
+def test_advance_comparison_sees_a_stale_padding_row():
+    """The comparison above can fail: a staging buffer holding a wrong suffix end for a padding
+    row (which an advance of the real rows does not rewrite) reaches the device metadata."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    extra = 2
+    p_len, pad_seq, rpi = _padded(b, extra)
+    ref, ws = _workspace(b, extra=extra + 2), _workspace(b, extra=extra + 2)
+    for step in range(4):
+        if step == 3:
+            ws._host_np[ws._flip][ws._reuse_base.hi_pos[-1]] += 1  # padding row's suffix end, next buffer
+        want = ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len,
+                        pad_seq(b.seq_lens + step), rpi, same_grouping=step > 0)
+        if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs + extra):
+            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len,
+                    pad_seq(b.seq_lens + step), rpi, same_grouping=step > 0)
+    assert ws.fills_reused == 3
+    assert not torch.equal(ws.meta, ref.meta)
+    with pytest.raises(AssertionError):
+        _same_work_list(ws.work_list, want)
+
+
+def test_lazy_work_list_after_advance_is_checked():
+    """After an advance the work list is built on first read from the staging buffer: a
+    planted empty last chunk there is what check_integrity then reports."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = _workspace(b)
+    for step in range(3):
+        if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs):
+            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                    b.seq_lens + step, b.req_pool_indices)
+    assert ws._hi_buf is not None  # the last step advanced: nothing materialised yet
+    base = ws._reuse_base
+    ws._host_np[ws._hi_buf][base.hi_pos[0]] = base.last_lo1[0] - 1  # sfx_hi == sfx_lo
+    with pytest.raises(AssertionError, match="empty work item"):
+        ws.check_integrity()

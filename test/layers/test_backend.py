@@ -225,11 +225,11 @@ def _capture(be, view, *, cascade=True):
     """SGLang's capture of one size, as the graph-runner hooks drive it: the stock graph, then
     (if ``cascade``) the cascade graph of the same size; each runs its forward once."""
     be.init_forward_metadata_out_graph(view, in_capture=True)
-    stock_path = be._path
+    stock_path = be.decode.path
     if cascade:
         be.graphs.begin_capture(view.batch_size)
         be.init_forward_metadata_out_graph(view, in_capture=True)
-        cascade_path = be._path
+        cascade_path = be.decode.path
         be.graphs.end_capture(ok=True)
         return stock_path, cascade_path
     return stock_path, None
@@ -239,7 +239,7 @@ def test_graph_mode_replays_any_grouping_with_fixed_buffers():
     runner = _runner()
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    ws = be.workspace
+    ws = be.decode.workspace
     buffers = (ws.meta.data_ptr(), ws.part_o.data_ptr())
     fb, rows = _batch(runner, hot={0, 2, 3})
     view = _replay_view(fb, 8)
@@ -247,7 +247,7 @@ def test_graph_mode_replays_any_grouping_with_fixed_buffers():
     # the cascade capture's forward: the kernels run over an empty work list (values unused)
     q, k, v = _qkv(8, 3)
     be.forward_decode(q, k, v, LAYER, view)
-    assert be._ws.work_list.bs == 0
+    assert be.decode.ws.work_list.bs == 0
     # "replays": a grouped batch (cascade graph), an ungrouped one (stock graph), same buffers
     for hot, path in (({0, 2, 3}, "cascade"), ({4}, "paged")):
         fb, rows = _batch(runner, hot=hot)
@@ -259,7 +259,7 @@ def test_graph_mode_replays_any_grouping_with_fixed_buffers():
         o = be.forward_decode(q, k, v, LAYER, view)
         torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
         assert be.stats.paths[path] >= 1
-    assert (ws.meta.data_ptr(), ws.part_o.data_ptr()) == buffers and be.workspace is ws
+    assert (ws.meta.data_ptr(), ws.part_o.data_ptr()) == buffers and be.decode.workspace is ws
 
 
 def test_paged_graph_steps_launch_nothing_and_fill_nothing(monkeypatch):
@@ -270,14 +270,14 @@ def test_paged_graph_steps_launch_nothing_and_fill_nothing(monkeypatch):
     runner = _runner()
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    ws = be.workspace
+    ws = be.decode.workspace
     fb, _ = _batch(runner, hot={0, 2, 3})
     _capture(be, _replay_view(fb, 8))
     fills, calls = [], []
     real_fill = ws.fill
     monkeypatch.setattr(ws, "fill", lambda *a, **kw: fills.append(1) or real_fill(*a, **kw))
-    real_run = be._run_shared_prefix
-    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: calls.append(1) or real_run(*a))
+    real_run = be.decode.run
+    monkeypatch.setattr(be.decode, "run", lambda *a: calls.append(1) or real_run(*a))
     for i, hot in enumerate(({4}, {4}, {0, 2, 3}, {4})):
         fb, rows = _batch(runner, hot=hot)
         view = _replay_view(fb, 8)
@@ -300,7 +300,7 @@ def test_sizes_without_a_cascade_graph_always_replay_stock(monkeypatch):
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     calls = []
-    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: calls.append(a))
+    monkeypatch.setattr(be.decode, "run", lambda *a: calls.append(a))
     fb, rows = _batch(runner, hot={0, 2, 3})
     view = _replay_view(fb, 8)
     assert _capture(be, view, cascade=False) == (Path.PAGED, None)
@@ -386,7 +386,7 @@ def test_eager_step_larger_than_the_graphs_uses_its_own_workspace():
     runner = _runner()
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    graph_ws = be.workspace
+    graph_ws = be.decode.workspace
     fb, rows = _batch(runner, hot={0, 2, 3})  # 5 requests > 4
     q, k, v = _qkv(fb.batch_size, 7)
     be.stage_batch(rows)
@@ -394,7 +394,7 @@ def test_eager_step_larger_than_the_graphs_uses_its_own_workspace():
     o = be.forward_decode(q, k, v, LAYER, fb)
     torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
     assert be.stats.paths["cascade"] == 1
-    assert be.workspace is graph_ws and be._ws is not graph_ws and be._ws.max_bs >= 5
+    assert be.decode.workspace is graph_ws and be.decode.ws is not graph_ws and be.decode.ws.max_bs >= 5
     # unplanned large eager step: the stock backend alone, no kernel launch, no error
     be.init_forward_metadata(fb)
     o = be.forward_decode(q, k, v, LAYER, fb)
@@ -408,7 +408,7 @@ def test_extend_batch_plans_nothing_and_fills_no_workspace():
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     fills = []
-    be.workspace.fill = lambda *a, **kw: fills.append(a)
+    be.decode.workspace.fill = lambda *a, **kw: fills.append(a)
     fb, rows = _batch(runner, hot={0, 2, 3})
     fb.forward_mode = ForwardMode.EXTEND
     be.stage_batch(rows)
@@ -448,3 +448,21 @@ def test_every_base_class_name_reads_from_the_wrapped_backend():
     if "supports_prefill_cuda_graph_max_context_size" in vars(AttentionBackend):  # 0.5.23
         be.inner.supports_prefill_cuda_graph_max_context_size = True
         assert be.supports_prefill_cuda_graph_max_context_size is True
+
+
+def test_forwarding_never_shadows_what_granikv_defines():
+    """Only base-class methods GraniKV does not define are forwarded, on the class and on a
+    subclass of it (the forwarding runs again for every subclass)."""
+    from granikv.layers.attention.cascade.forwarding import AttentionBackend, ForwardingBackend
+
+    class Sub(GraniKVAttnBackend):
+        pass
+
+    own = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_cuda_graph_state",
+           "forward_decode", "forward_extend")
+    for name in own:
+        assert name in vars(AttentionBackend)
+        assert getattr(Sub, name) is vars(GraniKVAttnBackend)[name]
+        assert vars(GraniKVAttnBackend)[name].__qualname__ == f"GraniKVAttnBackend.{name}"
+    assert Sub.forward_metadata is vars(ForwardingBackend)["forward_metadata"]
+    assert Sub.forward is AttentionBackend.forward

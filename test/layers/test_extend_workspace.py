@@ -63,17 +63,17 @@ def test_backend_uses_the_reservation_or_keeps_prefill_stock(caplog):
     runner = tb._runner()
     with caplog.at_level("WARNING", logger="granikv"):
         be = _cuda_backend(runner, SimpleNamespace())
-    assert be._extend_off_reason == "no FlashInfer workspace reserved at startup"
+    assert be.extend.off_reason == "no FlashInfer workspace reserved at startup"
     assert "prefill over HOT prefixes is off under triton" in caplog.text
     runner.model = torch.nn.Linear(2, 2)
     extend_workspace.reserve(runner.model, "cpu", 4096)
     be = _cuda_backend(runner, SimpleNamespace())
-    assert be._extend_off_reason is None
-    assert be._extend_workspace_buffer() is runner.model._granikv_extend_workspace.buffer
+    assert be.extend.off_reason is None
+    assert be.extend.workspace_buffer() is runner.model._granikv_extend_workspace.buffer
     own = torch.empty(8, dtype=torch.uint8)
     be = _cuda_backend(tb._runner(), SimpleNamespace(workspace_buffer=own))  # flashinfer: its own
-    assert be._extend_off_reason is None and be._extend_workspace_buffer() is own
+    assert be.extend.off_reason is None and be.extend.workspace_buffer() is own
     failed = tb._runner()
     failed.model = torch.nn.Linear(2, 2)
     extend_workspace.reserve(failed.model, "cpu", 1 << 62)
-    assert "no memory" in _cuda_backend(failed, SimpleNamespace())._extend_off_reason
+    assert "no memory" in _cuda_backend(failed, SimpleNamespace()).extend.off_reason

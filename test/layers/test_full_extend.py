@@ -65,11 +65,11 @@ def test_full_extend_equals_causal_attention_over_the_rows_and_writes_the_kv(kin
     snap = be.stats_snapshot()
     assert snap["extend_hot_batches"] == snap["extend_batches"] == 1
     assert snap["extend_hot_tokens"] == sum(n for kd, n in zip(kinds, new) if kd in ("A", "A+", "B"))
-    be._hot_extend.check_integrity()
-    be._full_extend.check_integrity()
+    be.extend.hot_extend.check_integrity()
+    be.extend.full_extend.check_integrity()
     be.init_forward_metadata(fb)  # nothing staged: the next batch ends this one's plan
-    assert not be._full_extend.active
-    be._full_extend.check_integrity()
+    assert not be.extend.full_extend.active
+    be.extend.full_extend.check_integrity()
 
 
 def test_batches_without_hot_runs_or_cached_prefix_stay_on_the_wrapped_backend():
@@ -139,8 +139,8 @@ def test_a_failing_full_extend_falls_back_and_stays_off(caplog):
         def run_causal(self, *a, **kw):
             raise RuntimeError("no prebuilt module for this shape")
 
-    be._extend_attention()
-    be._hot_extend.runner = Broken()
+    be.extend.attention()
+    be.extend.hot_extend.runner = Broken()
     with caplog.at_level("ERROR", logger="granikv"):
         out = _run(be, fb, rows, q, k, v)
         out2 = be.forward_extend(q, k, v, LAYER, fb)  # the batch's next layer: stock, no retry
@@ -173,8 +173,8 @@ def test_the_next_batch_is_planned_afresh():
     be.model_runner, be.inner = runner2, TritonExtendStandIn(runner2)
     out = _run(be, fb2, rows2, q2, k2, v2)
     torch.testing.assert_close(out, _expected(runner2, fb2, q2, k2, v2), atol=ATOL, rtol=RTOL)
-    assert be.inner.calls == 1 and not be._full_extend.active
-    assert isinstance(be._hot_extend, HotExtendAttention)
+    assert be.inner.calls == 1 and not be.extend.full_extend.active
+    assert isinstance(be.extend.hot_extend, HotExtendAttention)
     np.testing.assert_array_equal(rows2, [1, 2])
 
 
@@ -198,9 +198,9 @@ def test_padded_inputs_of_a_prefill_cuda_graph_replay():
     assert out.shape == (q.shape[0] + pad, HQ * D)
     torch.testing.assert_close(out[: q.shape[0]], expected, atol=ATOL, rtol=RTOL)
     assert (out[q.shape[0]:] == 0).all()
-    assert be.inner.calls == 0 and be._full_extend.active and not be.stats.extend_fallbacks
+    assert be.inner.calls == 0 and be.extend.full_extend.active and not be.stats.extend_fallbacks
     with pytest.raises(RuntimeError, match="query tokens"):  # fewer rows than the batch: a real mismatch
-        be._full_extend.forward(q[:-1], k[:-1], v[:-1], LAYER, fb, runner.token_to_kv_pool, False)
+        be.extend.full_extend.forward(q[:-1], k[:-1], v[:-1], LAYER, fb, runner.token_to_kv_pool, False)
 
 
 def test_a_piecewise_prefill_graph_leaves_the_call_to_the_wrapped_backend(monkeypatch):
@@ -211,7 +211,7 @@ def test_a_piecewise_prefill_graph_leaves_the_call_to_the_wrapped_backend(monkey
     monkeypatch.setattr(context_manager, "_in_tc_piecewise_cuda_graph", True)
     out = _run(be, fb, rows, q, k, v)
     torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
-    assert be.inner.calls == 1 and be._full_extend.active  # this call only: the batch stays planned
+    assert be.inner.calls == 1 and be.extend.full_extend.active  # this call only: the batch stays planned
     monkeypatch.setattr(context_manager, "_in_tc_piecewise_cuda_graph", False)
     be.forward_extend(q, k, v, LAYER, fb)
     assert be.inner.calls == 1
@@ -221,7 +221,7 @@ def test_check_integrity_catches_a_batch_begun_without_a_plan():
     runner, fb, rows, q, k, v = _setup(["A", "A"], [3, 3])
     be = _backend(runner, debug_integrity=True)  # the backend runs it on every planned batch
     _run(be, fb, rows, q, k, v)
-    be._hot_extend.end()
-    be._full_extend.begin()
+    be.extend.hot_extend.end()
+    be.extend.full_extend.begin()
     with pytest.raises(AssertionError, match="without a plan"):
-        be._full_extend.check_integrity()
+        be.extend.full_extend.check_integrity()

@@ -60,8 +60,8 @@ def test_stock_graph_has_no_granikv_kernel_and_cascade_graph_matches_reference(m
     q, k, v = _qkv(BS, 1)
     q, k, v = q.cuda(), k.cuda(), v.cuda()
     launches = []
-    real_run = be._run_shared_prefix
-    monkeypatch.setattr(be, "_run_shared_prefix", lambda *a: launches.append(1) or real_run(*a))
+    real_run = be.decode.run
+    monkeypatch.setattr(be.decode, "run", lambda *a: launches.append(1) or real_run(*a))
     out = {}
 
     be.init_forward_metadata_out_graph(static, in_capture=True)

@@ -39,7 +39,7 @@ def _capture_orig(fb_of):
     def capture_one_shape(runner, size, forward, stream_idx=None, variant_label=None):
         fb = fb_of(size)
         runner.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = runner.attn_backend._path.value
+        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = runner.attn_backend.decode.path.value
 
     return capture_one_shape
 
@@ -87,7 +87,7 @@ def test_capture_and_replay_pick_the_graph_the_plan_chose():
     fb, rows = _batch(runner_, hot={0, 2, 3})
     be.stage_batch(rows)
     plugin._around_load_batch(_load_orig, gr, fb)
-    assert gr._replay_graph_key == ShapeKey(5) and be._path.value == "paged"
+    assert gr._replay_graph_key == ShapeKey(5) and be.decode.path.value == "paged"
     # an idle / non-decode load leaves SGLang's key alone
     be.graphs.planned_cascade = True
     idle = _replay_view(fb, 8)

@@ -256,7 +256,7 @@ def test_next_batch_gets_fresh_metadata_and_debug_compare_logs(caplog):
     be.inner = FlashInferExtendStandIn(runner2)
     out = _run_extend(be, fb2, rows2, q2, k2, v2)  # falls back: no proxy left from the last batch
     torch.testing.assert_close(out, _expected(runner2, fb2, q2, k2, v2), atol=ATOL, rtol=RTOL)
-    assert be.inner.paged.calls == 1 and be._hot_extend.plan is None
+    assert be.inner.paged.calls == 1 and be.extend.hot_extend.plan is None
 
 
 def test_a_failing_dense_path_falls_back_to_stock_and_stays_off(caplog):
@@ -269,7 +269,7 @@ def test_a_failing_dense_path_falls_back_to_stock_and_stays_off(caplog):
         def plan(self, *a, **kw):
             raise RuntimeError("no prebuilt module for this shape")
 
-    be._hot_extend = HotExtendAttention(Broken(), "cpu")
+    be.extend.hot_extend = HotExtendAttention(Broken(), "cpu")
     with caplog.at_level("ERROR", logger="granikv"):
         out = _run_extend(be, fb, rows, q, k, v)
         out_layer2 = be.forward_extend(q, k, v, LAYER, fb)  # the batch's next layer: stock, no retry

@@ -13,6 +13,7 @@ from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade import support
 from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
 from granikv.layers.attention.cascade.dispatcher import Path
+from granikv.layers.attention.cascade.layer_eligibility import LayerEligibility
 
 import test_backend as tb  # noqa: E402  (test/layers, on the path)
 import test_hot_extend as th  # noqa: E402
@@ -116,3 +117,22 @@ def test_proxied_extend_runs_an_ineligible_layer_on_the_stock_wrappers(caplog):
     assert proxies != [be.inner.paged]  # the batch keeps its proxies for the other layers
     be.forward_extend(q, k, v, th.LAYER, fb)
     assert be.inner.paged.calls == 1  # layer 0: served by the dense calls
+
+
+def test_decode_and_extend_ask_the_same_eligibility():
+    """One ``LayerEligibility`` per backend, used by both paths; its verdict: the scan (and
+    what decode recorded), else the layer object (memoised per object), else the call."""
+    be = tb._backend(tb._runner(), "cascade")
+    assert be.extend.eligibility is be.eligibility
+    el = LayerEligibility(num_q_heads=tb.HQ, head_dim=tb.D, backend_name="stand-in")
+    k = v = torch.zeros(1)
+    assert el.reason(tb.LAYER, k, v, {}) is None
+    capped = SimpleNamespace(**{**vars(tb.LAYER), "logit_cap": 30.0})
+    assert el.reason(capped, k, v, {}) == "logit cap 30.0"
+    assert el.reason(tb.LAYER, k, v, {"sinks": k}) == "extra arguments ['sinks']"
+    assert el.reason(tb.LAYER, None, v, {}) == "no new K/V given"
+    wide = SimpleNamespace(**{**vars(tb.LAYER), "layer_id": 3, "tp_q_head_num": 2 * tb.HQ})
+    assert el.reason(wide, k, v, {}) == f"{2 * tb.HQ} query heads (kernels built for {tb.HQ})"
+    el.record(4, "attention sinks")
+    later = SimpleNamespace(**{**vars(tb.LAYER), "layer_id": 4})
+    assert el.reason(later, k, v, {}) == "attention sinks"

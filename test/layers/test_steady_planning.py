@@ -2,6 +2,7 @@
 plan while rows and HOT table are unchanged, the staged rows view, and the planning-time
 percentiles (the partial upload of an advanced work list: test/kernels/test_work_list_reuse.py)."""
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -59,11 +60,11 @@ def test_reused_plan_follows_hot_table_changes():
         fb, _ = _batch(runner, hot=hot)  # rewrites the table (a no-op when unchanged)
         be.stage_batch(rows)  # the same array object every step
         be.init_forward_metadata(fb)
-        assert be._path is Path.CASCADE and be._filled_grouping.num_grouped == want
+        assert be.decode.path is Path.CASCADE and be.decode.filled_grouping.num_grouped == want
         q, k, v = _qkv(fb.batch_size, 5)
         o = be.forward_decode(q, k, v, LAYER, fb)
         torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
-    assert be._grouping_memo.hits >= 1
+    assert be.decode.grouping_memo.hits >= 1
 
 
 def test_batch_rows_is_a_stable_view_of_sglangs_host_rows():
@@ -98,3 +99,75 @@ def test_build_dispatcher_uses_the_wrapped_backends_paged_coefficients():
     assert tri.paged_launch_us == loaded.served.paged_by_backend["triton"]["paged_launch_us"]
     assert build_dispatcher(runner, cfg, "flashinfer").cost_model.paged_gbps == loaded.paged_gbps
     assert build_dispatcher(runner, cfg, "fa3").cost_model is not None
+
+
+def _graph_backend(runner):
+    from test_backend import _capture, _replay_view
+
+    be = _backend(runner, "cascade")
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, _ = _batch(runner, hot={0, 1, 3})
+    _capture(be, _replay_view(fb, 8))
+    return be
+
+
+def test_steady_graph_steps_match_the_full_fill_every_step():
+    """Graph replays of a padded batch (5 requests in the graph of 8) over many decode steps,
+    as SGLang drives them: the same staged rows array, seq_lens_cpu sliced from one persistent
+    host buffer refilled in place. The backend's steady path (``CascadeWorkspace.advance``, the
+    cached seq_lens view and description) leaves, every step, the device metadata of a twin
+    backend that fills the workspace from the padded arrays, and the path of a fresh
+    ``Dispatcher.choose``; outputs match the paged reference on the first and last step."""
+    from test_backend import _replay_view
+
+    runner = _runner()
+    fast, slow = _graph_backend(runner), _graph_backend(runner)
+    slow.decode.workspace_for(8).advance = lambda *a, **k: False  # always the full fill path
+    advanced = []
+    real_advance = fast.decode.workspace.advance
+    fast.decode.workspace.advance = lambda *a, **k: advanced.append(real_advance(*a, **k)) or advanced[-1]
+    fb, rows = _batch(runner, hot={0, 1, 3})
+    host = torch.ones(16, dtype=torch.int64)  # SGLang's persistent seq_lens_cpu buffer
+    steps = 30
+    for step in range(steps):
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1 if step else fb.seq_lens_cpu
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        view = _replay_view(fb, 8)
+        host[:8] = view.seq_lens_cpu
+        for be in (fast, slow):
+            v = copy.copy(view)
+            v.seq_lens_cpu = host[:8]  # a new slice of the same memory every step
+            be.stage_batch(rows)
+            be.init_forward_metadata_out_graph(v)
+        assert fast.decode.path is slow.decode.path is Path.CASCADE and fast.graphs.planned_cascade
+        assert torch.equal(fast.decode.workspace.meta, slow.decode.workspace.meta), f"step {step}"
+        grouping, desc = fast.decode.filled_grouping, fast.decode.last_desc
+        want = fast.dispatcher.choose(grouping, BatchDescription(rows, fb.seq_lens_cpu.numpy().copy(),
+                                                                 desc.hot_start, desc.hot_len))
+        assert want.path is fast.decode.path
+        fast.decode.workspace.check_integrity()
+        if step in (0, steps - 1):
+            q, k, v = _qkv(8, step)
+            o = fast.forward_decode(q, k, v, LAYER, view)
+            torch.testing.assert_close(o[:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    ws = fast.decode.workspace
+    assert ws.fills_reused >= steps - 5 and slow.decode.workspace.fills_reused == ws.fills_reused
+    assert sum(advanced) == ws.fills_reused  # every reuse of the fast backend was an advance
+    assert fast.decode.grouping_memo.hits >= steps - 2
+
+
+def test_seq_lens_view_follows_the_memory():
+    """The cached seq_lens view is SGLang's memory itself: refilled in place it reads the new
+    lengths; another buffer, another batch size or another dtype gives another array."""
+    be = _backend(_runner(), "cascade")
+    host = torch.arange(10, 26, dtype=torch.int64)
+    a = be.decode._seq_lens_view(host[:8], 8)
+    assert be.decode._seq_lens_view(host[:8], 8) is a and a.tolist() == list(range(10, 18))
+    host[:8] += 100
+    assert a.tolist() == list(range(110, 118))
+    assert be.decode._seq_lens_view(host[:8], 5).tolist() == list(range(110, 115))
+    other = host.clone()
+    assert be.decode._seq_lens_view(other[:8], 8) is not a
+    i32 = be.decode._seq_lens_view(host[:8].to(torch.int32), 8)
+    assert i32.dtype == np.int64 and i32.tolist() == list(range(110, 118))
+    assert be.decode._seq_lens_view(host[:3], 5) is None  # fewer lengths than requests

@@ -53,7 +53,7 @@ def test_flashinfer_attributes_read_with_defaults_exist():
     from sglang.srt.layers.attention import flashinfer_backend as fi
 
     fields = {f.name for f in dataclasses.fields(fi.PrefillMetadata)}
-    # backend._plan_extend: use_ragged -> False or extend_no_prefix -> True would turn the HOT
+    # ExtendPaths.plan: use_ragged -> False or extend_no_prefix -> True would turn the HOT
     # prefill path off without an error
     assert {"prefill_wrappers", "use_ragged", "extend_no_prefix", "multi_item_params"} <= fields
     assert {"workspace_buffer", "prefill_uses_dequant_workspace", "forward_metadata"} <= _assigned_self_attrs(

@@ -127,7 +127,7 @@ def test_extend_through_hot_prefixes_matches_the_oracle_under_churn(seed):
                     sim.finish(r)
     snap = be.stats_snapshot()
     assert snap["extend_hot_batches"] >= 5, snap  # the HOT path really ran
-    assert be._hot_extend is not None
+    assert be.extend.hot_extend is not None
     for r in list(sim.live.values()):
         if r.pending is not None:
             sim.abort_pending(r)

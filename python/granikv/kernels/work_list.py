@@ -264,18 +264,35 @@ def _last_suffix_item(wl: WorkList) -> np.ndarray:
 
 
 class _ReuseBase(NamedTuple):
-    """What a full build leaves for the steady steps after it (``CascadeWorkspace._advance``)."""
+    """What a full build leaves for the steady steps after it (``CascadeWorkspace.advance``).
+
+    ``hi_pos[i]``: where request i's last ``sfx_hi`` lives in a staging buffer (an index into
+    ``meta``), so a steady step writes the new suffix ends with one scatter; ``last_lo1`` and
+    ``limit``: the reuse bound as one unsigned comparison, ``0 <= seq_len - last_lo - 1 <
+    limit`` (``limit = floor(reuse_chunk_factor * suffix_chunk)``; a negative difference wraps
+    to a huge unsigned value)."""
 
     items: PrefixItems
-    last: np.ndarray  # each request's last suffix item (-1: none)
-    last_lo: np.ndarray  # first token of that item
-    complete: bool  # every request has a suffix item
+    wl: WorkList  # the work list of the full build
+    single: bool  # built for the bgemm path (one prefix chunk per group)
+    last: np.ndarray  # each request's last suffix item
+    last_lo1: np.ndarray  # first token of that item, + 1
+    hi_pos: np.ndarray  # meta index of that item's sfx_hi
+    limit: int
+    rows: Optional[np.ndarray]  # the build's host rows (None: they came from the device)
 
     @classmethod
-    def of(cls, items: PrefixItems, wl: WorkList) -> "_ReuseBase":
+    def of(cls, items: PrefixItems, wl: WorkList, rows, *, single: bool, factor: float,
+           sfx_hi_offset: int) -> Optional["_ReuseBase"]:
+        """None when the build cannot be advanced (no request, or one without suffix chunks)."""
+        if factor <= 0 or not wl.bs:
+            return None
         last = _last_suffix_item(wl)
-        complete = bool(wl.bs) and not (last < 0).any()
-        return cls(items, last, wl.sfx_lo[last] if complete else last, complete)
+        if (last < 0).any():
+            return None
+        return cls(items, wl, single, last, wl.sfx_lo[last] + 1, sfx_hi_offset + last,
+                   int(factor * wl.suffix_chunk),
+                   None if isinstance(rows, torch.Tensor) else np.array(rows[: wl.bs], dtype=np.int64))
 
 
 # fill() arguments of a step with no request (group_req_indptr holds its single 0)
@@ -368,13 +385,17 @@ class CascadeWorkspace:
         self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
-        self.work_list: Optional[WorkList] = None
+        self._work_list: Optional[WorkList] = None
+        self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
+        self._cuda = self.device.type == "cuda"
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
         self._prefix_shape = None  # (bs, single chunk) of the last lookup
         self._host_base = [None, None]  # the _ReuseBase whose work list each pinned buffer holds
-        self._reuse_base = None  # (PrefixItems, last suffix item per request) of the last full build
+        self._reuse_base = None  # _ReuseBase of the last full build (None: nothing to advance)
+        self._adv = None  # (n, last_lo1[:n], hi_pos[:n], scratch [n]) of the current build
+        self._host_rows = [None, None]  # (rows array, n) each staging buffer holds (see _copy_up)
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
         self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
@@ -383,6 +404,23 @@ class CascadeWorkspace:
                             else None)
 
     # ------------------------------------------------------------------ fill
+    @property
+    def work_list(self) -> Optional[WorkList]:
+        """The work list of the last fill. After a steady ``advance`` it is built here on first
+        read, from the build it advanced and the suffix ends in the staging buffer just copied
+        (the step itself only writes those ends)."""
+        k = self._hi_buf
+        if k is not None:
+            base = self._reuse_base
+            hi = base.wl.sfx_hi.copy()
+            hi[base.last] = self._host_np[k][base.hi_pos]
+            self._work_list, self._hi_buf = base.wl._replace(sfx_hi=hi), None
+        return self._work_list
+
+    @work_list.setter
+    def work_list(self, wl: Optional[WorkList]) -> None:
+        self._work_list, self._hi_buf = wl, None
+
     def fill(
         self,
         group_start,
@@ -413,28 +451,28 @@ class CascadeWorkspace:
         items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
                                    same_grouping)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        wl = self._advance(items, seq_lens)
-        if wl is not None:  # a steady step: the counts of the build it advances (checked then)
-            self._upload(wl, req_pool_indices, self._reuse_base, True)
-            self.work_list = wl
-            self.fills_reused += 1
-        else:
-            wl = build_work_list(
-                group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
-                ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
-                sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
-                prefix_items=items,
-            )  # fmt: skip
-            base = _ReuseBase.of(items, wl) if self.config.reuse_chunk_factor > 0 else None
-            np_, ns = wl.num_prefix_items, wl.num_suffix_items
-            if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
-                raise ValueError(
-                    f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
-                    f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
-                )
-            self._upload(wl, req_pool_indices, base, False)
-            self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
-            self.fills_built += 1
+        base = self._reuse_base
+        if base is not None and base.items is items and base.wl.bs == bs and self._advance(seq_lens, req_pool_indices):
+            return self.work_list
+        wl = build_work_list(
+            group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
+            ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
+            sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
+            prefix_items=items,
+        )  # fmt: skip
+        np_, ns = wl.num_prefix_items, wl.num_suffix_items
+        if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
+            raise ValueError(
+                f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
+                f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
+            )
+        base = _ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk,
+                             factor=self.config.reuse_chunk_factor,
+                             sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
+        self._upload(wl, req_pool_indices, base)
+        self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
+        self._adv = None
+        self.fills_built += 1
         self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
         if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
             gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
@@ -445,31 +483,72 @@ class CascadeWorkspace:
         """``fill`` with no request: the kernels then exit at once (a captured graph still runs
         them on a paged step). While the device metadata already holds an empty work list
         (paged steps in a row: no shared prefix in the batch) nothing is built or copied."""
-        if self.work_list is not None and self.work_list.bs == 0:
+        wl = self._work_list
+        if self._hi_buf is None and wl is not None and wl.bs == 0:
             self.fills_skipped += 1
-            return self.work_list
+            return wl
         return self.fill(*_EMPTY_FILL)
 
-    def _advance(self, items: PrefixItems, seq_lens: np.ndarray) -> Optional[WorkList]:
-        """The previous work list with each request's last suffix chunk ending at its new
-        ``seq_len``, or None when a full build is needed (see ``KernelConfig.reuse_chunk_factor``).
+    def advance(self, seq_lens: np.ndarray, req_pool_indices: np.ndarray, *, bs: int,
+                single_prefix_chunk: bool = False) -> bool:
+        """A steady decode step, without a ``fill``: the last fill's work list with each request's
+        last suffix chunk ending at its new ``seq_len``, uploaded. Returns False, having done
+        nothing, when a ``fill`` is needed (no build to advance, a different batch size, or a
+        last chunk that would outgrow ``KernelConfig.reuse_chunk_factor``).
+
+        The caller guarantees that the grouping is the one of the last ``fill`` (the planner's
+        unchanged ``Grouping``, as ``same_grouping``). ``seq_lens`` (int64) and
+        ``req_pool_indices`` (numpy, never written in place once passed: an array seen again
+        is not copied again) cover the first ``n = len(seq_lens)`` of the ``bs`` batch positions
+        of that fill; positions ``n..bs`` (graph padding) keep what that fill gave them.
+        Cost: a handful of numpy calls and one copy, whatever the batch (no per-request loop).
+        """
+        base = self._reuse_base
+        if (base is None or base.wl.bs != bs or base.single is not single_prefix_chunk
+                or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
+                or (base.rows is None and len(seq_lens) < bs)):
+            return False
+        return self._advance(seq_lens, req_pool_indices)
+
+    def _advance(self, seq_lens: np.ndarray, req_pool_indices) -> bool:
+        """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
+        and uploads it; False when a last chunk would hold no token or more than ``limit``.
 
         Correct for any batch with the same prefix items (same grouping and batch size, hence
         the same ``prefix_len`` per position): every chunk but a request's last is full and
         starts at ``prefix_len + k * suffix_chunk``, so ``[lo_last, seq_len)`` completes an exact
         cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``.
         """
-        prev, base = self.work_list, self._reuse_base
-        if prev is None or base is None or base.items is not items or prev.bs != len(seq_lens):
-            return None
-        if prev.bs == 0 or not base.complete:  # a request without suffix chunks: rebuild
-            return None
-        grow = seq_lens - base.last_lo
-        if grow.min() <= 0 or grow.max() > self.config.reuse_chunk_factor * prev.suffix_chunk:
-            return None
-        hi = prev.sfx_hi.copy()
-        hi[base.last] = seq_lens
-        return prev._replace(sfx_hi=hi)
+        base, n = self._reuse_base, len(seq_lens)
+        st = self._adv
+        if st is None or st[0] != n:  # per build and n: views and a scratch row, made once
+            st = self._adv = (n, base.last_lo1[:n], base.hi_pos[:n], np.empty(n, np.int64))
+        grow1 = st[3]
+        np.subtract(seq_lens, st[1], out=grow1)
+        if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
+            return False
+        k = self._flip  # _next_buffer, inlined
+        self._flip = k ^ 1
+        if self._events[k] is not None:
+            self._wait(k)
+        h = self._host_np[k]
+        if self._host_base[k] is base:  # the buffer holds a work list of this build: new ends only
+            h[st[2]] = seq_lens
+            self._hi_buf = k
+        else:
+            bs = base.wl.bs
+            hi = base.wl.sfx_hi.copy()
+            hi[base.last[:n]] = seq_lens
+            wl = base.wl._replace(sfx_hi=hi)
+            self._write_all(h, wl)
+            if base.rows is not None:  # positions n.. keep the build's rows
+                h[self._offs["rpi"] : self._offs["rpi"] + bs] = base.rows
+                self._host_rows[k] = None
+            self._host_base[k] = base
+            self.work_list = wl
+        self._copy_up(k, n, req_pool_indices)
+        self.fills_reused += 1
+        return True
 
     def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
                       single_prefix_chunk: bool, same_grouping: bool = False) -> PrefixItems:
@@ -495,26 +574,27 @@ class CascadeWorkspace:
             seq_lens, req_pool_indices, **kw,
         )  # fmt: skip
 
-    def _upload(self, wl: WorkList, req_pool_indices, base=None, reused: bool = False) -> None:
-        """Writes ``wl`` into the next pinned staging buffer and copies it to ``meta``.
-        ``base``: the ``_ReuseBase`` ``wl`` was built or advanced from. Every work list of one
-        base differs only in ``sfx_hi`` (the one array ``_advance`` changes), so when ``wl`` is
-        advanced (``reused``) and the buffer already holds a work list of the same base, only
-        ``sfx_hi`` and the rows are rewritten."""
+    def _next_buffer(self) -> int:
+        """The pinned staging buffer to write this step (the two alternate), once the copy that
+        last read it is done."""
         k = self._flip
-        self._flip ^= 1
+        self._flip = k ^ 1
         if self._events[k] is not None:
-            t0 = time.perf_counter()
-            self._events[k].synchronize()  # the copy that last read this pinned buffer is done
-            self.upload_wait_seconds += time.perf_counter() - t0
-        h = self._host_np[k]
-        P, S, o = self.prefix_cap, self.suffix_cap, self._offs
-        if reused and base is not None and self._host_base[k] is base:
-            h[o["sfx"] + 2 * S : o["sfx"] + 2 * S + wl.num_suffix_items] = wl.sfx_hi
-        else:
-            self._write_all(h, wl)
+            self._wait(k)
+        return k
+
+    def _wait(self, k: int) -> None:
+        t0 = time.perf_counter()
+        self._events[k].synchronize()
+        self.upload_wait_seconds += time.perf_counter() - t0
+
+    def _upload(self, wl: WorkList, req_pool_indices, base: Optional[_ReuseBase] = None) -> None:
+        """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
+        the build ``wl`` is (what later advances may rewrite in part)."""
+        k = self._next_buffer()
+        self._write_all(self._host_np[k], wl)
         self._host_base[k] = base
-        self._copy_up(k, wl, req_pool_indices)
+        self._copy_up(k, wl.bs, req_pool_indices)
 
     def _write_all(self, h, wl: WorkList) -> None:
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
@@ -528,19 +608,25 @@ class CascadeWorkspace:
         h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
         h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
 
-    def _copy_up(self, k: int, wl: WorkList, req_pool_indices) -> None:
-        h, o = self._host_np[k], self._offs
+    def _copy_up(self, k: int, n: int, req_pool_indices) -> None:
+        """Buffer ``k`` (written but for the rows) to ``meta``, with the first ``n`` rows. Host
+        rows are written unless the buffer holds that very array already (same object, same n,
+        since the last full write of the buffer)."""
+        rpi = self._offs["rpi"]
         from_device = isinstance(req_pool_indices, torch.Tensor)
-        if not from_device:  # host rows travel in the same single copy as the metadata
-            h[o["rpi"] : o["rpi"] + wl.bs] = np.asarray(req_pool_indices)[: wl.bs]
-        non_blocking = self.device.type == "cuda"
-        self.meta.copy_(self._host[k], non_blocking=non_blocking)
-        if non_blocking:
+        held = self._host_rows[k]
+        if not from_device and (held is None or held[0] is not req_pool_indices or held[1] != n):
+            self._host_np[k][rpi : rpi + n] = req_pool_indices[:n]
+            self._host_rows[k] = (req_pool_indices, n)
+        if self._cuda:
+            self.meta.copy_(self._host[k], non_blocking=True)
             ev = self._events[k] or torch.cuda.Event()
             ev.record()
             self._events[k] = ev
+        else:
+            self.meta.copy_(self._host[k])
         if from_device:
-            self.req_pool_indices[: wl.bs].copy_(req_pool_indices[: wl.bs], non_blocking=True)
+            self.req_pool_indices[:n].copy_(req_pool_indices[:n], non_blocking=True)
 
     # -------------------------------------------------------------- helpers
     def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:

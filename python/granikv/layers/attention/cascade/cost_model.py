@@ -1,10 +1,12 @@
 """Time estimates of each decode attention path from bytes moved, FLOPs and launches.
 
-Two halves:
+Three parts:
 
-- ``Workload``: what one decode layer of a batch moves and computes on each path (bytes of
-  KV, FLOPs of the stacked prefix pass, groups). Pure accounting, no hardware numbers.
-- ``CostModel``: a small set of per-GPU coefficients (achieved bandwidths, throughputs and
+- ``workload.Workload``: what one decode layer of a batch moves and computes on each path
+  (bytes of KV, FLOPs of the stacked prefix pass, groups). Pure accounting, no hardware numbers.
+- ``served_terms.ServedTerms`` / ``ExtendTerms``: what a served step runs beyond the kernels,
+  and the prefill prefix part.
+- ``CostModel`` (here): a small set of per-GPU coefficients (achieved bandwidths, throughputs and
   fixed overheads) measured by benchmark/kernels/calibrate.py and stored as JSON, turning a
   ``Workload`` into microseconds per decode step.
 
@@ -46,168 +48,23 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
+
+# HeadGeometry, ExtendTerms and nnls are imported from here too (the cost model's vocabulary)
+from granikv.layers.attention.cascade.nnls import nnls
+from granikv.layers.attention.cascade.served_terms import PAGED_NAMES, ExtendTerms, ServedTerms  # noqa: F401
+from granikv.layers.attention.cascade.workload import HeadGeometry, Workload  # noqa: F401
 
 FORMAT_VERSION = 1
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data")
 DEFAULT_FILE = "cost_model_default.json"
 
 
-class HeadGeometry(NamedTuple):
-    """Attention shape of one layer on this rank (after tensor parallelism)."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype_bytes: int
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token of one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
-
-    @property
-    def flops_per_query_token(self) -> int:
-        """QK^T and PV for one request (all q heads) against one KV token: 2 GEMV of 2*D."""
-        return 4 * self.num_q_heads * self.head_dim
-
-    @property
-    def state_bytes_per_request(self) -> int:
-        """A partial state (fp32 o [Hq, D] + lse [Hq]), written once and read once."""
-        return 2 * 4 * self.num_q_heads * (self.head_dim + 1)
-
-
-class Workload(NamedTuple):
-    """Bytes and FLOPs of ONE decode layer of a batch, per path (see the module docstring).
-
-    - ``seq_bytes``: KV of every request's whole sequence (what a paged kernel reads).
-    - ``reread_bytes``: part of ``seq_bytes`` that re-reads a group prefix another member of the
-      group already read (``sum_g (size_g - 1) * len_g`` tokens).
-    - ``prefix_bytes``: KV of each group prefix, once (``sum_g len_g`` tokens).
-    - ``suffix_bytes``: KV outside group prefixes (``seq_bytes`` minus every member's prefix).
-    - ``prefix_flops``: attention FLOPs of the stacked prefix pass.
-    - ``state_bytes``: partial states of the prefix and suffix passes, written and read by the
-      merge, plus the output.
-    - ``num_groups``: work items of the prefix pass.
-    """
-
-    seq_bytes: float
-    reread_bytes: float
-    prefix_bytes: float
-    suffix_bytes: float
-    prefix_flops: float
-    state_bytes: float
-    num_groups: int
-    batch_bytes: float = 0.0  # one token of KV per request: the wrapped backend's seq_len = 1 read
-
-    @classmethod
-    def from_sums(
-        cls,
-        geometry: HeadGeometry,
-        *,
-        batch_size: int,
-        seq_tokens: int,
-        prefix_tokens: int,
-        stacked_prefix_tokens: int,
-        num_grouped: int,
-        num_groups: int,
-    ) -> "Workload":
-        """From token counts: ``seq_tokens = sum(seq_lens)``, ``prefix_tokens = sum_g len_g``,
-        ``stacked_prefix_tokens = sum_g size_g * len_g``, ``num_grouped = sum_g size_g``."""
-        g = geometry
-        bpt = g.kv_bytes_per_token
-        output = g.num_q_heads * g.head_dim * g.kv_dtype_bytes  # per request, written once
-        state = g.state_bytes_per_request * (num_grouped + batch_size) + batch_size * output
-        return cls(
-            float(seq_tokens * bpt),
-            float((stacked_prefix_tokens - prefix_tokens) * bpt),
-            float(prefix_tokens * bpt),
-            float((seq_tokens - stacked_prefix_tokens) * bpt),
-            float(stacked_prefix_tokens * g.flops_per_query_token),
-            float(state),
-            num_groups,
-            float(batch_size * bpt),
-        )
-
-
 def _coef(help: str):
     return dataclasses.field(metadata={"help": help})
 
 
-PAGED_NAMES = ("paged_launch_us", "paged_gbps", "paged_reuse_gbps")
 LAUNCHES = {"cascade": 3, "fused": 1, "bgemm": 2}  # GraniKV kernel launches per layer
-
-
-@dataclass(frozen=True)
-class ExtendTerms:
-    """Prefill prefix part (per layer): SGLang's paged call vs one dense call per HOT extent.
-
-    stock = paged_call_us + F_all / paged_tflops
-    hot   = G * dense_call_us + F_hot / dense_tflops
-            (+ paged_call_us + F_cold / paged_tflops + merge_us, when a COLD remainder exists)
-
-    F = 4 * Hq * D * sum(new tokens x prefix tokens they attend), over the batch (F_all), the HOT
-    extents (F_hot) or the COLD remainder (F_cold).
-    """
-
-    paged_call_us: float = 12.0
-    paged_tflops: float = 350.0
-    dense_call_us: float = 20.0
-    dense_tflops: float = 620.0
-    merge_us: float = 6.0
-
-    def stock_us(self, flops_all: float) -> float:
-        return self.paged_call_us + flops_all / (self.paged_tflops * 1e6)
-
-    def hot_us(self, num_dense_calls: int, flops_hot: float, flops_cold: Optional[float]) -> float:
-        t = num_dense_calls * self.dense_call_us + flops_hot / (self.dense_tflops * 1e6)
-        if flops_cold is not None:
-            t += self.paged_call_us + flops_cold / (self.paged_tflops * 1e6) + self.merge_us
-        return t
-
-
-@dataclass(frozen=True)
-class ServedTerms:
-    """What a served step runs beyond the kernels (see the module docstring)."""
-
-    eager_launch_us: float = 15.0
-    paged_by_backend: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
-    extend: ExtendTerms = dataclasses.field(default_factory=ExtendTerms)
-
-    def to_mapping(self) -> dict:
-        return {"eager_launch_us": self.eager_launch_us,
-                "paged_by_backend": {k: dict(v) for k, v in self.paged_by_backend.items()},
-                "extend": dataclasses.asdict(self.extend)}
-
-    @classmethod
-    def from_mapping(cls, values: Any, source: str) -> "ServedTerms":
-        if values is None:
-            return cls()
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: field 'served' must be an object, got {values!r}")
-        unknown = sorted(set(values) - {"eager_launch_us", "paged_by_backend", "extend", "note"})
-        if unknown:
-            raise ValueError(f"{source}: unknown field 'served.{unknown[0]}'")
-        eager = _positive(values.get("eager_launch_us", cls.eager_launch_us), f"{source}: field 'served.eager_launch_us'")
-        by_backend = {}
-        for name, coefs in (values.get("paged_by_backend") or {}).items():
-            if not isinstance(coefs, Mapping) or set(coefs) != set(PAGED_NAMES):
-                raise ValueError(f"{source}: field 'served.paged_by_backend.{name}' must hold exactly "
-                                 f"{', '.join(PAGED_NAMES)}")
-            by_backend[name] = {k: _positive(v, f"{source}: field 'served.paged_by_backend.{name}.{k}'")
-                                for k, v in coefs.items()}
-        ext = values.get("extend") or {}
-        names = [f.name for f in dataclasses.fields(ExtendTerms)]
-        if not isinstance(ext, Mapping) or not set(ext) <= set(names):
-            raise ValueError(f"{source}: field 'served.extend' must be an object with keys from {', '.join(names)}")
-        extend = ExtendTerms(**{k: _positive(v, f"{source}: field 'served.extend.{k}'") for k, v in ext.items()})
-        return cls(eager, by_backend, extend)
-
-
-def _positive(v, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{what} must be a positive finite number, got {v!r}")
-    return float(v)
 
 
 @dataclass(frozen=True)
@@ -457,7 +314,7 @@ def never_fastest(cases) -> Tuple[str, ...]:
 
 
 def gpu_slug(gpu_name: str) -> str:
-    """``"NVIDIA H200"`` -> ``"nvidia-h200"`` (file-name safe)."""
+    """A GPU name as a file-name-safe slug: ``"NVIDIA A100-SXM4-80GB"`` -> ``"nvidia-a100-sxm4-80gb"``."""
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
@@ -472,33 +329,3 @@ def default_path(gpu_name: Optional[str]) -> str:
         if os.path.exists(path):
             return path
     return os.path.normpath(os.path.join(DATA_DIR, DEFAULT_FILE))
-
-
-def nnls(a, b, *, tol: float = 1e-10, max_iter: int = 200):
-    """Non-negative least squares ``argmin |a x - b|, x >= 0`` (Lawson-Hanson active set).
-
-    Small dense problems only (a dozen columns); numpy only, no scipy dependency.
-    """
-    import numpy as np
-
-    n = a.shape[1]
-    x = np.zeros(n)
-    free = np.zeros(n, dtype=bool)  # the "passive" set P: coefficients allowed to move
-    for _ in range(max_iter):
-        grad = a.T @ (b - a @ x)
-        if free.all() or grad[~free].max(initial=-np.inf) <= tol:
-            break
-        free[np.argmax(np.where(free, -np.inf, grad))] = True
-        while True:
-            z = np.zeros(n)
-            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-            if (z[free] > tol).all():
-                x = z
-                break
-            neg = free & (z <= tol)
-            denom = x[neg] - z[neg]
-            step = np.min(np.where(denom > 0, x[neg] / np.where(denom > 0, denom, 1.0), 0.0))
-            x = x + step * (z - x)
-            free &= x > tol
-            x[~free] = 0.0
-    return x

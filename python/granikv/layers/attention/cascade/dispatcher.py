@@ -187,8 +187,15 @@ class SteadyChooser:
         if self.dispatcher.forced is not None:  # depends on the grouping only (eligibility)
             return self._decision
         dt = float(np.add.reduce(desc.seq_lens)) - self._seq0
-        times = PathTimes(*(b + s * dt for b, s in zip(self._base, self._slope)))
-        k = min(range(4), key=times.__getitem__)
+        (b0, b1, b2, b3), (s0, s1, s2, s3) = self._base, self._slope
+        times = PathTimes(b0 + s0 * dt, b1 + s1 * dt, b2 + s2 * dt, b3 + s3 * dt)
+        k, t = 0, times[0]  # the first minimum, as min(range(4), key=...): PAGED wins ties
+        if times[1] < t:
+            k, t = 1, times[1]
+        if times[2] < t:
+            k, t = 2, times[2]
+        if times[3] < t:
+            k = 3
         prev = self._decision
         if _ORDER[k] is prev.path:
             return Decision(prev.path, times, prev.reason)

@@ -61,6 +61,16 @@ class BatchDescription:
                 )
 
     @classmethod
+    def unchecked(cls, req_pool_indices, seq_lens, hot_start, hot_len) -> "BatchDescription":
+        """The constructor without the shape checks, for arrays the caller already knows to
+        match (the planner's steady steps: the rows and HOT runs of a checked description, and
+        ``seq_lens`` sliced to the same length)."""
+        d = object.__new__(cls)
+        d.__dict__.update(req_pool_indices=req_pool_indices, seq_lens=seq_lens, hot_start=hot_start,
+                          hot_len=hot_len)
+        return d
+
+    @classmethod
     def from_table(
         cls,
         req_pool_indices: np.ndarray,

@@ -11,25 +11,27 @@ PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most
 class RecentTimes:
     """The last ``capacity`` samples (seconds) in a ring buffer; percentiles in microseconds.
 
-    ``add`` is one store into a preallocated float64 array (no allocation on the step's path);
-    ``percentiles`` sorts a copy, at snapshot time only."""
+    ``add`` is one store into a preallocated list (no allocation, no numpy call on the step's
+    path); ``percentiles`` sorts a copy, at snapshot time only."""
 
     def __init__(self, capacity: int = PLAN_WINDOW):
-        self._buf = np.zeros(capacity, dtype=np.float64)
+        self._buf = [0.0] * capacity
+        self._cap = capacity
         self._n = 0
 
     def add(self, seconds: float) -> None:
-        self._buf[self._n % self._buf.shape[0]] = seconds
-        self._n += 1
+        n = self._n
+        self._buf[n % self._cap] = seconds
+        self._n = n + 1
 
     def __len__(self) -> int:
-        return min(self._n, self._buf.shape[0])
+        return min(self._n, self._cap)
 
     def percentiles_us(self, *qs: float):
         n = len(self)
         if n == 0:
             return tuple(0.0 for _ in qs)
-        return tuple(float(v) * 1e6 for v in np.percentile(self._buf[:n], qs))
+        return tuple(float(v) * 1e6 for v in np.percentile(np.asarray(self._buf[:n]), qs))
 
 
 @dataclass
@@ -58,9 +60,9 @@ class StepStats:
 
     def record(self, decision, grouping) -> None:
         self.steps += 1
-        self.paths[decision.path.value] += 1
+        self.paths[decision.path._value_] += 1  # the enum's value without its descriptor
         self.requests += grouping.batch_size
-        if decision.path.value != "paged":
+        if decision.path._value_ != "paged":
             self.grouped_requests += grouping.num_grouped
             self.groups += grouping.num_groups
         self.last_reason = decision.reason
@@ -80,7 +82,8 @@ class StepStats:
         self.choose_seconds += choose
         self.fill_seconds += fill
         self.stage_seconds += stage
-        self.plan_max_seconds = max(self.plan_max_seconds, seconds)
+        if seconds > self.plan_max_seconds:
+            self.plan_max_seconds = seconds
         self.recent_plan.add(seconds)
 
     def record_extend(self, plan, reason: str) -> None:

@@ -1,0 +1,296 @@
+"""``DecodePlanner``: a decode step's plan (host side, once per step) and run (per layer), its
+workspaces and its CUDA-graph state.
+
+Plan: ``plan.group_requests`` (through ``GroupingMemo``) and the dispatcher's ``SteadyChooser``
+pick a path; for a non-paged path the step's ``CascadeWorkspace`` is filled and the wrapped
+backend is planned with a ``seq_len = 1`` view of the batch (it still writes the step's K/V,
+and reads one token). Run: GraniKV's kernels compute every request's attention and overwrite
+the wrapped backend's output rows in place.
+
+Graphs (``graph_variants``): every captured batch size has the stock graph and, where the cost
+model says cascade can win, a cascade graph. Both graphs of a size read the fixed graph
+workspace (sized at ``init_graph_state``, never reallocated) and the wrapped backend's per-size
+metadata buffers, refilled before every replay. Eager steps larger than the graph workspace use
+a separate eager workspace, grown on demand.
+
+``host``: the ``GraniKVAttnBackend`` served; ``inner``, ``cfg``, ``stats``, ``dispatcher`` and
+``model_runner`` are read from it at each call (they may be replaced after construction).
+"""
+
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from granikv.config import parse_graph_bs
+from granikv.layers.attention.cascade import planted_fault
+from granikv.layers.attention.cascade.dispatcher import Path, SteadyChooser
+from granikv.layers.attention.cascade.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
+from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, verify_same_slots
+
+logger = logging.getLogger("granikv")
+
+
+class DecodePlanner:
+    def __init__(self, host):
+        self.host = host
+        self.chooser = SteadyChooser(host.dispatcher)  # steady steps: O(1) path choice
+        self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
+        self.path = Path.PAGED  # path of the current step
+        self.workspace = None  # CascadeWorkspace (the graph one once graphs exist)
+        self.eager_workspace = None  # eager steps larger than the graph workspace
+        self.ws = None  # the workspace of the current step
+        self.graph_mode = False  # True once CUDA-graph state exists
+        self.graphs = GraphVariants(parse_graph_bs(host.cfg.cascade_graph_bs), can_win=self.cascade_can_win)
+        self._last_rows = None  # (rows array, table version, hot_start, hot_len, grouping) of the last plan
+        self.last_desc = None  # BatchDescription of the last plan (reused while its arrays are)
+        self._seq_view = None  # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
+        self._capture_metadata = {}  # bs -> the wrapped backend's forward_metadata of its stock capture
+        self._ones = None
+        self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
+        self.filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
+        self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
+
+    def use_dispatcher(self, dispatcher) -> None:
+        """Later steps choose with ``dispatcher`` (e.g. one forced to paged)."""
+        self.chooser = SteadyChooser(dispatcher)
+
+    def reuse_counts(self) -> dict:
+        """How often steady steps reused the previous plan (for ``stats_snapshot``)."""
+        wss = [w for w in (self.workspace, self.eager_workspace) if w is not None]
+        return {"work_list_builds": sum(w.fills_built for w in wss),
+                "work_list_reuses": sum(w.fills_reused for w in wss),
+                "grouping_reuses": self.grouping_memo.hits,
+                "choice_reuses": self.chooser.hits,
+                "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss)}
+
+    def cascade_can_win(self, bs: int) -> bool:
+        host = self.host
+        context = getattr(host.model_runner.model_config, "context_len", None) or AUTO_PREFIX_TOKENS
+        return cascade_can_win(host.dispatcher, bs, prefix_tokens=min(context, AUTO_PREFIX_TOKENS),
+                               min_group_size=host.cfg.min_group_size)
+
+    # ---- workspaces ----------------------------------------------------------------------
+
+    def _new_workspace(self, max_bs: int):
+        from granikv.kernels.work_list import CascadeWorkspace
+
+        geo = self.host.dispatcher.geometry
+        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.host.device)
+
+    def workspace_for(self, bs: int):
+        """The workspace a step of ``bs`` requests uses.
+
+        The graph workspace (sized at ``init_graph_state``) is never reallocated: captured
+        graphs read its buffers. Eager steps larger than it (more running requests than the
+        largest captured graph) get a separate eager workspace, grown on demand.
+        """
+        if self.graph_mode and bs <= self.workspace.max_bs:
+            return self.workspace
+        attr = "eager_workspace" if self.graph_mode else "workspace"
+        ws = getattr(self, attr)
+        if ws is None or ws.max_bs < bs:
+            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
+            setattr(self, attr, ws)
+        if self._ones is None or self._ones.numel() < bs:
+            self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.host.device)
+            self._ones_views = {}
+        return ws
+
+    # ---- planning (host side, once per step) -----------------------------------------
+
+    def plan_step(self, fb, staged, *, stage_seconds: float, graph: bool):
+        """A decode step's host work: plan, fill the workspace; returns the batch the wrapped
+        backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view).
+        ``staged``: the batch's ``req_pool_idx`` values (None: not staged). ``graph``: the step
+        replays a graph of ``fb.batch_size`` (paged, or cascade where that size has a cascade
+        graph). The time of both parts is recorded, with ``stage_seconds`` (the host time the
+        scheduler hook spent staging this step)."""
+        t0 = time.perf_counter()
+        plan = self._plan(fb, staged, graph=graph)
+        t1 = time.perf_counter()
+        self.path = Path.PAGED if plan is None else plan[2].path  # graph steps: paged or cascade
+        if plan is not None:
+            self._fill_workspace(plan, fb)
+        self.graphs.planned_cascade = graph and plan is not None
+        view = fb if plan is None else self._inner_view(fb)
+        t2 = time.perf_counter()
+        self.host.stats.record_plan_time(t2 - t0 + stage_seconds, choose=t1 - t0, fill=t2 - t1,
+                                         stage=stage_seconds)
+        return view
+
+    def _plan(self, fb, staged, graph: bool):
+        """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
+        host, stats = self.host, self.host.stats
+        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
+            stats.unplanned += 1
+            return None
+        if graph and not self.graphs.has_cascade_graph(fb.batch_size):
+            stats.record_paged(bs, "no cascade graph of this batch size")
+            return None
+        table = host.hot_prefix_table
+        version = getattr(table, "version", None)
+        last = self._last_rows
+        if last is not None and last[0] is staged and last[1] == version and version is not None:
+            hot_start, hot_len, grouping = last[2:]  # same rows, same table: same HOT runs
+        else:
+            hot_len = table.length_np[staged]
+            hot_start = table.start_np[staged] if hot_len.any() else None
+            grouping = None
+            self._last_rows = (staged, version, hot_start, hot_len, None)
+        if hot_start is None:  # no request starts with a HOT run: nothing to group
+            stats.record_paged(bs, "no HOT prefix in the batch")
+            return None
+        seq_lens = self._seq_lens_view(fb.seq_lens_cpu, bs)
+        if seq_lens is None:  # fewer host lengths than requests: not a batch to plan
+            stats.unplanned += 1
+            return None
+        if grouping is None:
+            desc = BatchDescription(staged, seq_lens, hot_start, hot_len)
+            grouping = self.grouping_memo.group(desc, min_group_size=host.cfg.min_group_size)
+            if (hot_len <= seq_lens).all():  # then the grouping does not depend on seq_lens
+                self._last_rows = self._last_rows[:4] + (grouping,)
+        else:  # the arrays of the step that made this grouping: known to match
+            desc = self.last_desc
+            if (desc is None or desc.seq_lens is not seq_lens or desc.req_pool_indices is not staged
+                    or desc.hot_len is not hot_len):
+                desc = BatchDescription.unchecked(staged, seq_lens, hot_start, hot_len)
+            self.grouping_memo.hits += 1
+        self.last_desc = desc
+        if grouping.num_groups == 0:
+            stats.record_paged(bs, "no group")
+            return None
+        if host.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(
+            grouping, desc, host.model_runner.req_to_token_pool.req_to_token
+        ):
+            logger.error("GraniKV: grouped requests do not all hold their group's HOT slots "
+                         "(stale HotPrefixTable); this step runs paged")
+            stats.unplanned += 1
+            return None
+        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph)
+        stats.record(decision, grouping)
+        if decision.path is Path.PAGED:
+            return None
+        return grouping, desc, decision
+
+    def _seq_lens_view(self, seq_lens_cpu, bs: int):
+        """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
+        SGLang hands over the same memory (graph replays slice one persistent host buffer): a
+        zero-copy view holds the tensor, so its address cannot be reused while cached."""
+        key = (seq_lens_cpu.data_ptr(), bs)
+        cached = self._seq_view
+        if cached is not None and cached[0] == key and cached[1] is seq_lens_cpu.dtype:
+            return cached[2]
+        view = seq_lens_cpu.numpy()[:bs]
+        if view.shape[0] != bs:
+            return None
+        if view.dtype != np.int64:
+            view = view.astype(np.int64)  # a copy: not cached
+            self._seq_view = None
+            return view
+        self._seq_view = (key, seq_lens_cpu.dtype, view)
+        return view
+
+    def _fill_workspace(self, plan, fb) -> None:
+        ws = self.ws = self.workspace_for(fb.batch_size)
+        grouping, desc, decision = plan
+        same = grouping is self.filled_grouping and ws is self._filled_ws
+        if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
+                               single_prefix_chunk=decision.path is Path.BGEMM):
+            return  # a steady step: only the suffix ends changed
+        prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens, desc.req_pool_indices,
+                                         fb.batch_size)
+        ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
+                grouping.group_req_idx, prefix_len, seq_lens, rpi,
+                single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same)
+        self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
+
+    def _inner_view(self, fb):
+        """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
+        bs = fb.batch_size
+        # SGLang's replay view is a SimpleNamespace (a plain attribute copy is the cheap copy);
+        # an eager step's ForwardBatch is a dataclass
+        if type(fb) is SimpleNamespace:
+            view = SimpleNamespace(**vars(fb))
+        else:  # what copy.copy does for a dataclass, without its generic protocol
+            view = object.__new__(type(fb))
+            view.__dict__.update(fb.__dict__)
+        key = (bs, fb.seq_lens.dtype, fb.seq_lens_cpu.dtype)
+        ones = self._ones_views.get(key)
+        if ones is None:  # per batch size, made once (read-only for the wrapped backend)
+            ones = self._ones_views[key] = (self._ones[:bs].to(fb.seq_lens.dtype),
+                                            torch.ones(bs, dtype=fb.seq_lens_cpu.dtype))
+        view.seq_lens, view.seq_lens_cpu = ones
+        view.seq_lens_sum = bs
+        return view
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int) -> None:
+        """After the wrapped backend's ``init_cuda_graph_state``: the fixed graph workspace."""
+        self.graphs.captured.clear()
+        self._capture_metadata.clear()
+        self.graph_mode = False
+        self.workspace = None
+        self.workspace_for(max_bs)
+        self.graph_mode = True
+
+    def capture_metadata_for(self, fb) -> None:
+        """Metadata of a decode graph capture. The stock graph of a size (``graphs.capturing``
+        is not this size): the wrapped backend alone, as stock SGLang captures it. The cascade
+        graph of a size (captured right after its stock graph): GraniKV's kernels over an empty
+        work list (they read the live counts at replay), and the wrapped backend with ``seq_len =
+        1`` through the buffers of the stock capture, refilled as a replay refills them (a
+        second ``in_capture`` would make the wrapped backend allocate new per-size buffers, and
+        the stock graph would then read stale ones)."""
+        inner = self.host.inner
+        bs = fb.batch_size
+        if self.graphs.capturing != bs:
+            self.path = Path.PAGED
+            inner.init_forward_metadata_out_graph(fb, in_capture=True)
+            self._capture_metadata[bs] = getattr(inner, "forward_metadata", None)
+            return
+        self.path = Path.CASCADE
+        self.ws = self.workspace_for(bs)
+        self.ws.fill_empty()
+        view = self._inner_view(fb)
+        if bs in self._capture_metadata:
+            inner.init_forward_metadata_out_graph(view)
+            inner.forward_metadata = self._capture_metadata[bs]
+        else:  # no stock capture of this size before (not SGLang's order): a fresh one
+            inner.init_forward_metadata_out_graph(view, in_capture=True)
+
+    def replay_runs_kernels(self) -> bool:
+        """This step's decode-graph replay runs GraniKV's kernels (its size's cascade graph)."""
+        return self.graph_mode and self.graphs.planned_cascade
+
+    # ---- compute (per layer) -----------------------------------------------------------------
+
+    def run(self, q, layer, o) -> None:
+        """The planned path's kernels over layer ``layer``: every request's attention into ``o``."""
+        from granikv.kernels import cascade as kernels
+
+        host = self.host
+        pool = host.model_runner.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        q3 = q.view(-1, host.num_q_heads, host.head_dim)
+        out = o.view(-1, host.num_q_heads, host.head_dim)
+        req_to_token = host.model_runner.req_to_token_pool.req_to_token
+        run = {Path.FUSED: kernels.fused_cascade_attention,
+               Path.BGEMM: kernels.bgemm_cascade_attention}.get(self.path, kernels.cascade_attention)
+        run(q3, k_buf, v_buf, req_to_token, self.ws, sm_scale=layer.scaling, out=out)
+
+
+def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):
+    """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1)."""
+    bs = len(seq_lens)
+    if padded == bs:
+        return prefix_len, seq_lens, req_pool_indices
+    extra = padded - bs
+    return (np.concatenate([prefix_len, np.zeros(extra, np.int64)]),
+            np.concatenate([seq_lens, np.ones(extra, np.int64)]),
+            np.concatenate([req_pool_indices, np.zeros(extra, np.int64)]))

@@ -1,0 +1,86 @@
+"""What a served step runs beyond GraniKV's kernels, as cost-model terms.
+
+``ServedTerms``: the host launch cost of eager steps and the paged coefficients of each wrapped
+backend (``cost_model.CostModel.step_time`` and ``for_backend`` use them). ``ExtendTerms``:
+the prefill prefix part (stock paged call vs dense calls over HOT extents) for the extend gate.
+Both are read from the ``served`` field of the cost-model JSON.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+PAGED_NAMES = ("paged_launch_us", "paged_gbps", "paged_reuse_gbps")
+
+
+@dataclass(frozen=True)
+class ExtendTerms:
+    """Prefill prefix part (per layer): SGLang's paged call vs one dense call per HOT extent.
+
+    stock = paged_call_us + F_all / paged_tflops
+    hot   = G * dense_call_us + F_hot / dense_tflops
+            (+ paged_call_us + F_cold / paged_tflops + merge_us, when a COLD remainder exists)
+
+    F = 4 * Hq * D * sum(new tokens x prefix tokens they attend), over the batch (F_all), the HOT
+    extents (F_hot) or the COLD remainder (F_cold).
+    """
+
+    paged_call_us: float = 12.0
+    paged_tflops: float = 350.0
+    dense_call_us: float = 20.0
+    dense_tflops: float = 620.0
+    merge_us: float = 6.0
+
+    def stock_us(self, flops_all: float) -> float:
+        return self.paged_call_us + flops_all / (self.paged_tflops * 1e6)
+
+    def hot_us(self, num_dense_calls: int, flops_hot: float, flops_cold: Optional[float]) -> float:
+        t = num_dense_calls * self.dense_call_us + flops_hot / (self.dense_tflops * 1e6)
+        if flops_cold is not None:
+            t += self.paged_call_us + flops_cold / (self.paged_tflops * 1e6) + self.merge_us
+        return t
+
+
+@dataclass(frozen=True)
+class ServedTerms:
+    """What a served step runs beyond the kernels (see the module docstring)."""
+
+    eager_launch_us: float = 15.0
+    paged_by_backend: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    extend: ExtendTerms = dataclasses.field(default_factory=ExtendTerms)
+
+    def to_mapping(self) -> dict:
+        return {"eager_launch_us": self.eager_launch_us,
+                "paged_by_backend": {k: dict(v) for k, v in self.paged_by_backend.items()},
+                "extend": dataclasses.asdict(self.extend)}
+
+    @classmethod
+    def from_mapping(cls, values: Any, source: str) -> "ServedTerms":
+        if values is None:
+            return cls()
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{source}: field 'served' must be an object, got {values!r}")
+        unknown = sorted(set(values) - {"eager_launch_us", "paged_by_backend", "extend", "note"})
+        if unknown:
+            raise ValueError(f"{source}: unknown field 'served.{unknown[0]}'")
+        eager = _positive(values.get("eager_launch_us", cls.eager_launch_us), f"{source}: field 'served.eager_launch_us'")
+        by_backend = {}
+        for name, coefs in (values.get("paged_by_backend") or {}).items():
+            if not isinstance(coefs, Mapping) or set(coefs) != set(PAGED_NAMES):
+                raise ValueError(f"{source}: field 'served.paged_by_backend.{name}' must hold exactly "
+                                 f"{', '.join(PAGED_NAMES)}")
+            by_backend[name] = {k: _positive(v, f"{source}: field 'served.paged_by_backend.{name}.{k}'")
+                                for k, v in coefs.items()}
+        ext = values.get("extend") or {}
+        names = [f.name for f in dataclasses.fields(ExtendTerms)]
+        if not isinstance(ext, Mapping) or not set(ext) <= set(names):
+            raise ValueError(f"{source}: field 'served.extend' must be an object with keys from {', '.join(names)}")
+        extend = ExtendTerms(**{k: _positive(v, f"{source}: field 'served.extend.{k}'") for k, v in ext.items()})
+        return cls(eager, by_backend, extend)
+
+
+def _positive(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{what} must be a positive finite number, got {v!r}")
+    return float(v)
