@@ -11,6 +11,7 @@ import pytest
 from sglang.srt.managers.scheduler import Scheduler
 
 from granikv import plugin
+from granikv import sglang_compat as compat
 from granikv.config import GraniKVConfig
 from granikv.layers.attention.cascade import backend_registry
 
@@ -37,12 +38,12 @@ class _Backend:
 
 
 def _scheduler(backends, enable=True):
-    runner = SimpleNamespace(war_fastpath_read_done_event="read-done", attn_backend=None)
+    runner = SimpleNamespace(attn_backend=None, **{compat.WAR_EVENT_ATTR: "read-done"})
     for b in backends:
         backend_registry.register(runner, b)
     return SimpleNamespace(
         server_args=SimpleNamespace(_granikv=GraniKVConfig(enable=enable)), _war_barrier_enabled=True,
-        model_worker=SimpleNamespace(war_fastpath_runner=runner), schedule_stream=_Stream(),
+        model_worker=SimpleNamespace(**{compat.WAR_RUNNER_ATTR: runner}), schedule_stream=_Stream(),
         forward_stream="forward", tp_worker=SimpleNamespace(model_runner=runner)), runner
 
 
@@ -56,7 +57,7 @@ def test_real_war_barrier_waits_for_granikv_reads(backends, enable, expect):
     sched, runner = _scheduler(backends, enable)
     plugin._around_apply_war_barrier(Scheduler._apply_war_barrier, sched)
     assert sched.schedule_stream.waits == [expect]
-    assert runner.war_fastpath_read_done_event is None  # SGLang clears it either way
+    assert getattr(runner, compat.WAR_EVENT_ATTR) is None  # SGLang clears it either way
 
 
 def test_the_real_backend_reports_a_planned_cascade_graph():

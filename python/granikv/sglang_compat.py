@@ -15,6 +15,8 @@ What differs (0.5.17 -> 0.5.23):
     remove events           RadixCache._record_remove_event(node) -> kv_events.record_remove(node)
     allocator free group    free_group == [] outside a group -> None
     ServerArgs              a dataclass (its __init__ is hookable) -> a msgspec Struct (it is not)
+    WAR barrier's runner    worker.war_fastpath_runner.war_fastpath_read_done_event
+                            -> worker.last_shared_read_runner.shared_read_done_event
 """
 
 import re
@@ -111,6 +113,17 @@ class _Release:
         the allocator's translate function, ``None`` on a plain pool."""
         return getattr(backend, "_translate_kv_loc", None) is not None
 
+    # scheduler's write-after-read barrier
+    #: the worker property naming the model runner whose read-done event the barrier waits on
+    war_runner_attr = "war_fastpath_runner"
+    #: that runner's attribute holding the event (None: the barrier waits for the whole forward)
+    war_event_attr = "war_fastpath_read_done_event"
+
+    def war_read_done_runner(self, worker):
+        """The model runner owning the read-done event ``Scheduler._apply_war_barrier`` waits
+        on (None if ``worker`` has none)."""
+        return getattr(worker, self.war_runner_attr, None)
+
     # offline API
     def install_engine_server_args(self, build) -> None:
         """Route ``sglang.Engine(**kwargs)``'s ServerArgs through ``build(cls, **kwargs)``.
@@ -155,6 +168,9 @@ class _Release0523(_Release):
         translator = getattr(backend, "kv_index_translator", None)
         return bool(getattr(translator, "is_translating", False))
 
+    war_runner_attr = "last_shared_read_runner"
+    war_event_attr = "shared_read_done_event"
+
     def install_engine_server_args(self, build) -> None:
         """A msgspec ServerArgs rejects unknown keywords before any hook runs, and
         ``Engine.__init__`` loads the plugins itself (too late to wrap it). Engine builds its
@@ -197,6 +213,9 @@ outside_free_group = release.outside_free_group
 KV_TRANSLATION_ATTR = release.kv_translation_attr
 backend_translates_kv_slots = release.backend_translates_kv_slots
 install_engine_server_args = release.install_engine_server_args
+WAR_RUNNER_ATTR = release.war_runner_attr
+WAR_EVENT_ATTR = release.war_event_attr
+war_read_done_runner = release.war_read_done_runner
 
 
 def _splice(indices: Optional[torch.Tensor], new: torch.Tensor):

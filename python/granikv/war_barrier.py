@@ -12,6 +12,7 @@ schedule stream waits for the whole forward stream).
     schedule stream:                  ^ stock fast path waits here   ^ coarse path waits here
 """
 
+from granikv import sglang_compat as compat
 from granikv.scheduler_step import granikv_backends
 
 
@@ -22,12 +23,12 @@ def reads_during_replay(scheduler) -> bool:
 
 def drop_early_read_done(scheduler) -> bool:
     """Before ``Scheduler._apply_war_barrier``: clears the pre-replay read-done event when GraniKV's
-    kernels may read ``req_to_token`` during the replay. Returns True if it cleared one."""
-    worker = getattr(scheduler, "model_worker", None)
-    runner = getattr(worker, "war_fastpath_runner", None)
-    if getattr(runner, "war_fastpath_read_done_event", None) is None:
+    kernels may read ``req_to_token`` during the replay. Returns True if it cleared one. The
+    runner and its event are named per release (``sglang_compat.war_read_done_runner``)."""
+    runner = compat.war_read_done_runner(getattr(scheduler, "model_worker", None))
+    if getattr(runner, compat.WAR_EVENT_ATTR, None) is None:
         return False
     if not reads_during_replay(scheduler):
         return False
-    runner.war_fastpath_read_done_event = None
+    setattr(runner, compat.WAR_EVENT_ATTR, None)
     return True

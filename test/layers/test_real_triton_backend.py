@@ -25,22 +25,44 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size
 @pytest.fixture
 def real_runner(tmp_path):
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs
+    from sglang_context import published_server_args
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     sa = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, attention_backend="triton",
                     device="cpu", load_format="dummy")
-    ctx = get_context()
-    with ctx.preserve_config():
-        ctx.set_server_args(sa)
+    with published_server_args(sa):
         with get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0,
                                      tp_size=1):
             runner = tb._runner()
             runner.model_config = ModelConfig.from_server_args(sa)
             runner.server_args = sa
             runner.gpu_id, runner.is_draft_worker, runner.sliding_window_size, runner.page_size = 0, False, None, 1
+            _add_newer_runner_fields(runner)
             yield runner
+
+
+def _add_newer_runner_fields(runner) -> None:
+    """What 0.5.23's triton backend reads from its model runner beyond 0.5.17's fields: the
+    runner's ``KVIndexTranslator`` (the real one, built as ``ModelRunner`` builds it; a plain pool
+    translates nothing) and ``decode_num_tokens_per_req`` (the real method, no speculation)."""
+    try:
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    except ImportError:  # 0.5.17
+        return
+    from types import MethodType
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    runner.kv_index_translator = KVIndexTranslator(
+        req_to_token=runner.req_to_token_pool.req_to_token,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        token_to_kv_pool=runner.token_to_kv_pool, page_size=1, device="cpu")
+    assert not runner.kv_index_translator.is_translating
+    runner.spec_algorithm = SpeculativeAlgorithm.NONE
+    runner.decode_num_tokens_per_req = MethodType(ModelRunner.decode_num_tokens_per_req, runner)
 
 
 def _layer():
@@ -58,6 +80,9 @@ def test_wrapped_real_triton_decode_equals_stock(real_runner):
     runner = real_runner
     fb, rows = tb._batch(runner, hot={0, 2, 3})
     fb.spec_info = None
+    translator = getattr(runner, "kv_index_translator", None)
+    if translator is not None:  # 0.5.23: a forward gets its KV location plan as ForwardBatch does
+        translator.own_plan(fb).bind(fb, translator)
     q, k, v = tb._qkv(fb.batch_size, 3)
     k, v = k.view(-1, tb.HKV, tb.D), v.view(-1, tb.HKV, tb.D)  # as RadixAttention.forward passes them
     layer = _layer()

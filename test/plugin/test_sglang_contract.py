@@ -82,6 +82,20 @@ def test_model_runner_and_pool_attributes_exist():
         assert hasattr(pool, name), name
 
 
+def test_war_barrier_names_are_the_running_releases():
+    """war_barrier.drop_early_read_done reads the worker's runner and its event by the names
+    sglang_compat gives: a rename would leave SGLang's early read-done event in place."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    assert isinstance(inspect.getattr_static(TpModelWorker, compat.WAR_RUNNER_ATTR), property)
+    assert compat.WAR_EVENT_ATTR in _assigned_self_attrs(ModelRunner)
+    barrier = inspect.getsource(Scheduler._apply_war_barrier)
+    assert f"model_worker.{compat.WAR_RUNNER_ATTR}" in barrier
+    assert f"runner.{compat.WAR_EVENT_ATTR}" in barrier
+
+
 def test_radix_attention_has_every_attribute_layer_reason_reads():
     from sglang.srt.layers.radix_attention import RadixAttention
 

@@ -71,16 +71,22 @@ def test_unsupported_allocator_is_a_clear_startup_error():
                                       token_to_kv_pool_allocator=None)
 
 
-def test_registered_cache_factory_builds_the_granikv_cache():
-    kv, req, stock, conf, alloc = _build(True)
+def _build_context(conf, req, alloc, tp_worker=None):
+    """SGLang's cache-factory context from the fields the running release has (0.5.23 dropped
+    ``effective_chunked_prefill_size``)."""
     params = CacheInitParams(disable=False, req_to_token_pool=req,
                              token_to_kv_pool_allocator=alloc, page_size=1)
     values = dict(server_args=conf.server_args, params=params, is_hybrid_swa=False,
                   is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
-                  effective_chunked_prefill_size=None,  # 0.5.17 only
-                  tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+                  effective_chunked_prefill_size=None, tp_worker=tp_worker, model_config=None,
+                  tp_size=1, tp_rank=0, tp_group=None)
     known = {f.name for f in dataclasses.fields(TreeCacheBuildContext)}
-    ctx = TreeCacheBuildContext(**{k: v for k, v in values.items() if k in known})
+    return TreeCacheBuildContext(**{k: v for k, v in values.items() if k in known})
+
+
+def test_registered_cache_factory_builds_the_granikv_cache():
+    kv, req, stock, conf, alloc = _build(True)
+    ctx = _build_context(conf, req, alloc)
     cache = plugin._make_radix_cache(ctx)
     assert isinstance(cache, GraniKVRadixCache)
     assert cache.hot_prefix_table is alloc.hot_prefix_table
@@ -103,14 +109,7 @@ def test_cache_factory_wires_the_pays_off_policy_to_the_backends_cost_model():
     def build(tp_worker, **cfg):
         kv, req, stock, conf, alloc = _build(True)
         conf.server_args._granikv = GraniKVConfig(enable=True, **cfg)
-        params = CacheInitParams(disable=False, req_to_token_pool=req,
-                                 token_to_kv_pool_allocator=alloc, page_size=1)
-        ctx = TreeCacheBuildContext(server_args=conf.server_args, params=params,
-                                    is_hybrid_swa=False, is_hybrid_ssm=False,
-                                    enable_hierarchical_cache=False, disable_radix_cache=False,
-                                    effective_chunked_prefill_size=None, tp_worker=tp_worker,
-                                    model_config=None, tp_size=1, tp_rank=0, tp_group=None)
-        return plugin._make_radix_cache(ctx).policy
+        return plugin._make_radix_cache(_build_context(conf, req, alloc, tp_worker)).policy
 
     policy = build(worker)
     assert isinstance(policy, PaysOffPolicy) and policy.estimate.dispatcher is dispatcher
