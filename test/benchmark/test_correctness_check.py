@@ -37,6 +37,11 @@ def test_compare_stops_at_each_first_difference():
     assert c.compared_tokens == 3  # request 0: 2 positions, request 2: 1 (the other has None)
     assert c.logprob_dev_mean == pytest.approx((0.5 + 0.0 + 0.25) / 3)
     assert metrics.compare(a, a).agreement == 1.0 and metrics.compare(a, a).logprob_dev_mean == 0.0
+    # per-request shares 0.5, 0.0, 1.0: sd 0.5, over sqrt(3) requests
+    assert c.agreement_stderr == pytest.approx(0.5 / 3 ** 0.5)
+    assert metrics.compare(a, a).agreement_stderr == 0.0
+    one = metrics.Outputs(ids=[[1]], logprobs=[[None]])
+    assert metrics.compare(one, one).agreement_stderr is None
     with pytest.raises(ValueError, match="not the same prompts"):
         metrics.compare(a, metrics.Outputs(ids=[[1]], logprobs=[[None]]))
 
