@@ -129,3 +129,17 @@ def test_forced_paths_and_groups_too_small():
     assert _estimate("llama-3.1-8b", "cascade").saving_us(1024, 2) == float("inf")
     est = _estimate("llama-3.1-8b")
     assert not est.serves(1) and est.saving_us(4096, 1, [(4096, 12)] * 15) == 0.0
+
+
+def test_a_group_below_another_is_priced_against_being_served_in_it():
+    """``within``: without the candidate, its requests are served in the group above it."""
+    est = _estimate("llama-3.1-8b")
+    forest, _ = _row("llama-3.1-8b", "forest16")
+    others = forest[:-1]
+    # two of the 6144 x 10 group's agents share 64 more tokens: a sub-group saves nothing
+    assert est.saving_us(6144 + 64, 2, others) > 0  # as if the two were ungrouped without it
+    assert est.saving_us(6144 + 64, 2, others, within=(6144, 8)) <= 0
+    # a 16K x 64 prefix whose first 12K is HOT already: the rest still pays, less than all
+    rest = est.saving_us(16384, 64, within=(12288, 0))
+    assert 0 < rest < est.saving_us(16384, 64)
+    assert _policy("llama-3.1-8b").should_promote(16384, 64, within=(12288, 0))

@@ -34,7 +34,7 @@ class _Estimate:
     def serves(self, num_sharers):
         return num_sharers >= 2
 
-    def saving_us(self, prefix_len, num_sharers, context=()):
+    def saving_us(self, prefix_len, num_sharers, context=(), within=None):
         self.calls.append((prefix_len, num_sharers))
         return (num_sharers - 1) * prefix_len / 1000
 

@@ -26,10 +26,11 @@ def test_nested_groups_count_each_request_once():
     e = _node(root, 200, 3)  # another root child
     ctx = StepContext([a, b, d, e], root=root)
     assert ctx.groups() == [(104, 6), (154, 2), (184, 2), (200, 3)]
-    # b's holders (d's included) are b's: d goes, a keeps the 6 b does not serve
-    assert ctx.context_for(b) == ((104, 6), (200, 3))
-    assert ctx.context_for(e) == ((104, 6), (154, 2), (184, 2))
-    assert ctx.context_for(a) == ((200, 3),)  # everything below a is a's
+    # b's holders (d's included) are b's: d goes; a, which serves them without b, apart
+    assert ctx.context_for(b) == ((200, 3),) and ctx.within(b) == (104, 6)
+    assert ctx.context_for(d) == ((104, 6), (200, 3)) and ctx.within(d) == (154, 2)
+    assert ctx.context_for(e) == ((104, 6), (154, 2), (184, 2)) and ctx.within(e) is None
+    assert ctx.context_for(a) == ((200, 3),) and ctx.within(a) is None  # all below a is a's
     with pytest.raises(KeyError):
         ctx.context_for(h)
 
@@ -39,7 +40,9 @@ def test_a_group_whose_holders_all_go_deeper_is_no_group():
     a = _node(root, 64, 3)
     b = _node(a, 64, 3)
     e = _node(root, 32, 2)
-    assert StepContext([a, b, e], root=root).context_for(e) == ((128, 3),)
+    ctx = StepContext([a, b, e], root=root)
+    assert ctx.context_for(e) == ((128, 3),)
+    assert ctx.context_for(b) == ((32, 2),) and ctx.within(b) == (64, 0)  # b extends a's run
 
 
 class _StepEstimate:
@@ -59,8 +62,9 @@ class _StepEstimate:
     def _gain(self, groups):
         return max(0.0, sum((s - 1) * p / 100 for p, s in groups if s >= 2) - self.FIXED)
 
-    def saving_us(self, prefix_len, num_sharers, context=()):
+    def saving_us(self, prefix_len, num_sharers, context=(), within=None):
         ctx = list(context)
+        assert within is None  # these tests' groups are distinct root children
         self.contexts.append(((prefix_len, num_sharers), sorted(ctx)))
         return self._gain(ctx + [(prefix_len, num_sharers)]) - self._gain(ctx)
 
@@ -133,3 +137,50 @@ def test_the_same_calls_give_the_same_decisions():
         states.append(sim.hot_state())
         sim.check()
     assert states[0] == states[1] and len(states[0]["extents"]) == 2
+
+
+def test_the_regime_grids_forest_is_promoted_through_the_cache():
+    """forest16 at its real prefix lengths (1.5-6K, 4-12 sharers), the checked-in H200 cost
+    model and the Llama-3.1-8B geometry: every prefix is promoted in one call, though few
+    pay alone (test_promotion_in_step.py prices them). Then two agents sharing 64 more
+    tokens below a HOT prefix: served in that prefix's group already, they are not promoted
+    apart (``within``)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from granikv.config import GraniKVConfig
+    from granikv.layers.attention.cascade.cost_model import CostModel
+    from granikv.layers.attention.cascade.dispatcher import Dispatcher
+    from granikv.layers.attention.cascade.promotion_estimate import PromotionEstimate
+    from granikv.scheduler_sim import SimConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "multi_agent"))
+    import regime_grid
+
+    forest = regime_grid._forest16()
+    cfg = GraniKVConfig()
+    d = Dispatcher(CostModel.load(None, "NVIDIA H200"), num_q_heads=32, num_kv_heads=8,
+                   head_dim=128, kv_dtype_bytes=2, num_layers=32)
+    sim = Sim(SimConfig(kv_size=160_000, layers=1, kv_heads=1, head_dim=4, max_reqs=160,
+                        max_context=6300, min_tokens=cfg.hot_min_tokens, dtype=torch.float16),
+              debug_checks=False)
+    sim.cache.policy = PaysOffPolicy.from_config(cfg, PromotionEstimate.from_config(d, cfg))
+    prefixes = []
+    for g, n in enumerate(forest["prefixes"]):
+        rng = random.Random(g)
+        prefixes.append([g] + [rng.randrange(61) for _ in range(n - 1)])
+        sim.finish(sim.admit(prefixes[-1] + [60]))  # cached by one request, as the benchmark does
+    agents = [(g, i) for g, n in enumerate(forest["agents_per_prefix"]) for i in range(n)]
+    random.Random(0).shuffle(agents)  # interleaved, as workloads.grouped submits them
+    for g, i in agents:
+        assert sim.admit(prefixes[g] + [40 + i, i]) is not None  # suffixes share nothing
+    assert sim.promote() == 16
+    lengths = sorted(len(n.key) + sim.cache._depth(n) for n in sim.cache._hot_start)
+    assert lengths == sorted(forest["prefixes"]) and not sim.cache.metrics.skip_reasons
+    for i in range(2):
+        sim.admit(prefixes[15] + [55] * 64 + [i])
+    assert sim.cache.pending_promotions() == 1 and sim.promote() == 0
+    assert sim.cache.metrics.skip_reasons == {"does_not_pay": 1}
+    sim.check()

@@ -16,9 +16,10 @@ yet):
 Before executing the queued promotions it asks ``should_promote`` once per candidate, with the
 holders' expected remaining decode steps and the ``context``: the step's other groups as
 ``(prefix_len, sharers)`` pairs (HOT groups with live holders, the other queued candidates
-that pass ``may_promote``; mem_cache/step_context.py builds it from the tree). A policy that
-prices a promotion in its step (``uses_context``) sees what the candidate adds to a step that
-already serves the others.
+that pass ``may_promote``; mem_cache/step_context.py builds it from the tree) and ``within``:
+the group above the candidate on its path that serves its holders without it, if any. A
+policy that prices a promotion in its step (``uses_context``) sees what the candidate adds to
+a step that already serves the others.
 """
 
 import math
@@ -34,8 +35,8 @@ class PromotionPolicy:
     would make HOT, its ancestors included); ``num_sharers``: the node's lock count (one per
     live request whose path holds it); ``hit_count``: SGLang's per-node hit counter;
     ``remaining_steps``: the decode steps the holders are still expected to run (mean over
-    them), ``None`` when not known; ``context``: the step's other groups (module docstring),
-    only built for a policy with ``uses_context``.
+    them), ``None`` when not known; ``context`` / ``within``: the step's other groups and the
+    group above the candidate (module docstring), only built for a policy with ``uses_context``.
     """
 
     uses_context = False
@@ -46,7 +47,7 @@ class PromotionPolicy:
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
                        remaining_steps: Optional[float] = None,
-                       context: Iterable[Group] = ()) -> bool:
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         raise NotImplementedError
 
 
@@ -55,7 +56,7 @@ class NeverPromote(PromotionPolicy):
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
                        remaining_steps: Optional[float] = None,
-                       context: Iterable[Group] = ()) -> bool:
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         return False
 
 
@@ -75,7 +76,7 @@ class SharedLongPrefixPolicy(PromotionPolicy):
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
                        remaining_steps: Optional[float] = None,
-                       context: Iterable[Group] = ()) -> bool:
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         return prefix_len >= self.min_tokens and num_sharers >= self.min_sharers
 
     def __repr__(self) -> str:
@@ -90,10 +91,12 @@ class PromotionEstimate(Protocol):
         """Whether some step could serve a group of ``num_sharers`` requests with the
         shared-prefix path (not: too few to group, a forced paged path, calibration disabled it)."""
 
-    def saving_us(self, prefix_len: int, num_sharers: int, context: Iterable[Group] = ()) -> float:
+    def saving_us(self, prefix_len: int, num_sharers: int, context: Iterable[Group] = (),
+                  within: Optional[Group] = None) -> float:
         """Decode time saved per step (all layers) by ``num_sharers`` requests reading a HOT
         prefix of ``prefix_len`` tokens through the shared-prefix path, in a step whose other
-        groups are ``context`` (the marginal: the step with the group HOT against without);
+        groups are ``context`` (the marginal: the step with the group HOT against without;
+        ``within``: the group that serves the requests without it, with its other sharers);
         ``<= 0`` when the dispatcher would not serve such a step with it. Independent of the
         context's order."""
 
@@ -105,7 +108,7 @@ class PaysOffPolicy(PromotionPolicy):
     """Promote when the estimated decode-time saving, in the step the prefix will be served
     in, pays for the promotion.
 
-        saving_us(prefix_len, sharers, context) * steps  >  copy_us(prefix_len) + slot_us * prefix_len
+        saving_us(prefix_len, sharers, context, within) * steps  >  copy_us(prefix_len) + slot_us * prefix_len
 
     ``steps`` = the holders' expected remaining decode steps (``default_steps`` when not
     known); ``copy_us`` is the worst case (a promotion that adopts the node's own slots copies
@@ -138,10 +141,10 @@ class PaysOffPolicy(PromotionPolicy):
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
                        remaining_steps: Optional[float] = None,
-                       context: Iterable[Group] = ()) -> bool:
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         if not self.floor.should_promote(prefix_len, num_sharers):
             return False
-        saving = self.estimate.saving_us(prefix_len, num_sharers, context=context)
+        saving = self.estimate.saving_us(prefix_len, num_sharers, context=context, within=within)
         if not saving > 0:
             return False
         if math.isinf(saving):

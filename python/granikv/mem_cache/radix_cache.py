@@ -379,22 +379,22 @@ class GraniKVRadixCache(RadixCache):
             return _RETRY
         if not self.policy.should_promote(total, node.lock_ref, hit_count=node.hit_count,
                                           remaining_steps=_remaining_steps(holders),
-                                          context=self._step_context(node)):
+                                          **self._step_context(node)):
             self.metrics.skip("does_not_pay")
             return None
         return holders
 
-    def _step_context(self, node: TreeNode) -> tuple:
-        """The other groups of the step ``node`` would be served in (``StepContext``): HOT
-        nodes with live holders + the queued candidates that pass ``may_promote``."""
+    def _step_context(self, node: TreeNode) -> dict:
+        """``context`` / ``within`` of the step ``node`` would be served in (``StepContext``):
+        HOT nodes with live holders + the queued candidates that pass ``may_promote``."""
         if not self.policy.uses_context:
-            return ()
+            return {}
         if self._step is None or node not in self._step:
             hot = [n for n in self._hot_start if n.lock_ref > 0]
             queued = [n for n in self._candidates if n not in self._hot_start and self._attached(n)
                       and self.policy.may_promote(self._depth(n) + len(n.key), n.lock_ref)]
             self._step = StepContext([*hot, *queued, node], root=self.root_node)
-        return self._step.context_for(node)
+        return dict(context=self._step.context_for(node), within=self._step.within(node))
 
     def _superseded_by(self, node: TreeNode, holders: list) -> Optional[list]:
         """``None`` if some holder's deepest accepted node is ``node``; otherwise the holders'

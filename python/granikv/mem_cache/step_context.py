@@ -15,9 +15,12 @@ count minus the lock counts of the nearest group nodes below it::
                              └─ c (COLD, lock 6, no group node)
     A: (|A|, 10 - 4 = 6)      B: (|A| + |B|, 4)
 
-``context_for(node)`` is every group but ``node`` and the group nodes below it (their holders
-are ``node``'s holders, counted in its own lock count); the ancestors keep the sharers left to
-them once ``node``'s holders are served by ``node``.
+``context_for(node)`` is every group but ``node``, the group nodes below it (their holders are
+``node``'s holders, counted in its own lock count) and the nearest group node above it, which
+``within(node)`` gives apart, with the sharers left to it once ``node`` serves its own: without
+``node``, its holders are served in that group (``B``'s 4 holders read ``A``'s prefix)::
+
+    context_for(B) = (groups elsewhere in the tree)      within(B) = (|A|, 6)
 """
 
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -32,8 +35,9 @@ class StepContext:
         self.prefix_len: Dict[object, int] = {}
         self.sharers: Dict[object, int] = {n: n.lock_ref for n in self._members}
         self._below: Dict[object, List[object]] = {}  # member -> members right below it
+        self._up: Dict[object, Optional[object]] = {}  # member -> the nearest member above
         for n in self._members:
-            up = self._nearest_member_above(n, root)
+            up = self._up[n] = self._nearest_member_above(n, root)
             if up is not None:
                 self.sharers[up] -= n.lock_ref
                 self._below.setdefault(up, []).append(n)
@@ -46,16 +50,23 @@ class StepContext:
         return [(self.prefix_len[n], s) for n, s in self.sharers.items() if s > 0]
 
     def context_for(self, node) -> Tuple[Group, ...]:
-        """The groups of the step other than ``node`` (a member) and the members below it."""
+        """The groups of the step other than ``node`` (a member), the members below it and
+        the nearest member above it (``within``)."""
         if node not in self._members:
             raise KeyError("context_for: the node is not one of the step's group nodes")
-        skip, todo = {node}, [node]
+        skip, todo = {node, self._up[node]}, [node]
         while todo:
             for m in self._below.get(todo.pop(), ()):
                 skip.add(m)
                 todo.append(m)
         return tuple((self.prefix_len[n], s) for n, s in self.sharers.items()
                      if s > 0 and n not in skip)
+
+    def within(self, node) -> Optional[Group]:
+        """``(prefix_len, sharers)`` of the nearest member above ``node``, its sharers
+        without ``node``'s holders (``None``: no member above)."""
+        up = self._up[node]
+        return None if up is None else (self.prefix_len[up], max(self.sharers[up], 0))
 
     def _nearest_member_above(self, node, root) -> Optional[object]:
         """Walks ``node``'s path once: records its prefix length, returns the nearest member

@@ -4,13 +4,16 @@ The storage layer's ``PaysOffPolicy`` (mem_cache/policy.py) asks three questions
 answers them with the same ``CostModel`` and geometry the dispatcher decides with, so the
 policy never promotes a prefix the dispatcher would not serve with the shared-prefix path.
 
-``saving_us(P, g, context)``: the MARGINAL saving of one more HOT group in the step it will be
-served in. ``context`` lists the step's other groups as ``(prefix_len, sharers)`` (HOT groups
-with live holders, other candidates). With ``T(X)`` the served time of that batch when the
-groups ``X`` are HOT::
+``saving_us(P, g, context, within)``: the MARGINAL saving of one more HOT group in the step it
+will be served in. ``context`` lists the step's other groups as ``(prefix_len, sharers)`` (HOT
+groups with live holders, other candidates); ``within = (Pa, ga)``, if given, is the group
+above the candidate on its path (``Pa < P`` tokens, ``ga`` sharers besides the candidate's),
+which serves the candidate's requests without it. With ``T(X)`` the served time of that
+batch when the groups ``X`` are HOT::
 
     T(X) = min(paged, step_time("cascade", X))      the dispatcher takes the cheaper, per step
-    saving_us(P, g, context) = T(context) - T(context + [(P, g)])      all layers, one step
+    saving_us = T(context + [(Pa, ga + g)]) - T(context + [(Pa, ga), (P, g)])   all layers, one step
+                (no ``within``: T(context) - T(context + [(P, g)]))
 
     batch: every sharer of every group (the candidate's too) reads its prefix and a typical
            ``suffix_tokens`` private suffix (not known at promotion); a context group with
@@ -42,7 +45,7 @@ Inputs are the model geometry per attention-TP rank, identical on every rank of 
 """
 
 import math
-from typing import Iterable, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 from granikv.layers.attention.cascade.cost_model import Workload
 from granikv.layers.attention.cascade.dispatcher import Dispatcher, Path
@@ -69,17 +72,21 @@ class PromotionEstimate:
             return False
         return d.forced is not None or "cascade" not in d.cost_model.disabled_paths
 
-    def saving_us(self, prefix_len: int, num_sharers: int, context: Iterable[Group] = ()) -> float:
+    def saving_us(self, prefix_len: int, num_sharers: int, context: Iterable[Group] = (),
+                  within: Optional[Group] = None) -> float:
         if not self.serves(num_sharers):
             return 0.0
         if self.dispatcher.forced is not None:
             return math.inf
+        cand = (int(prefix_len), int(num_sharers))
         others = [(int(p), int(s)) for p, s in context if p > 0 and s > 0]
-        batch = others + [(int(prefix_len), int(num_sharers))]
-        grouped = [(p, s) for p, s in others if s >= self.min_group_size]
+        up = [] if within is None else [(int(within[0]), int(within[1]))]
+        batch = [x for x in others + up if x[1] > 0] + [cand]
+        grouped = self._grouped(others)
         paged = self._paged_us(batch)
-        without = min(paged, self._cascade_us(batch, grouped)) if grouped else paged
-        return without - min(paged, self._cascade_us(batch, grouped + batch[-1:]))
+        without = grouped + self._grouped([(p, s + cand[1]) for p, s in up])
+        with_it = grouped + self._grouped(up) + [cand]
+        return self._served_us(batch, without, paged) - self._served_us(batch, with_it, paged)
 
     def copy_us(self, num_tokens: int) -> float:
         d = self.dispatcher
@@ -98,6 +105,12 @@ class PromotionEstimate:
             num_grouped=sum(s for _, s in grouped),
             num_groups=len(grouped),
         )
+
+    def _grouped(self, groups: Sequence[Group]) -> list:
+        return [(p, s) for p, s in groups if p > 0 and s >= self.min_group_size]
+
+    def _served_us(self, batch: Sequence[Group], grouped: Sequence[Group], paged: float) -> float:
+        return min(paged, self._cascade_us(batch, grouped)) if grouped else paged
 
     def _paged_us(self, batch: Sequence[Group]) -> float:
         d = self.dispatcher
