@@ -35,3 +35,23 @@ def test_exporter_publishes_unplanned_steps_fallbacks_and_backends():
     assert 'granikv:extend_fallbacks_total{reason="batch not staged",tp_rank="1"} 3.0' in text
     assert 'granikv:extend_fallbacks_total{reason="no HOT prefix in the batch",tp_rank="1"} 5.0' in text
     assert 'granikv:attention_backends{tp_rank="1"} 2.0' in text
+
+
+def test_exporter_publishes_plan_sections_and_a_cumulative_histogram():
+    reg = CollectorRegistry()
+    exp = PrometheusExporter({"tp_rank": "0"}, registry=reg)
+    exp.update({"attention": {"planned_steps": 10, "plan_cpu_us_total": 150.0,
+                              "plan_sections_us_total": {"lookup": 40.0, "upload": 90.0},
+                              "plan_us_hist": {"16": 3, "22.63": 5, "inf": 2}}})
+    text = generate_latest(reg).decode()
+    assert 'granikv:planned_steps_total{tp_rank="0"} 10.0' in text
+    assert 'granikv:plan_section_us_total{section="upload",tp_rank="0"} 90.0' in text
+    assert 'granikv:plan_section_us_total{section="cpu",tp_rank="0"} 150.0' in text
+    assert 'granikv:plan_us_bucket{le="16",tp_rank="0"} 3.0' in text
+    assert 'granikv:plan_us_bucket{le="22.63",tp_rank="0"} 8.0' in text  # cumulative, Prometheus' way
+    assert 'granikv:plan_us_bucket{le="+Inf",tp_rank="0"} 10.0' in text
+    exp.update({"attention": {"plan_us_hist": {"2": 1, "16": 4, "22.63": 5, "inf": 2}}})
+    text = generate_latest(reg).decode()
+    assert 'granikv:plan_us_bucket{le="2",tp_rank="0"} 1.0' in text
+    assert 'granikv:plan_us_bucket{le="16",tp_rank="0"} 5.0' in text
+    assert 'granikv:plan_us_bucket{le="+Inf",tp_rank="0"} 12.0' in text

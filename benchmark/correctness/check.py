@@ -62,20 +62,24 @@ VOCAB_LO = 16  # remapped token ids stay clear of the special ids 0..15
 # The multi-agent runner's engine kwargs, for a real checkpoint and a short run.
 ENGINE_KWARGS: Dict[str, Any] = dict(
     ma_run.BASE_ENGINE_KWARGS, load_format="safetensors", mem_fraction_static=0.6,
-    max_running_requests=64, cuda_graph_max_bs_decode=32,
+    max_running_requests=64, cuda_graph_max_bs_decode=64,
 )
 
 
-def specs(out: int) -> List[wl.WorkloadSpec]:
+def specs(out: int, scale: int = 1) -> List[wl.WorkloadSpec]:
     """The three workloads at check size: every shared prefix >= GraniKV's default
-    hot_min_tokens (1024), so it is promoted to HOT."""
+    hot_min_tokens (1024), so it is promoted to HOT. ``scale`` multiplies the agents of each
+    (16 / 16 / 8 at 1): the agreement up to the first differing token is a per-request 0..1
+    figure, so its noise falls as 1/sqrt(requests)."""
+    if scale < 1:
+        raise ValueError(f"scale={scale} must be >= 1")
     return [
-        wl.WorkloadSpec("homogeneous", 16, 2048, {"suffix": 64, "out": out}),
-        wl.WorkloadSpec("heterogeneous", 16, 3072, {
+        wl.WorkloadSpec("homogeneous", 16 * scale, 2048, {"suffix": 64, "out": out}),
+        wl.WorkloadSpec("heterogeneous", 16 * scale, 3072, {
             "prefixes": [1024, 1536, 2048, 3072], "weights": [4, 3, 2, 1], "suffix": 64,
             "out": out}),
-        wl.WorkloadSpec("agent_loop", 8, 2048, {"turns": 3, "suffix": 64, "out": out // 2,
-                                                "tool": 48}),
+        wl.WorkloadSpec("agent_loop", 8 * scale, 2048, {"turns": 3, "suffix": 64, "out": out // 2,
+                                                        "tool": 48}),
     ]
 
 
@@ -233,6 +237,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--backends", type=csv, default=["flashinfer", "triton"],
                    help="Attention backends (both: the cross-backend reference needs two).")
     p.add_argument("--out-tokens", type=int, default=48, help="Greedy tokens per request.")
+    p.add_argument("--scale", type=int, default=4,
+                   help="Agents per workload x this (16 / 16 / 8 at 1; the agreement's noise "
+                        "falls as 1/sqrt(requests)).")
     p.add_argument("--attention-path", default="cascade",
                    help="granikv_attention_path of the GraniKV engines (auto picks paged on "
                         "prompts this short).")
@@ -252,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model_dir = args.model_dir or checkpoint.write_checkpoint(
         tempfile.mkdtemp(prefix="granikv_check_model_"), shape)
     print(f"checkpoint {model_dir} ({time.time() - t0:.0f} s)", flush=True)
-    spec_list = specs(args.out_tokens)
+    spec_list = specs(args.out_tokens, args.scale)
     configs = [c for c in CONFIGS if not (args.no_fault and c == "fault")]
     meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 command="python3 benchmark/correctness/check.py " + " ".join(argv or sys.argv[1:]),

@@ -12,7 +12,10 @@ nothing more can be compared. So every measure stops at each request's first dif
 - ``first_token_agreement``: share of requests whose first output token agrees (that token
   comes from the prefill, so it checks the extend path);
 - ``logprob_dev_mean``: mean |logprob_A - logprob_B| of the chosen token over the agreeing
-  positions.
+  positions;
+- ``agreement_stderr``: the standard error of the mean of the per-request agreeing shares
+  (each near 0 or 1: one early near-tie flip costs a whole request), the noise ``agreement``
+  carries at this request count.
 
 A comparison passes when it agrees at least as well as two correct stock backends do with
 each other on the same prompts, less ``AGREEMENT_MARGIN``, and its logprob deviation is within
@@ -55,6 +58,7 @@ class Comparison:
     first_token_agreement: float
     logprob_dev_mean: Optional[float]  # None: no agreeing position had logprobs on both sides
     compared_tokens: int  # positions the logprob deviation averages over
+    agreement_stderr: Optional[float] = None  # None: fewer than two requests
 
 
 def _agreeing_prefix(x: Sequence[int], y: Sequence[int]) -> int:
@@ -69,11 +73,12 @@ def compare(a: Outputs, b: Outputs) -> Comparison:
     if len(a.ids) != len(b.ids):
         raise ValueError(f"{len(a.ids)} requests vs {len(b.ids)}: not the same prompts")
     same = total = first = 0
-    devs = []
+    devs, shares = [], []
     for xa, xb, la, lb in zip(a.ids, b.ids, a.logprobs, b.logprobs):
         n = _agreeing_prefix(xa, xb)
         same += n
         total += max(len(xa), len(xb))
+        shares.append(n / max(len(xa), len(xb), 1))
         first += n > 0
         devs += [abs(p - q) for p, q in zip(la[:n], lb[:n]) if p is not None and q is not None]
     requests = len(a.ids)
@@ -82,7 +87,16 @@ def compare(a: Outputs, b: Outputs) -> Comparison:
         first_token_agreement=first / requests if requests else 1.0,
         logprob_dev_mean=sum(devs) / len(devs) if devs else None,
         compared_tokens=len(devs),
+        agreement_stderr=_stderr(shares),
     )
+
+
+def _stderr(xs: Sequence[float]) -> Optional[float]:
+    n = len(xs)
+    if n < 2:
+        return None
+    mean = sum(xs) / n
+    return (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5
 
 
 def passes(c: Comparison, reference: Comparison) -> bool:

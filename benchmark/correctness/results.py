@@ -59,6 +59,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
         ours = _outputs(engines, backend, config, workload)
         c = metrics.compare(ours, base) if ours is not None and base is not None else None
         out[f"{key}_agreement"] = _r(c.agreement) if c else None
+        out[f"{key}_agreement_stderr"] = _r(c.agreement_stderr) if c else None
         out[f"{key}_first_token_agreement"] = _r(c.first_token_agreement) if c else None
         out[f"{key}_logprob_dev_mean"] = _r(c.logprob_dev_mean) if c else None
         out[f"{key}_passes"] = metrics.passes(c, cross) if c and cross else None
@@ -70,6 +71,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
     out["first_token_agreement"] = out.pop("granikv_first_token_agreement")
     out["logprob_dev_mean"] = out.pop("granikv_logprob_dev_mean")
     out["cross_backend_agreement"] = _r(cross.agreement) if cross else None
+    out["cross_agreement_stderr"] = _r(cross.agreement_stderr) if cross else None
     out["cross_first_token_agreement"] = _r(cross.first_token_agreement) if cross else None
     out["cross_logprob_dev_mean"] = _r(cross.logprob_dev_mean) if cross else None
     out["passed"] = out.pop("granikv_passes")

@@ -13,7 +13,14 @@ report), ``hook p50/p99`` the wall time of hook + metadata call together, ``cpu 
 CPU time (what the step costs when the host is shared: preemption excluded). Target: plan p50
 <= 30 us, p99 <= 80 us.
 
-    python benchmark/kernels/bench_planning.py [--steps 3000] [--micro]
+    python benchmark/kernels/bench_planning.py [--steps 3000] [--device cuda] [--fresh | --both] [--micro]
+
+``--device cuda``: the workspace on the GPU (pinned staging buffers, non-blocking copies, events:
+what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
+step (SGLang reuses them; a path that copies them defeats the planner's identity-based reuse);
+``--both``: both tables. Section columns: the backend's mean per-step sections (``lookup``: HOT
+runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``;
+``view``); ``reuse``: share of steps whose work list was advanced rather than rebuilt.
 
 ``--micro`` adds the old per-function table: ``group`` = plan.group_requests, ``choose`` =
 Dispatcher.choose, ``plan`` = both; ``work_list`` = build_work_list; ``step full`` /
@@ -142,9 +149,11 @@ class _Cache:
         pass
 
 
-def serving_setup(bs: int, batch: str, rng):
+def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     """A GraniKV backend in graph mode with a cascade graph of size ``bs``, a scheduler and a
-    decode batch of ``bs`` requests: ``batch`` in BATCHES."""
+    decode batch of ``bs`` requests: ``batch`` in BATCHES. ``device``: where the workspace and
+    the batch's device tensors live (``cuda``: pinned staging buffers, real non-blocking
+    uploads and events)."""
     import torch
     from types import SimpleNamespace
 
@@ -157,7 +166,7 @@ def serving_setup(bs: int, batch: str, rng):
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=HD, num_hidden_layers=LAYERS, context_len=32768,
                          get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
     table = HotPrefixTable(bs + 1)
-    runner = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device="cpu",
+    runner = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device=device,
                              kv_cache_dtype=torch.bfloat16, server_args=SimpleNamespace(speculative_algorithm=None),
                              token_to_kv_pool_allocator=SimpleNamespace(hot_prefix_table=table),
                              req_to_token_pool=None)
@@ -173,52 +182,88 @@ def serving_setup(bs: int, batch: str, rng):
         which = rng.choice(groups, size=bs, p=weights / weights.sum())
         table.set_many(rows, 1_000_000 + which * 100_000, hot_len)
     seq = torch.from_numpy(hot_len + SUFFIX + rng.integers(0, 64, bs))
+    # SGLang's replay buffers: persistent device and host seq_lens, sliced per step
+    host_buf = torch.zeros(2 * bs, dtype=torch.int64, pin_memory=device.startswith("cuda"))
+    host_buf[:bs] = seq
     view = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=bs, num_padding=0,
-                           req_pool_indices=torch.from_numpy(rows), seq_lens=seq.clone(), seq_lens_cpu=seq.clone(),
-                           seq_lens_sum=int(seq.sum()))
+                           req_pool_indices=torch.from_numpy(rows).to(device), seq_lens=seq.to(device),
+                           seq_lens_cpu=host_buf[:bs], seq_lens_sum=int(seq.sum()))
     reqs = [SimpleNamespace(req_pool_idx=int(r)) for r in rows]
     sched = SimpleNamespace(tree_cache=_Cache(), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
                             tp_rank=0)
     sbatch = SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs, req_pool_indices_cpu=torch.from_numpy(rows))
-    return be, sched, sbatch, view, cfg
+    return be, sched, sbatch, view, cfg, host_buf
 
 
-def serving_run(bs: int, batch: str, steps: int, rng):
-    """Per-step plan times (the backend's record) and hook + metadata wall times, in us."""
+def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False):
+    """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
+    in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
+    seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
+    seq_lens tensor and a NEW rows tensor for the batch every step (what a serving path that
+    copies them would hand over), which defeats the planner's identity-based reuse."""
+    import torch
+
     from granikv.scheduler_step import on_run_batch
 
-    be, sched, sbatch, view, cfg = serving_setup(bs, batch, rng)
+    be, sched, sbatch, view, cfg, host_buf = serving_setup(bs, batch, rng, device)
+    rows = sbatch.req_pool_indices_cpu
+    cuda = device.startswith("cuda")
     wall = np.zeros(steps)
     cpu = np.zeros(steps)
     for i in range(steps):
-        view.seq_lens_cpu += 1  # SGLang's own per-step work (buffer fill), outside the timing
+        host_buf[:bs] += 1  # SGLang's own per-step work (buffer fill), outside the timing
+        if fresh:
+            view.seq_lens_cpu = host_buf[:bs].clone()
+            sbatch.req_pool_indices_cpu = rows.clone()
+        else:
+            view.seq_lens_cpu = host_buf[:bs]
         view.seq_lens_sum += bs
+        if cuda and i % 64 == 0:
+            torch.cuda.synchronize()  # the GPU keeps up with the host, as in serving
         c0, t0 = time.thread_time(), time.perf_counter()
         on_run_batch(sched, sbatch, cfg)
         be.init_forward_metadata_out_graph(view)
         wall[i], cpu[i] = time.perf_counter() - t0, time.thread_time() - c0
+    if cuda:
+        torch.cuda.synchronize()
     snap = be.stats_snapshot()
     return snap, 1e6 * wall, 1e6 * cpu
 
 
-def serving_table(steps: int) -> float:
+SECTIONS = ("lookup", "choose", "fill", "upload", "view")
+
+
+def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False) -> float:
     """Prints the serving table; returns the worst p50 over all rows."""
     rng = np.random.default_rng(0)
+    print(f"# device {device}{' (' + _device_name(device) + ')' if device != 'cpu' else ''}, "
+          f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; section columns: mean us "
+          f"per step of the backend's sections (upload = staging-buffer wait + copy + event)")
     print(f"{'batch':>9} {'bs':>4} {'path':>8} {'p50':>7} {'p99':>7} {'mean':>7} {'hook p50':>9} {'hook p99':>9} "
-          f"{'cpu p50':>8} {'cpu p99':>8}")
+          f"{'cpu p50':>8} {'cpu p99':>8} " + " ".join(f"{s:>7}" for s in SECTIONS) + f" {'reuse':>6}")
     worst = [0.0, 0.0]
     for batch in BATCHES:
         for bs in (64, 128, 256):
-            snap, wall, cpu = serving_run(bs, batch, steps, rng)
+            snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh)
             path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
             p50, p99 = snap["plan_us_p50"], snap["plan_us_p99"]
             worst = [max(worst[0], p50), max(worst[1], p99)]
             w50, w99 = np.percentile(wall, [50, 99])
             c50, c99 = np.percentile(cpu, [50, 99])
+            n = snap["planned_steps"] or 1
+            sec = snap["plan_sections_us_total"]
+            reuse = snap["work_list_reuses"] / max(1, snap["work_list_reuses"] + snap["work_list_builds"])
             print(f"{batch:>9} {bs:>4} {path:>8} {p50:>7.1f} {p99:>7.1f} {snap['plan_us_mean']:>7.1f} "
-                  f"{w50:>9.1f} {w99:>9.1f} {c50:>8.1f} {c99:>8.1f}", flush=True)
+                  f"{w50:>9.1f} {w99:>9.1f} {c50:>8.1f} {c99:>8.1f} "
+                  + " ".join(f"{sec[s] / n:>7.1f}" for s in SECTIONS) + f" {reuse:>6.2f}", flush=True)
     print(f"# worst plan p50 {worst[0]:.1f} us (target <= 30), worst p99 {worst[1]:.1f} us (target <= 80)")
     return worst
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def cpu_name() -> str:
@@ -239,11 +284,17 @@ def main():
     ap.add_argument("--no-work-list", action="store_true")
     ap.add_argument("--steps", type=int, default=3000, help="decode steps per serving row")
     ap.add_argument("--micro", action="store_true", help="also the per-function table")
+    ap.add_argument("--device", default="cpu",
+                    help="where the workspace lives: cpu (default) or cuda[:N] (pinned uploads, events)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="new host seq_lens and rows tensors every step (identity-based reuse fails)")
+    ap.add_argument("--both", action="store_true", help="the table with reused buffers, then with fresh ones")
     args = ap.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {cpu_name()} ({os.cpu_count()} cores, load average {load}), python {platform.python_version()}, "
           f"numpy {np.__version__}; serving path, {args.steps} decode steps per row; us per step")
-    serving_table(args.steps)
+    for fresh in ((False, True) if args.both else (args.fresh,)):
+        serving_table(args.steps, device=args.device, fresh=fresh)
     if not args.micro:
         return
 

@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import bounds
+from granikv.layers.attention.cascade.step_stats import PlanTimeHistogram
+
+quantile_us = PlanTimeHistogram.quantile_us
 
 SIDE_KEYS = ("seconds", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_used_tokens_peak")
 SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.90
@@ -61,12 +64,22 @@ def granikv_facts(rec: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     att = delta.get("attention") if isinstance(delta.get("attention"), Mapping) else {}
     steps, total = _num(att.get("planned_steps")), _num(att.get("plan_us_total"))
     window = _num(find_key(after, "plan_window_steps"))
+    hist = att.get("plan_us_hist") if isinstance(att.get("plan_us_hist"), Mapping) else None
+    p50, p99 = (quantile_us(hist, 50), quantile_us(hist, 99)) if hist else (None, None)
+    per_step = (lambda us: round(us / steps, 2) if steps and _num(us) is not None else None)
+    sections = att.get("plan_sections_us_total") if isinstance(att.get("plan_sections_us_total"), Mapping) else {}
     return dict(
-        plan_us_p50=_num(find_key(after, "plan_us_p50")),
-        plan_us_p99=_num(find_key(after, "plan_us_p99")),
-        plan_us_mean_row=round(total / steps, 2) if steps and total is not None else None,
+        # the row's own decode steps (bucket deltas of the cumulative histogram) where the engine
+        # exports one; else the engine's recent-steps window, which may span earlier rows
+        plan_us_p50=round(p50, 2) if p50 is not None else _num(find_key(after, "plan_us_p50")),
+        plan_us_p99=round(p99, 2) if p99 is not None else _num(find_key(after, "plan_us_p99")),
+        plan_us_mean_row=per_step(total),
+        plan_cpu_us_mean_row=per_step(att.get("plan_cpu_us_total")),
+        plan_sections_us_mean_row={k: per_step(v) for k, v in sections.items()},
+        plan_percentiles_of="row" if p50 is not None else "engine window",
         plan_window_steps=window,
-        plan_window_only_this_row=None if window is None or steps is None else steps >= window,
+        plan_window_only_this_row=(True if p50 is not None else
+                                   None if window is None or steps is None else steps >= window),
         decode_steps=att.get("decode_steps"),
         dispatch_paths={k: v for k, v in (att.get("steps_per_path") or {}).items() if v},
         extend_fallbacks={k: v for k, v in (att.get("extend_fallbacks") or {}).items() if v},

@@ -64,6 +64,18 @@ class PrometheusExporter:
                                "workspace fill), percentile over the last decode steps.",
                                labelnames=names + ["quantile"], multiprocess_mode="mostrecent",
                                registry=reg)
+        self._plan_steps = Gauge("granikv:planned_steps_total", "Decode steps planned (and timed) by GraniKV.",
+                                 labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+        self._plan_section = Gauge("granikv:plan_section_us_total",
+                                   "Host time of decode planning per section (stage, lookup, choose, fill, "
+                                   "upload, view), and 'cpu': the thread CPU time of the backend's part "
+                                   "(work, not waiting); a rate over planned_steps_total gives means.",
+                                   labelnames=names + ["section"], multiprocess_mode="mostrecent", registry=reg)
+        self._plan_bucket = Gauge("granikv:plan_us_bucket",
+                                  "Decode steps whose planning took at most 'le' microseconds (cumulative "
+                                  "histogram since start; bucket deltas give any window's percentiles).",
+                                  labelnames=names + ["le"], multiprocess_mode="mostrecent", registry=reg)
+        self._bucket_edges = set()  # histogram edges published so far
         self._reuse = Gauge("granikv:work_list_fills_total",
                             "Decode-step workspace fills: 'built' from scratch or 'reused' from the previous step.",
                             labelnames=names + ["kind"], multiprocess_mode="mostrecent", registry=reg)
@@ -98,8 +110,26 @@ class PrometheusExporter:
             self._plan.labels(**self.labels).set(float(attention.get("plan_us_mean", 0.0)))
             for q, key in (("0.5", "plan_us_p50"), ("0.99", "plan_us_p99")):
                 self._plan_pct.labels(**self.labels, quantile=q).set(float(attention.get(key, 0.0)))
+            self._plan_steps.labels(**self.labels).set(float(attention.get("planned_steps", 0)))
+            sections = dict(attention.get("plan_sections_us_total") or {})
+            sections["cpu"] = attention.get("plan_cpu_us_total", 0.0)
+            for section, us in sections.items():
+                self._plan_section.labels(**self.labels, section=section).set(float(us))
+            self._update_buckets(attention.get("plan_us_hist") or {})
             for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses")):
                 self._reuse.labels(**self.labels, kind=kind).set(float(attention.get(key, 0)))
             hot = float(attention.get("extend_hot_batches", 0))
             self._extend.labels(**self.labels, path="hot").set(hot)
             self._extend.labels(**self.labels, path="stock").set(float(attention.get("extend_batches", 0)) - hot)
+
+    def _update_buckets(self, hist: Mapping[str, float]) -> None:
+        """Prometheus histogram convention: cumulative counts per upper edge, ``+Inf`` last
+        (only the edges some step reached, and every edge after them: counts never go down)."""
+        seen = self._bucket_edges
+        seen.update(hist)
+        total = 0.0
+        for edge in sorted(seen, key=float):
+            total += float(hist.get(edge, 0))
+            self._plan_bucket.labels(**self.labels, le="+Inf" if edge == "inf" else edge).set(total)
+        if "inf" not in seen:
+            self._plan_bucket.labels(**self.labels, le="+Inf").set(total)

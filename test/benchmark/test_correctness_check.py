@@ -37,6 +37,11 @@ def test_compare_stops_at_each_first_difference():
     assert c.compared_tokens == 3  # request 0: 2 positions, request 2: 1 (the other has None)
     assert c.logprob_dev_mean == pytest.approx((0.5 + 0.0 + 0.25) / 3)
     assert metrics.compare(a, a).agreement == 1.0 and metrics.compare(a, a).logprob_dev_mean == 0.0
+    # per-request shares 0.5, 0.0, 1.0: sd 0.5, over sqrt(3) requests
+    assert c.agreement_stderr == pytest.approx(0.5 / 3 ** 0.5)
+    assert metrics.compare(a, a).agreement_stderr == 0.0
+    one = metrics.Outputs(ids=[[1]], logprobs=[[None]])
+    assert metrics.compare(one, one).agreement_stderr is None
     with pytest.raises(ValueError, match="not the same prompts"):
         metrics.compare(a, metrics.Outputs(ids=[[1]], logprobs=[[None]]))
 
@@ -104,6 +109,15 @@ def test_workloads_fit_the_vocabulary_and_keep_sharing():
     assert loop.turns == 3
     assert check.between_turns(loop, 1, 0, 4096) == check.between_turns(loop, 1, 0, 4096)
     assert check.between_turns(loop, 1, 0, 4096) != check.between_turns(loop, 2, 0, 4096)
+
+
+def test_scale_multiplies_the_agents_of_every_workload():
+    base, big = check.specs(8), check.specs(8, 4)
+    assert [s.agents * 4 for s in base] == [s.agents for s in big]
+    assert [s.prefix_len for s in base] == [s.prefix_len for s in big]
+    assert check.parse_args([]).scale == 4
+    with pytest.raises(ValueError, match="scale=0"):
+        check.specs(8, 0)
 
 
 # ---- rows and report --------------------------------------------------------------------------
@@ -194,7 +208,7 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     env.pop("GRANIKV_DEBUG_FAULT", None)
     out = tmp_path / "out"
     cmd = [sys.executable, str(CHECK / "check.py"), "--model-dir", str(tmp_path / "model"),
-           "--out-tokens", "8", "--out", str(out)]
+           "--out-tokens", "8", "--scale", "1", "--out", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "correctness.json").read_text())

@@ -200,6 +200,22 @@ def test_assemble_pairs_sides_ceiling_floor_and_counters(rep):
     assert rep.verdicts(h) == []
 
 
+def test_plan_percentiles_of_a_row_come_from_its_histogram_delta(rep):
+    """With the engine's cumulative histogram, a row's p50/p99 are its own steps' (the bucket
+    deltas), whatever the engine's recent-steps window says; section means are per row too."""
+    hist = {"16": 60, "19.03": 30, "22.63": 8, "90.51": 2}
+    gkv = dict(after=GKV["after"], delta=dict(GKV["delta"], attention=dict(
+        GKV["delta"]["attention"], planned_steps=100, plan_us_total=2000.0, plan_cpu_us_total=1500.0,
+        plan_us_hist=hist, plan_sections_us_total={"lookup": 500.0, "upload": 800.0})))
+    rows = rep.assemble([_rec("baseline", "r", 2600.0), _rec("baseline", "r", 7700.0, "ceiling", prefixes=(256,)),
+                         _rec("granikv", "r", 5900.0, gkv=gkv)])
+    r = rows[0]
+    assert 13.45 < r["plan_us_p50"] <= 16.0 and 22.63 < r["plan_us_p99"] <= 90.51
+    assert r["plan_us_p50"] != 21.0 and r["plan_percentiles_of"] == "row" and r["plan_window_only_this_row"]
+    assert r["plan_us_mean_row"] == 20.0 and r["plan_cpu_us_mean_row"] == 15.0
+    assert r["plan_sections_us_mean_row"] == {"lookup": 5.0, "upload": 8.0}
+
+
 def test_a_row_without_its_ceiling_has_no_floor(rep):
     rows = rep.assemble([_rec("baseline", "r", 2600.0), _rec("granikv", "r", 5900.0)])
     assert rows[0]["floor_speedup"] is None and "ceiling" in rows[0]["floor_reason"]
@@ -338,7 +354,7 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
     fake = tmp_path / "fake" / "sglang"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_SGLANG)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(ROOT / "python")]))
     out = tmp_path / "out"
     script = ROOT / "benchmark" / "multi_agent" / "regimes.py"
     cmd = [sys.executable, str(script), "--backend", "triton", "--models", "llama-3.1-8b-4layers",

@@ -42,7 +42,8 @@ def runner(tmp_path):
     ctx = get_context()
     with ctx.preserve_config():
         ctx.set_server_args(sa)
-        with get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, tp_size=1):
+        with get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, tp_size=1,
+                                     attn_cp_size=1, attn_cp_rank=0):
             r = SimpleNamespace(model_config=ModelConfig.from_server_args(sa), server_args=sa, device="cuda", gpu_id=0,
                                 is_draft_worker=False, sliding_window_size=None, page_size=1, kv_cache_dtype=DTYPE,
                                 dtype=DTYPE, init_new_workspace=False, spec_algorithm=SpeculativeAlgorithm.NONE,
@@ -126,28 +127,57 @@ def test_eager_decode_over_a_hot_prefix_equals_stock(runner, name):
     torch.testing.assert_close(out, _stock(runner, name, fb, q, k, v, layer), atol=ATOL, rtol=RTOL)
 
 
+def _capture(ours, fb, q, k, v, layer, *, cascade: bool):
+    """One decode graph of ``fb.batch_size`` as the graph-runner hooks capture it (plugin.py):
+    the stock graph, or (``cascade``) the cascade graph of that size right after it."""
+    bs = fb.batch_size
+    if cascade:
+        ours.graphs.begin_capture(bs)
+    try:
+        ours.init_forward_metadata_out_graph(fb, in_capture=True)
+        for _ in range(2):  # warm-up (compiles the kernels) before capture
+            ours.forward_decode(q, k.view(-1, HKV, D), v.view(-1, HKV, D), layer, fb, save_kv_cache=False)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ours.forward_decode(q, k.view(-1, HKV, D), v.view(-1, HKV, D), layer, fb, save_kv_cache=False)
+    finally:
+        if cascade:
+            ours.graphs.end_capture(True)
+    return graph, out
+
+
 @pytest.mark.parametrize("name", ["triton", "flashinfer"])
 def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name):
+    """Both graphs of one size captured (stock, then cascade, sharing the wrapped backend's
+    metadata buffers); each step's plan picks the graph that replays: a batch with a shared
+    HOT prefix replays the cascade graph, a batch without one the stock graph, and both equal
+    the stock backend."""
     fb, rows = _batch(runner)
     bs = fb.batch_size
     layer = _layer()
     ours = GraniKVAttnBackend.wrap(_build(runner, name), model_runner=runner,
                                    cfg=GraniKVConfig(enable=True, attention_path="cascade"), backend_name=name)
     ours.init_cuda_graph_state(bs, bs)
-    q, k, v = (torch.zeros_like(t) for t in _qkv(bs, 0))  # the graph's static inputs
-    ours.init_forward_metadata_out_graph(fb, in_capture=True)
-    for _ in range(2):  # warm-up (compiles the kernels) before capture
-        ours.forward_decode(q, k.view(-1, HKV, D), v.view(-1, HKV, D), layer, fb, save_kv_cache=False)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ours.forward_decode(q, k.view(-1, HKV, D), v.view(-1, HKV, D), layer, fb, save_kv_cache=False)
-    for seed in (1, 2):  # two replays with fresh inputs, each planned before replay
+    q, k, v = (torch.zeros_like(t) for t in _qkv(bs, 0))  # the graphs' static inputs
+    stock_graph, stock_out = _capture(ours, fb, q, k, v, layer, cascade=False)
+    cascade_graph, cascade_out = _capture(ours, fb, q, k, v, layer, cascade=True)
+    assert ours.graphs.has_cascade_graph(bs)
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    for seed, shared in ((1, True), (2, False), (3, True)):  # fresh inputs, planned before replay
+        if not shared:  # the same rows and KV, no HOT prefix recorded: nothing to group
+            for r in rows:
+                table.set(int(r), 0, 0)
+        else:
+            _batch(runner)
         fresh = _qkv(bs, seed)
         for static, new in zip((q, k, v), fresh):
             static.copy_(new)
         ours.stage_batch(rows)
         ours.init_forward_metadata_out_graph(fb)
+        assert ours.graphs.planned_cascade is shared
+        graph, out = (cascade_graph, cascade_out) if ours.graphs.planned_cascade else (stock_graph, stock_out)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, _stock(runner, name, fb, *fresh, layer), atol=ATOL, rtol=RTOL)
-    assert ours.stats.paths.get("cascade") == 2
+    assert ours.stats.paths.get("cascade") == 2 and ours.stats.paths.get("paged") == 1
+    assert ours.reads_req_to_token_during_replay() is False  # the last step replayed the stock graph

@@ -171,3 +171,63 @@ def test_seq_lens_view_follows_the_memory():
     i32 = be.decode._seq_lens_view(host[:8].to(torch.int32), 8)
     assert i32.dtype == np.int64 and i32.tolist() == list(range(110, 118))
     assert be.decode._seq_lens_view(host[:3], 5) is None  # fewer lengths than requests
+
+
+# ---- planning-time diagnostics ----------------------------------------------------------------
+
+
+def test_plan_time_histogram_quantiles_from_bucket_deltas():
+    """Bucket counts are cumulative; the difference of two snapshots is the histogram of the
+    steps in between, and its quantiles are those steps' percentiles within a bucket's width."""
+    from granikv.layers.attention.cascade.step_stats import PlanTimeHistogram
+
+    h = PlanTimeHistogram()
+    rng = np.random.default_rng(3)
+    early = rng.uniform(200e-6, 900e-6, 500)  # an earlier row: slow steps
+    for s in early:
+        h.add(float(s))
+    before = h.snapshot()
+    row = rng.lognormal(np.log(20e-6), 0.4, 2000)
+    for s in row:
+        h.add(float(s))
+    after = h.snapshot()
+    delta = {k: n - before.get(k, 0) for k, n in after.items()}
+    assert sum(delta.values()) == 2000 and sum(after.values()) == 2500
+    for q in (50, 90, 99):
+        want = float(np.percentile(row * 1e6, q))
+        got = PlanTimeHistogram.quantile_us(delta, q)
+        assert want / 1.19 <= got <= want * 1.19, (q, got, want)  # one bucket is 2^(1/4) wide
+    whole = PlanTimeHistogram.quantile_us(after, 99)
+    assert whole > 200  # the earlier row's steps would dominate a whole-life p99
+    assert PlanTimeHistogram.quantile_us({}, 50) is None
+    assert PlanTimeHistogram.quantile_us({"1": 0}, 50) is None
+    h2 = PlanTimeHistogram()
+    h2.add(0.5)  # 500 ms: the overflow bucket, reported at its lower edge
+    assert h2.snapshot() == {"inf": 1} and PlanTimeHistogram.quantile_us(h2.snapshot(), 50) == 16384.0
+    h2.add(0.5e-6)
+    assert h2.snapshot()["1"] == 1 and 0 < PlanTimeHistogram.quantile_us({"1": 1}, 50) <= 1.0
+
+
+def test_plan_sections_add_up_and_the_histogram_counts_every_step():
+    """Every planned step lands in the histogram once; the sections add up to the planning
+    time (stage included), and thread CPU time is counted beside wall time."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    for step in range(6):
+        if step:
+            fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+            fb.seq_lens = fb.seq_lens_cpu.clone()
+        be.stage_batch(rows, seconds=2e-6)
+        be.init_forward_metadata(fb)
+        assert be.decode.path is Path.CASCADE
+    snap = be.stats_snapshot()
+    assert snap["planned_steps"] == 6 and sum(snap["plan_us_hist"].values()) == 6
+    sec = snap["plan_sections_us_total"]
+    assert set(sec) == {"stage", "lookup", "choose", "fill", "upload", "view"}
+    assert sec["stage"] == pytest.approx(12.0)
+    assert all(v >= 0 for v in sec.values()) and sec["lookup"] > 0 and sec["choose"] > 0 and sec["fill"] > 0
+    assert sum(sec.values()) == pytest.approx(snap["plan_us_total"], rel=1e-6)
+    assert sec["upload"] == pytest.approx(snap["upload_us_total"], rel=1e-6) and sec["upload"] > 0
+    assert 0 < snap["plan_cpu_us_total"] <= snap["plan_us_total"] * 1.5  # CPU time: the same work
+    assert snap["plan_us_p50"] <= snap["plan_us_max"]

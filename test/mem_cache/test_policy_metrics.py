@@ -31,7 +31,10 @@ class _Estimate:
     def __init__(self):
         self.calls = []
 
-    def saving_us(self, prefix_len, num_sharers):
+    def serves(self, num_sharers):
+        return num_sharers >= 2
+
+    def saving_us(self, prefix_len, num_sharers, context=(), within=None):
         self.calls.append((prefix_len, num_sharers))
         return (num_sharers - 1) * prefix_len / 1000
 
@@ -57,7 +60,7 @@ def test_pays_off_policy_weighs_saving_over_steps_against_copy():
 
 
 def test_pays_off_policy_in_the_cache_skips_what_does_not_pay():
-    """Queued on the default horizon; executed only if the holders' remaining decode budget
+    """Queued once it passes the floors; executed only if the holders' remaining decode budget
     still pays (``does_not_pay``); decisions depend only on tree and request state."""
     import random
     from types import SimpleNamespace

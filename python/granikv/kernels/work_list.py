@@ -399,6 +399,7 @@ class CascadeWorkspace:
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
         self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
+        self.upload_seconds = 0.0  # host time of uploads: those waits + the copies (and events)
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
                             else None)
@@ -586,7 +587,9 @@ class CascadeWorkspace:
     def _wait(self, k: int) -> None:
         t0 = time.perf_counter()
         self._events[k].synchronize()
-        self.upload_wait_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.upload_wait_seconds += dt
+        self.upload_seconds += dt
 
     def _upload(self, wl: WorkList, req_pool_indices, base: Optional[_ReuseBase] = None) -> None:
         """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
@@ -612,6 +615,7 @@ class CascadeWorkspace:
         """Buffer ``k`` (written but for the rows) to ``meta``, with the first ``n`` rows. Host
         rows are written unless the buffer holds that very array already (same object, same n,
         since the last full write of the buffer)."""
+        t0 = time.perf_counter()
         rpi = self._offs["rpi"]
         from_device = isinstance(req_pool_indices, torch.Tensor)
         held = self._host_rows[k]
@@ -627,6 +631,7 @@ class CascadeWorkspace:
             self.meta.copy_(self._host[k])
         if from_device:
             self.req_pool_indices[:n].copy_(req_pool_indices[:n], non_blocking=True)
+        self.upload_seconds += time.perf_counter() - t0
 
     # -------------------------------------------------------------- helpers
     def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:

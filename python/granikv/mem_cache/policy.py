@@ -1,23 +1,31 @@
 """Promotion policies: which radix-tree node becomes HOT.
 
 Deterministic by contract: a decision may depend only on tree state (lengths, lock counts,
-hit counts), the holders' requests (their remaining decode budget) and rank-independent
-configuration (the cost model), never on wall time or randomness, because each TP rank runs
-its own scheduler and every rank must promote the same nodes at the same step.
+hit counts, HOT flags), the holders' requests (their remaining decode budget) and
+rank-independent configuration (the cost model), never on wall time or randomness, because
+each TP rank runs its own scheduler and every rank must promote the same nodes at the same step.
 
-The radix cache asks the policy about the nodes of a locked path, deepest first, and promotes
-the deepest node it accepts:
+The radix cache asks the policy about the nodes of a locked path, deepest first, and queues
+the deepest node ``may_promote`` accepts (the holders and the rest of the step are not known
+yet):
 
     root ── h (4) ── A (chunk 1) ── B (chunk 2) ── s1 (agent suffix)
                                                 └─ s2
-    should_promote(prefix_len = 4 + |A| + |B|, num_sharers = lock_ref(B)) -> B is the candidate
+    may_promote(prefix_len = 4 + |A| + |B|, num_sharers = lock_ref(B)) -> B is the candidate
 
-It asks once when queueing (``remaining_steps=None``: the holders are not known yet) and once
-more before executing, with the holders' expected remaining decode steps.
+Before executing the queued promotions it asks ``should_promote`` once per candidate, with the
+holders' expected remaining decode steps and the ``context``: the step's other groups as
+``(prefix_len, sharers)`` pairs (HOT groups with live holders, the other queued candidates
+that pass ``may_promote``; mem_cache/step_context.py builds it from the tree) and ``within``:
+the group above the candidate on its path that serves its holders without it, if any. A
+policy that prices a promotion in its step (``uses_context``) sees what the candidate adds to
+a step that already serves the others.
 """
 
 import math
-from typing import Optional, Protocol
+from typing import Iterable, Optional, Protocol, Tuple
+
+Group = Tuple[int, int]  # (prefix_len, sharers) of one group of a step
 
 
 class PromotionPolicy:
@@ -27,11 +35,19 @@ class PromotionPolicy:
     would make HOT, its ancestors included); ``num_sharers``: the node's lock count (one per
     live request whose path holds it); ``hit_count``: SGLang's per-node hit counter;
     ``remaining_steps``: the decode steps the holders are still expected to run (mean over
-    them), ``None`` when not known.
+    them), ``None`` when not known; ``context`` / ``within``: the step's other groups and the
+    group above the candidate (module docstring), only built for a policy with ``uses_context``.
     """
 
+    uses_context = False
+
+    def may_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0) -> bool:
+        """Queue-time filter (holders and step unknown). Default: ``should_promote`` alone."""
+        return self.should_promote(prefix_len, num_sharers, hit_count=hit_count)
+
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
-                       remaining_steps: Optional[float] = None) -> bool:
+                       remaining_steps: Optional[float] = None,
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         raise NotImplementedError
 
 
@@ -39,7 +55,8 @@ class NeverPromote(PromotionPolicy):
     """Null policy: GraniKV storage without promotions (everything stays COLD)."""
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
-                       remaining_steps: Optional[float] = None) -> bool:
+                       remaining_steps: Optional[float] = None,
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         return False
 
 
@@ -58,7 +75,8 @@ class SharedLongPrefixPolicy(PromotionPolicy):
         return cls(min_tokens=config.hot_min_tokens, min_sharers=config.hot_min_sharers)
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
-                       remaining_steps: Optional[float] = None) -> bool:
+                       remaining_steps: Optional[float] = None,
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         return prefix_len >= self.min_tokens and num_sharers >= self.min_sharers
 
     def __repr__(self) -> str:
@@ -69,27 +87,40 @@ class PromotionEstimate(Protocol):
     """What a promotion is worth, from the attention layer's cost model (passed in by the
     plugin wiring: the storage layer does not import the dispatcher). Microseconds."""
 
-    def saving_us(self, prefix_len: int, num_sharers: int) -> float:
-        """Decode time saved per step (all layers) when ``num_sharers`` requests read a HOT
-        prefix of ``prefix_len`` tokens through the shared-prefix path instead of paged;
-        ``<= 0`` when the dispatcher would not serve such a group with it."""
+    def serves(self, num_sharers: int) -> bool:
+        """Whether some step could serve a group of ``num_sharers`` requests with the
+        shared-prefix path (not: too few to group, a forced paged path, calibration disabled it)."""
+
+    def saving_us(self, prefix_len: int, num_sharers: int, context: Iterable[Group] = (),
+                  within: Optional[Group] = None) -> float:
+        """Decode time saved per step (all layers) by ``num_sharers`` requests reading a HOT
+        prefix of ``prefix_len`` tokens through the shared-prefix path, in a step whose other
+        groups are ``context`` (the marginal: the step with the group HOT against without;
+        ``within``: the group that serves the requests without it, with its other sharers);
+        ``<= 0`` when the dispatcher would not serve such a step with it. Independent of the
+        context's order."""
 
     def copy_us(self, num_tokens: int) -> float:
         """Time to copy ``num_tokens`` tokens of KV (all layers) into an extent."""
 
 
 class PaysOffPolicy(PromotionPolicy):
-    """Promote when the estimated decode-time saving pays for the promotion.
+    """Promote when the estimated decode-time saving, in the step the prefix will be served
+    in, pays for the promotion.
 
-        saving_us(prefix_len, sharers) * steps  >  copy_us(prefix_len) + slot_us * prefix_len
+        saving_us(prefix_len, sharers, context, within) * steps  >  copy_us(prefix_len) + slot_us * prefix_len
 
     ``steps`` = the holders' expected remaining decode steps (``default_steps`` when not
     known); ``copy_us`` is the worst case (a promotion that adopts the node's own slots copies
     less); ``slot_us`` charges each slot the extent holds (0: HOT slots are evictable like
     any cached KV). ``min_tokens`` / ``min_sharers`` stay hard floors. A prefix the
     dispatcher would never serve with the shared-prefix path (``saving_us <= 0``: too short,
-    too few sharers, a forced paged path) is never promoted.
+    too few sharers, a forced paged path) is never promoted; ``may_promote`` (queue time)
+    checks the floors and ``serves`` only, since whether a small group pays depends on the
+    groups it will be served with.
     """
+
+    uses_context = True
 
     def __init__(self, estimate: PromotionEstimate, *, min_tokens: int, min_sharers: int,
                  default_steps: float, slot_us: float = 0.0):
@@ -105,11 +136,15 @@ class PaysOffPolicy(PromotionPolicy):
         return cls(estimate, min_tokens=config.hot_min_tokens, min_sharers=config.hot_min_sharers,
                    default_steps=config.hot_expected_decode_steps)
 
+    def may_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0) -> bool:
+        return self.floor.should_promote(prefix_len, num_sharers) and self.estimate.serves(num_sharers)
+
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
-                       remaining_steps: Optional[float] = None) -> bool:
+                       remaining_steps: Optional[float] = None,
+                       context: Iterable[Group] = (), within: Optional[Group] = None) -> bool:
         if not self.floor.should_promote(prefix_len, num_sharers):
             return False
-        saving = self.estimate.saving_us(prefix_len, num_sharers)
+        saving = self.estimate.saving_us(prefix_len, num_sharers, context=context, within=within)
         if not saving > 0:
             return False
         if math.isinf(saving):

@@ -57,6 +57,7 @@ from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 from granikv.mem_cache.kv_copy import check_kv_layout, copy_kv_slots, move_kv_slots
 from granikv.mem_cache.metrics import GraniKVMetrics
 from granikv.mem_cache.policy import PromotionPolicy, SharedLongPrefixPolicy
+from granikv.mem_cache.step_context import StepContext
 
 
 _RETRY = "retry"
@@ -128,6 +129,8 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         self._pending: Dict[TreeNode, None] = {}  # insertion-ordered set: deterministic
         self._retry_counted: Dict[TreeNode, None] = {}  # queued nodes whose unknown_holders skip is counted
         self._live: Dict[int, object] = {}  # req_pool_idx -> Req
+        self._candidates: tuple = ()  # the queue as apply_pending_promotions found it
+        self._step: Optional[StepContext] = None  # built from the tree once per apply call
         self.promotions_frozen: Optional[str] = None  # why no new promotion is queued, if so
         super().__init__(params)
         self.refresh_gauges()
@@ -249,6 +252,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         if register:
             self.update_requests_hot_prefix(register)
         work, self._pending = deque(self._pending), {}
+        self._candidates, self._step = tuple(work), None
         seen, promoted = set(), 0
         while work:
             node = work.popleft()
@@ -271,6 +275,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
                 continue  # counted by _place
             self._materialize(node, placement, holders)
             promoted += 1
+        self._candidates, self._step = (), None  # no tree nodes held past the call
         self._retry_counted = {n: None for n in self._retry_counted if n in self._pending}
         if promoted:
             self.refresh_gauges()
@@ -346,7 +351,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         path = self._path(node)
         end = sum(len(n.key) for n in path)
         for n in reversed(path):
-            if self.policy.should_promote(end, n.lock_ref, hit_count=n.hit_count):
+            if self.policy.may_promote(end, n.lock_ref, hit_count=n.hit_count):
                 return n
             end -= len(n.key)
         return None
@@ -364,7 +369,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         if not self._attached(node) or node in self._hot_start:
             return None  # stale queue entry: evicted, already HOT
         total = self._depth(node) + len(node.key)
-        if not self.policy.should_promote(total, node.lock_ref, hit_count=node.hit_count):
+        if not self.policy.may_promote(total, node.lock_ref, hit_count=node.hit_count):
             return None
         if total > self.token_to_kv_pool_allocator.hot_capacity:
             self.metrics.skip("too_large")
@@ -377,12 +382,24 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
                 self._retry_counted[node] = None
                 self.metrics.skip("unknown_holders")
             return _RETRY
-        steps = _remaining_steps(holders)
-        if steps is not None and not self.policy.should_promote(
-                total, node.lock_ref, hit_count=node.hit_count, remaining_steps=steps):
+        if not self.policy.should_promote(total, node.lock_ref, hit_count=node.hit_count,
+                                          remaining_steps=_remaining_steps(holders),
+                                          **self._step_context(node)):
             self.metrics.skip("does_not_pay")
             return None
         return holders
+
+    def _step_context(self, node: TreeNode) -> dict:
+        """``context`` / ``within`` of the step ``node`` would be served in (``StepContext``):
+        HOT nodes with live holders + the queued candidates that pass ``may_promote``."""
+        if not self.policy.uses_context:
+            return {}
+        if self._step is None or node not in self._step:
+            hot = [n for n in self._hot_start if n.lock_ref > 0]
+            queued = [n for n in self._candidates if n not in self._hot_start and self._attached(n)
+                      and self.policy.may_promote(self._depth(n) + len(n.key), n.lock_ref)]
+            self._step = StepContext([*hot, *queued, node], root=self.root_node)
+        return dict(context=self._step.context_for(node), within=self._step.within(node))
 
     def _superseded_by(self, node: TreeNode, holders: list) -> Optional[list]:
         """``None`` if some holder's deepest accepted node is ``node``; otherwise the holders'

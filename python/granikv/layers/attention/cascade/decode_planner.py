@@ -51,6 +51,7 @@ class DecodePlanner:
         self._ones = None
         self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
         self.filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
+        self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
     def use_dispatcher(self, dispatcher) -> None:
@@ -64,7 +65,8 @@ class DecodePlanner:
                 "work_list_reuses": sum(w.fills_reused for w in wss),
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
-                "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss)}
+                "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss),
+                "upload_us_total": 1e6 * sum(w.upload_seconds for w in wss)}
 
     def cascade_can_win(self, bs: int) -> bool:
         host = self.host
@@ -108,17 +110,22 @@ class DecodePlanner:
         replays a graph of ``fb.batch_size`` (paged, or cascade where that size has a cascade
         graph). The time of both parts is recorded, with ``stage_seconds`` (the host time the
         scheduler hook spent staging this step)."""
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        self._t_choose = None
         plan = self._plan(fb, staged, graph=graph)
         t1 = time.perf_counter()
+        tc = self._t_choose or t1
         self.path = Path.PAGED if plan is None else plan[2].path  # graph steps: paged or cascade
+        upload = 0.0
         if plan is not None:
-            self._fill_workspace(plan, fb)
+            upload = self._fill_workspace(plan, fb)
         self.graphs.planned_cascade = graph and plan is not None
-        view = fb if plan is None else self._inner_view(fb)
         t2 = time.perf_counter()
-        self.host.stats.record_plan_time(t2 - t0 + stage_seconds, choose=t1 - t0, fill=t2 - t1,
-                                         stage=stage_seconds)
+        view = fb if plan is None else self._inner_view(fb)
+        t3 = time.perf_counter()
+        self.host.stats.record_plan_time(
+            t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
+            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload, upload, t3 - t2))
         return view
 
     def _plan(self, fb, staged, graph: bool):
@@ -170,6 +177,7 @@ class DecodePlanner:
                          "(stale HotPrefixTable); this step runs paged")
             stats.unplanned += 1
             return None
+        self._t_choose = time.perf_counter()
         decision = self.chooser.choose(grouping, desc, graph_safe_only=graph)
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
@@ -194,19 +202,22 @@ class DecodePlanner:
         self._seq_view = (key, seq_lens_cpu.dtype, view)
         return view
 
-    def _fill_workspace(self, plan, fb) -> None:
+    def _fill_workspace(self, plan, fb) -> float:
+        """Advances or fills the step's workspace; returns the seconds its upload took."""
         ws = self.ws = self.workspace_for(fb.batch_size)
+        up0 = ws.upload_seconds
         grouping, desc, decision = plan
         same = grouping is self.filled_grouping and ws is self._filled_ws
         if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
                                single_prefix_chunk=decision.path is Path.BGEMM):
-            return  # a steady step: only the suffix ends changed
+            return ws.upload_seconds - up0  # a steady step: only the suffix ends changed
         prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens, desc.req_pool_indices,
                                          fb.batch_size)
         ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
                 single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same)
         self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
+        return ws.upload_seconds - up0
 
     def _inner_view(self, fb):
         """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""

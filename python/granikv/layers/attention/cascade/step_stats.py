@@ -1,11 +1,24 @@
-"""Per-step counters of the attention dispatcher (what ran, and why)."""
+"""Per-step counters of the attention dispatcher (what ran, and why), and the host time of
+decode planning: totals per section, thread CPU time beside wall time, a cumulative histogram."""
 
+import bisect
+import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import numpy as np
 
 PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most recent ones)
+
+# Sections of a decode step's planning, in order (``StepStats.record_plan_time``):
+#   stage   the scheduler hook's staging of the batch rows
+#   lookup  HOT runs of the staged rows, grouping (or its reuse), seq_lens view, description
+#   choose  the path choice (SteadyChooser)
+#   fill    the workspace's advance / full fill, less its upload
+#   upload  waiting for a staging buffer + the device copy of the metadata (+ its event)
+#   view    the wrapped backend's ``seq_len = 1`` view of the batch
+PLAN_SECTIONS = ("stage", "lookup", "choose", "fill", "upload", "view")
 
 
 class RecentTimes:
@@ -34,6 +47,49 @@ class RecentTimes:
         return tuple(float(v) * 1e6 for v in np.percentile(np.asarray(self._buf[:n]), qs))
 
 
+class PlanTimeHistogram:
+    """Counts of per-step planning times in fixed log buckets (4 per octave, 1 us .. 16 ms,
+    then one overflow bucket), cumulative over the backend's life.
+
+    ``add`` is one ``bisect`` and one list increment. ``snapshot`` maps each non-empty bucket's
+    upper edge in microseconds (``"%.4g"``; the overflow bucket ``"inf"``) to its count, so that
+    the difference of two snapshots (key by key) is the histogram of the steps between them and
+    ``quantile_us`` gives their percentiles (within one bucket's width, ~19%)."""
+
+    EDGES_US = tuple(2.0 ** (k / 4) for k in range(57))  # 1 us .. 16384 us
+
+    def __init__(self):
+        self._edges = [e * 1e-6 for e in self.EDGES_US]
+        self._keys = [f"{e:.4g}" for e in self.EDGES_US] + ["inf"]
+        self.counts = [0] * (len(self._edges) + 1)
+
+    def add(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self._edges, seconds)] += 1
+
+    def snapshot(self) -> dict:
+        return {k: n for k, n in zip(self._keys, self.counts) if n}
+
+    @staticmethod
+    def quantile_us(buckets: Mapping[str, float], q: float) -> Optional[float]:
+        """The ``q``-quantile (0..100) of the steps counted in ``buckets`` (upper edge in us ->
+        count, e.g. a difference of two ``snapshot``s; a bucket's lower edge is the one before it
+        in ``EDGES_US``, 0 for the first), interpolated linearly inside its bucket; the overflow bucket gives its lower
+        edge. None when no step is counted."""
+        buckets = sorted((float(k), float(n)) for k, n in buckets.items() if n and n > 0)
+        total = sum(n for _, n in buckets)
+        if not total:
+            return None
+        want, seen = total * q / 100.0, 0.0
+        edges = PlanTimeHistogram.EDGES_US
+        for hi, n in buckets:
+            i = bisect.bisect_left(edges, hi * (1 - 1e-3))  # hi's index (keys keep 4 digits)
+            lo = edges[i - 1] if i > 0 else 0.0
+            if seen + n >= want or hi == buckets[-1][0]:
+                return lo if math.isinf(hi) else lo + (hi - lo) * min(1.0, max(0.0, want - seen) / n)
+            seen += n
+        return None  # not reached
+
+
 @dataclass
 class StepStats:
     """Counts decode steps per chosen path, grouped requests and steps the planner skipped."""
@@ -49,9 +105,12 @@ class StepStats:
     plan_seconds: float = 0.0  # host time of decode-step planning (group, choose, workspace fill)
     plan_max_seconds: float = 0.0
     choose_seconds: float = 0.0  # part of plan_seconds: description, grouping, path choice
-    fill_seconds: float = 0.0  # part of plan_seconds: workspace fill + upload
+    fill_seconds: float = 0.0  # part of plan_seconds: workspace fill + upload + view
     stage_seconds: float = 0.0  # part of plan_seconds: the scheduler hook's staging of the batch rows
+    plan_cpu_seconds: float = 0.0  # thread CPU time of the backend's part (all but stage)
+    section_seconds: list = field(default_factory=lambda: [0.0] * len(PLAN_SECTIONS))  # PLAN_SECTIONS order
     recent_plan: RecentTimes = field(default_factory=RecentTimes)  # per-step plan time, last PLAN_WINDOW
+    plan_hist: PlanTimeHistogram = field(default_factory=PlanTimeHistogram)  # per-step plan time, all steps
     extend_batches: int = 0  # extend batches planned (prefill with a cached prefix considered)
     extend_hot_batches: int = 0  # ... whose prefix part ran as dense calls over HOT extents
     extend_hot_tokens: int = 0  # new tokens served that way
@@ -75,16 +134,23 @@ class StepStats:
         self.last_reason = reason
 
     def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0,
-                         stage: float = 0.0) -> None:
+                         stage: float = 0.0, cpu: float = 0.0, sections=None) -> None:
         """A decode step's host time, and its parts (staging the rows in the scheduler hook,
-        plan + path choice, workspace fill + the wrapped backend's view)."""
+        plan + path choice, workspace fill + the wrapped backend's view); ``cpu``: the thread
+        CPU time of the backend's part; ``sections``: seconds per ``PLAN_SECTIONS`` entry."""
         self.plan_seconds += seconds
         self.choose_seconds += choose
         self.fill_seconds += fill
         self.stage_seconds += stage
+        self.plan_cpu_seconds += cpu
+        if sections is not None:
+            acc = self.section_seconds
+            for i, v in enumerate(sections):
+                acc[i] += v
         if seconds > self.plan_max_seconds:
             self.plan_max_seconds = seconds
         self.recent_plan.add(seconds)
+        self.plan_hist.add(seconds)
 
     def record_extend(self, plan, reason: str) -> None:
         self.extend_batches += 1
@@ -117,6 +183,9 @@ class StepStats:
             "plan_choose_us_total": 1e6 * self.choose_seconds,
             "plan_fill_us_total": 1e6 * self.fill_seconds,
             "plan_stage_us_total": 1e6 * self.stage_seconds,
+            "plan_cpu_us_total": 1e6 * self.plan_cpu_seconds,  # thread CPU time: work, not waiting
+            "plan_sections_us_total": {k: 1e6 * v for k, v in zip(PLAN_SECTIONS, self.section_seconds)},
+            "plan_us_hist": self.plan_hist.snapshot(),  # bucket upper edge (us) -> steps, cumulative
             "extend_batches": self.extend_batches,
             "extend_hot_batches": self.extend_hot_batches,
             "extend_hot_tokens": self.extend_hot_tokens,
