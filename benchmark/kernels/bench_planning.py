@@ -188,7 +188,8 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     view = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=bs, num_padding=0,
                            req_pool_indices=torch.from_numpy(rows).to(device), seq_lens=seq.to(device),
                            seq_lens_cpu=host_buf[:bs], seq_lens_sum=int(seq.sum()))
-    reqs = [SimpleNamespace(req_pool_idx=int(r)) for r in rows]
+    reqs = [SimpleNamespace(req_pool_idx=int(r), kv=SimpleNamespace(req_pool_idx=int(r)))  # 0.5.17, 0.5.23
+            for r in rows]
     sched = SimpleNamespace(tree_cache=_Cache(), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
                             tp_rank=0)
     sbatch = SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs, req_pool_indices_cpu=torch.from_numpy(rows))

@@ -6,7 +6,7 @@ import pytest
 
 from granikv.mem_cache.policy import PaysOffPolicy
 from granikv.mem_cache.step_context import StepContext
-from granikv.scheduler_sim import Sim
+from scheduler_sim import Sim
 
 
 class _Node:  # what StepContext reads of SGLang's TreeNode (hashed by identity, like it)
@@ -154,7 +154,7 @@ def test_the_regime_grids_forest_is_promoted_through_the_cache():
     from granikv.layers.attention.cascade.cost_model import CostModel
     from granikv.layers.attention.cascade.dispatcher import Dispatcher
     from granikv.layers.attention.cascade.promotion_estimate import PromotionEstimate
-    from granikv.scheduler_sim import SimConfig
+    from scheduler_sim import SimConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "multi_agent"))
     import regime_grid
