@@ -130,6 +130,9 @@ class _NoopBackend:
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass
 
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
 
 class _Cache:
     """The radix cache as the scheduler hook sees it in a steady decode (nothing to promote)."""
