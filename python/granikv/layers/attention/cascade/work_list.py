@@ -47,7 +47,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from .kernel_config import KernelConfig, default_config, tile_config
+from granikv.kernels.kernel_config import KernelConfig, default_config, tile_config
 
 __all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config", "tile_config",
            "suffix_heads"]
