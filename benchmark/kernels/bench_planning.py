@@ -72,7 +72,7 @@ def per_call_us(fn, iters: int, repeats: int) -> float:
 def work_list_fn(desc: BatchDescription):
     """A closure building the cascade kernels' work list, or None if that module is missing."""
     try:
-        from granikv.kernels.work_list import build_work_list, default_config
+        from granikv.layers.attention.cascade.work_list import build_work_list, default_config
     except Exception as e:  # noqa: BLE001 - optional column
         print(f"# work_list column skipped: {type(e).__name__}: {e}")
         return None
@@ -89,7 +89,7 @@ def work_list_fn(desc: BatchDescription):
 
 def step_fn(desc: BatchDescription, dispatcher, *, steady: bool):
     """One decode step's host work in the backend, for successive steps of the same batch."""
-    from granikv.kernels.work_list import CascadeWorkspace, default_config
+    from granikv.layers.attention.cascade.work_list import CascadeWorkspace, default_config
 
     cfg = default_config(128)
     if not steady:
@@ -129,6 +129,9 @@ class _NoopBackend:
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
 
 
 class _Cache:

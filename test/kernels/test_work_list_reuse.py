@@ -14,7 +14,7 @@ from conftest import SMALL_CONFIG, fill, make_batch
 
 from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.reference import decode_attention_ref
-from granikv.kernels.work_list import CascadeWorkspace, build_work_list
+from granikv.layers.attention.cascade.work_list import CascadeWorkspace, build_work_list
 from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, group_requests
 
 
@@ -297,15 +297,16 @@ def test_advance_comparison_sees_a_stale_padding_row():
     extra = 2
     p_len, pad_seq, rpi = _padded(b, extra)
     ref, ws = _workspace(b, extra=extra + 2), _workspace(b, extra=extra + 2)
-    for step in range(4):
-        if step == 3:
+    steps = ws.staging_buffers + 2  # the last step's buffer held this build's work list before
+    for step in range(steps):
+        if step == steps - 1:
             ws._host_np[ws._flip][ws._reuse_base.hi_pos[-1]] += 1  # padding row's suffix end, next buffer
         want = ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len,
                         pad_seq(b.seq_lens + step), rpi, same_grouping=step > 0)
         if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs + extra):
             ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len,
                     pad_seq(b.seq_lens + step), rpi, same_grouping=step > 0)
-    assert ws.fills_reused == 3
+    assert ws.fills_reused == steps - 1
     assert not torch.equal(ws.meta, ref.meta)
     with pytest.raises(AssertionError):
         _same_work_list(ws.work_list, want)
@@ -316,7 +317,7 @@ def test_lazy_work_list_after_advance_is_checked():
     planted empty last chunk there is what check_integrity then reports."""
     b = make_batch(suffix=40, ungrouped_len=70)
     ws = _workspace(b)
-    for step in range(3):
+    for step in range(ws.staging_buffers + 2):  # the last buffer held this build's list: a partial write
         if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs):
             ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
                     b.seq_lens + step, b.req_pool_indices)
@@ -325,3 +326,116 @@ def test_lazy_work_list_after_advance_is_checked():
     ws._host_np[ws._hi_buf][base.hi_pos[0]] = base.last_lo1[0] - 1  # sfx_hi == sfx_lo
     with pytest.raises(AssertionError, match="empty work item"):
         ws.check_integrity()
+
+
+# ---- the staging ring: one copy + one event per step, a wait only every few steps ------------
+
+
+class _LazyDevice:
+    """A stream that completes uploads only when an event of theirs is synchronized (the
+    slowest device allowed): ``completed`` is the last upload known done."""
+
+    def __init__(self, ws):
+        self.ws, self.completed, self.syncs, self.records, self.events = ws, -1, 0, 0, 0
+        dev = self
+
+        class Event:
+            def __init__(self):
+                dev.events += 1
+                self.upload = None
+
+            def record(self):
+                dev.records += 1
+                self.upload = dev.ws._uploads  # the upload being issued
+
+            def synchronize(self):
+                dev.syncs += 1
+                dev.completed = max(dev.completed, self.upload)
+
+        self.Event = Event
+
+
+def _ring_workspace(b, monkeypatch, **kw):
+    """A CPU workspace that uploads as a CUDA one does (events), on a lazy fake device; every
+    copy asserts that the host wrote its staging buffer only after that buffer's last copy."""
+    ws = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4, **kw)
+    dev = _LazyDevice(ws)
+    monkeypatch.setattr(torch.cuda, "Event", dev.Event)
+    ws._cuda = True
+    real = ws._copy_up
+
+    def checked(k, n, rows):
+        last = ws._buf_upload[k]
+        assert last <= dev.completed, f"buffer {k} written while its copy {last} may be pending"
+        return real(k, n, rows)
+
+    ws._copy_up = checked
+    return ws, dev
+
+
+@pytest.mark.parametrize("nbuf", [2, 3, 8])
+def test_staging_ring_waits_only_every_few_uploads_and_never_too_little(monkeypatch, nbuf):
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws, dev = _ring_workspace(b, monkeypatch, staging_buffers=nbuf)
+    # same ring size: past the live counts, meta keeps what its staging buffer last held
+    ref = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4,
+                           staging_buffers=nbuf)
+    steps = 60
+    for step in range(steps):
+        seq = b.seq_lens + step
+        ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                 b.req_pool_indices, same_grouping=step > 0)
+        if not ws.advance(seq, b.req_pool_indices, bs=b.bs):
+            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                    b.req_pool_indices, same_grouping=step > 0)
+        assert torch.equal(ws.meta, ref.meta), f"step {step}"
+    assert ws._uploads == dev.records == steps and dev.events == nbuf  # one event per upload, reused
+    assert ws.fills_reused >= 40
+    per_wait = max(1, nbuf // 2)
+    assert dev.syncs == ws.upload_waits <= steps // per_wait + 1
+    if nbuf >= 8:
+        assert dev.syncs <= steps // 4 + 1  # a quarter of the steps or fewer call into the device
+
+
+def test_staging_ring_check_can_fail(monkeypatch):
+    """Without the wait, the host writes a staging buffer whose copy is still pending: the
+    check in ``_ring_workspace`` sees it."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws, dev = _ring_workspace(b, monkeypatch, staging_buffers=4)
+    ws._claim = lambda k: None
+    with pytest.raises(AssertionError, match="may be pending"):
+        for step in range(10):
+            if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs):
+                ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                        b.seq_lens + step, b.req_pool_indices, same_grouping=step > 0)
+    with pytest.raises(ValueError, match="staging_buffers"):
+        CascadeWorkspace(8, 8, 2, 64, "cpu", staging_buffers=1)
+
+
+@pytest.mark.gpu
+def test_staging_ring_on_a_lagging_gpu_matches_a_host_fill():
+    """GPU host: the device runs behind the host (a sleep kernel before every upload), so the
+    ring's waits are real; a device-side snapshot of ``meta`` after every upload, read once at
+    the end, equals a CPU workspace's metadata of the same step (a host write into a buffer
+    whose copy was still pending would show up here)."""
+    b = make_batch(suffix=40, ungrouped_len=70)
+    kw = dict(config=SMALL_CONFIG, sm_count=32, max_splits=4, staging_buffers=4)
+    ref = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", **kw)
+    ws = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cuda", **kw)
+    steps = 40
+    snaps = torch.empty(steps, ws.meta.numel(), dtype=ws.meta.dtype, device="cuda")
+    want = []
+    for step in range(steps):
+        seq = b.seq_lens + step
+        ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                 b.req_pool_indices, same_grouping=step > 0)
+        want.append(ref.meta.clone())
+        torch.cuda._sleep(200_000)  # ~0.1 ms of GPU work queued before this step's copy
+        if not ws.advance(seq, b.req_pool_indices, bs=b.bs):
+            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                    b.req_pool_indices, same_grouping=step > 0)
+        snaps[step].copy_(ws.meta)
+    torch.cuda.synchronize()
+    for step in range(steps):
+        assert torch.equal(snaps[step].cpu(), want[step]), f"step {step}"
+    assert ws.upload_waits <= steps // 2 + 1 and ws.fills_reused >= 20

@@ -231,3 +231,146 @@ def test_plan_sections_add_up_and_the_histogram_counts_every_step():
     assert sec["upload"] == pytest.approx(snap["upload_us_total"], rel=1e-6) and sec["upload"] > 0
     assert 0 < snap["plan_cpu_us_total"] <= snap["plan_us_total"] * 1.5  # CPU time: the same work
     assert snap["plan_us_p50"] <= snap["plan_us_max"]
+
+
+# ---- the steady cascade step: one copy, one event, no array work in the choice ---------------
+
+
+class _CountingEvents:
+    """``torch.cuda.Event`` on CPU: counts constructions, records and synchronizations."""
+
+    def __init__(self):
+        self.calls = {"new": 0, "record": 0, "synchronize": 0}
+        counts = self.calls
+
+        class Event:
+            def __init__(self):
+                counts["new"] += 1
+
+            def record(self):
+                counts["record"] += 1
+
+            def synchronize(self):
+                counts["synchronize"] += 1
+
+        self.Event = Event
+
+
+def _dispatched_ops(fn):
+    """The aten ops ``fn`` runs (what reaches torch's dispatcher: device calls on a GPU)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        fn()
+    return dict(c.ops)
+
+
+def test_steady_cascade_step_makes_one_copy_and_one_event(monkeypatch):
+    """Graph replays of one batch as SGLang drives them, with the workspace uploading as on a
+    GPU (events): after the first steps, a steady step's torch work is one copy of the metadata
+    and one event record; a staging buffer's wait comes once per ``staging_buffers // 2``
+    steps; the path choice sums no array (``seq_lens_sum`` is used, and checked)."""
+    from test_backend import _replay_view
+
+    runner = _runner()
+    be = _graph_backend(runner)
+    events = _CountingEvents()
+    monkeypatch.setattr(torch.cuda, "Event", events.Event)
+    ws = be.decode.workspace
+    ws._cuda = True
+    fb, rows = _batch(runner, hot={0, 1, 3})
+    host = torch.ones(16, dtype=torch.int64)
+    ops, syncs = [], []
+    plan_step = be.decode.plan_step
+    seen = {}
+    be.decode.plan_step = lambda *a, **k: seen.update(ops=_dispatched_ops(
+        lambda: seen.update(view=plan_step(*a, **k)))) or seen["view"]  # GraniKV's part only
+    for step in range(40):
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1 if step else fb.seq_lens_cpu
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        view = _replay_view(fb, 8)
+        host[:8] = view.seq_lens_cpu
+        view.seq_lens_cpu = host[:8]
+        be.stage_batch(rows)
+        before = dict(events.calls)
+        be.init_forward_metadata_out_graph(view)
+        got = seen["ops"]
+        assert be.decode.path is Path.CASCADE
+        if step >= 2 * ws.staging_buffers:
+            ops.append(got)
+            syncs.append(events.calls["synchronize"] - before["synchronize"])
+            assert events.calls["record"] - before["record"] == 1
+    assert ops and all(o == {"aten.copy_.default": 1} for o in ops), ops[:3]
+    assert events.calls["new"] == ws.staging_buffers  # one event per staging buffer, reused
+    assert sum(syncs) <= len(syncs) // (ws.staging_buffers // 2) + 1
+    chooser = be.decode.chooser
+    assert chooser.hint_ok and chooser.hint_mismatches == 0 and chooser.hits >= 35
+
+
+def test_choice_with_seq_lens_sum_matches_the_arrays_and_distrusts_a_wrong_total():
+    """The O(1) choice reads SGLang's ``seq_lens_sum`` (less the padding rows at the fill
+    value): the same path and times as a fresh ``Dispatcher.choose`` every step; a total that
+    disagrees with the arrays at a refit is never used again."""
+    d = make()
+    chooser, memo = SteadyChooser(d), GroupingMemo()
+    _, desc0 = batch([(2048, 6), (512, 3)], suffix=64, ungrouped=2)
+    for step in range(0, 40000, 997):
+        desc = BatchDescription(desc0.req_pool_indices, desc0.seq_lens + step, desc0.hot_start, desc0.hot_len)
+        g = memo.group(desc, min_group_size=2)
+        got = chooser.choose(g, desc, seq_total=int(desc.seq_lens.sum()))
+        want = d.choose(g, desc)
+        assert got.path is want.path and got.times == pytest.approx(want.times, rel=1e-9)
+    assert chooser.hint_ok and chooser.hits > 30
+    off = chooser.choose(g, desc, seq_total=int(desc.seq_lens.sum()) + 100_000)  # a trusted hint is what counts
+    assert off.times.paged > want.times.paged
+    wrong = SteadyChooser(d)
+    g = memo.group(desc, min_group_size=2)
+    wrong.choose(g, desc, seq_total=int(desc.seq_lens.sum()) + 5)  # refit: checked, found wrong
+    assert not wrong.hint_ok and wrong.hint_mismatches == 1
+    far = BatchDescription(desc.req_pool_indices, desc.seq_lens + 5000, desc.hot_start, desc.hot_len)
+    got = wrong.choose(g, far, seq_total=0)  # ignored: the arrays decide
+    assert got.times == pytest.approx(d.choose(g, far).times, rel=1e-9)
+
+
+def test_new_rows_array_with_the_same_rows_keeps_the_plan():
+    """Staged rows in a NEW array every step (equal values): the HOT lookup and grouping are
+    reused (compared by value once identity fails), the work list still advances, and the
+    metadata equals a twin backend's that rebuilds every step."""
+    from test_backend import _replay_view
+
+    runner = _runner()
+    fast, slow = _graph_backend(runner), _graph_backend(runner)
+    slow.decode.workspace_for(8).advance = lambda *a, **k: False
+    fb, rows = _batch(runner, hot={0, 1, 3})
+    for step in range(20):
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1 if step else fb.seq_lens_cpu
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        view = _replay_view(fb, 8)
+        for be in (fast, slow):
+            be.stage_batch(rows.copy())  # a new array, same rows
+            be.init_forward_metadata_out_graph(copy.copy(view))
+        assert fast.decode.path is slow.decode.path is Path.CASCADE
+        assert torch.equal(fast.decode.workspace.meta[:3], slow.decode.workspace.meta[:3])
+        assert _same_lists(fast.decode.workspace.work_list, slow.decode.workspace.work_list), f"step {step}"
+    assert fast.decode.grouping_memo.hits >= 18 and fast.decode.workspace.fills_reused >= 15
+    # a different row set in a new array is not mistaken for the old one
+    other = rows.copy()
+    other[0], other[1] = other[1], other[0]
+    fast.stage_batch(other)
+    fast.init_forward_metadata_out_graph(copy.copy(_replay_view(fb, 8)))
+    assert fast.decode.last_desc.req_pool_indices is other
+
+
+def _same_lists(a, b) -> bool:
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))

@@ -13,7 +13,9 @@ request's whole sequence (up to rounding). The first two are CUDA-graph capturab
 read the workspace's fixed buffers, so a replay after a new ``fill`` serves the new batch.
 """
 
-from typing import NamedTuple, Optional
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -22,7 +24,9 @@ from .fused_cascade import fused_cascade
 from .merge_state import merge_state
 from .prefix_attention import prefix_attention
 from .suffix_attention import suffix_attention
-from .work_list import CascadeWorkspace
+
+if TYPE_CHECKING:  # the launchers read a filled workspace; the plan layer owns it (no runtime import upward)
+    from granikv.layers.attention.cascade.work_list import CascadeWorkspace
 
 __all__ = [
     "PrefixState",

@@ -52,6 +52,7 @@ class DecodePlanner:
         self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
         self.filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
         self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
+        self._pad_fill = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
     def use_dispatcher(self, dispatcher) -> None:
@@ -77,7 +78,7 @@ class DecodePlanner:
     # ---- workspaces ----------------------------------------------------------------------
 
     def _new_workspace(self, max_bs: int):
-        from granikv.kernels.work_list import CascadeWorkspace
+        from granikv.layers.attention.cascade.work_list import CascadeWorkspace
 
         geo = self.host.dispatcher.geometry
         return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.host.device)
@@ -141,8 +142,11 @@ class DecodePlanner:
         table = host.hot_prefix_table
         version = getattr(table, "version", None)
         last = self._last_rows
-        if last is not None and last[0] is staged and last[1] == version and version is not None:
+        if (last is not None and last[1] == version and version is not None
+                and (last[0] is staged or _same_rows(staged, last[0]))):
             hot_start, hot_len, grouping = last[2:]  # same rows, same table: same HOT runs
+            if last[0] is not staged:  # equal rows in a new array: held from now on (identity)
+                self._last_rows = (staged,) + last[1:]
         else:
             hot_len = table.length_np[staged]
             hot_start = table.start_np[staged] if hot_len.any() else None
@@ -162,8 +166,8 @@ class DecodePlanner:
                 self._last_rows = self._last_rows[:4] + (grouping,)
         else:  # the arrays of the step that made this grouping: known to match
             desc = self.last_desc
-            if (desc is None or desc.seq_lens is not seq_lens or desc.req_pool_indices is not staged
-                    or desc.hot_len is not hot_len):
+            if (desc is None or desc.seq_lens is not seq_lens or desc.hot_len is not hot_len
+                    or desc.req_pool_indices is not staged):
                 desc = BatchDescription.unchecked(staged, seq_lens, hot_start, hot_len)
             self.grouping_memo.hits += 1
         self.last_desc = desc
@@ -178,11 +182,21 @@ class DecodePlanner:
             stats.unplanned += 1
             return None
         self._t_choose = time.perf_counter()
-        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph)
+        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
             return None
         return grouping, desc, decision
+
+    def _seq_total(self, fb):
+        """``sum(seq_lens)`` of the real requests from SGLang's ``seq_lens_sum`` (no array work):
+        a replay view's total includes its padding rows at the wrapped backend's fill value.
+        None when unknown (the chooser then sums the array; it also checks this one)."""
+        total = getattr(fb, "seq_lens_sum", None)
+        pad = getattr(fb, "num_padding", 0)
+        if total is None or (pad and self._pad_fill is None):
+            return None
+        return total - pad * self._pad_fill if pad else total
 
     def _seq_lens_view(self, seq_lens_cpu, bs: int):
         """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
@@ -244,6 +258,11 @@ class DecodePlanner:
         """After the wrapped backend's ``init_cuda_graph_state``: the fixed graph workspace."""
         self.graphs.captured.clear()
         self._capture_metadata.clear()
+        fill = getattr(self.host.inner, "get_cuda_graph_seq_len_fill_value", None)
+        try:
+            self._pad_fill = int(fill()) if fill is not None else None
+        except Exception:  # noqa: BLE001 - an unknown fill value only costs the array sum
+            self._pad_fill = None
         self.graph_mode = False
         self.workspace = None
         self.workspace_for(max_bs)
@@ -294,6 +313,12 @@ class DecodePlanner:
         run = {Path.FUSED: kernels.fused_cascade_attention,
                Path.BGEMM: kernels.bgemm_cascade_attention}.get(self.path, kernels.cascade_attention)
         run(q3, k_buf, v_buf, req_to_token, self.ws, sm_scale=layer.scaling, out=out)
+
+
+def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
+    """The staged rows equal the held ones (a new array with the same rows: e.g. a batch rebuilt
+    on the host without a change); compared only when the array is not the held one."""
+    return staged.shape == held.shape and bool((staged == held).all())
 
 
 def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):

@@ -23,7 +23,7 @@ backend under ``--granikv-debug-integrity``).
 
 import enum
 import math
-from typing import NamedTuple, get_args
+from typing import NamedTuple, Optional, get_args
 
 import numpy as np
 
@@ -167,6 +167,10 @@ class SteadyChooser:
     grow with it, nothing else does). So the times of two sequence totals, computed once per
     grouping, give every later step's times exactly (up to float rounding) with two multiply-
     adds per path. The decision's reason is rebuilt only when the chosen path changes.
+
+    ``seq_total``: the caller's ``sum(desc.seq_lens)`` when it has it for free (SGLang's
+    ``seq_lens_sum``): a steady step then does no array work at all. It is checked against the
+    arrays at every refit; once it disagrees it is ignored from then on (``hint_mismatches``).
     """
 
     _PROBE = 1 << 20  # second sequence total of the affine fit (any distinct value is exact)
@@ -178,15 +182,20 @@ class SteadyChooser:
         self._seq0 = 0
         self._decision = None  # last decision (its reason is reused while the path stays)
         self.hits = self.misses = 0
+        self.hint_ok = True  # seq_total hints agree with the arrays (checked at every refit)
+        self.hint_mismatches = 0
 
-    def choose(self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True) -> Decision:
+    def choose(self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True,
+               seq_total: Optional[int] = None) -> Decision:
         key = self._key
         if key is None or key[0] is not grouping or key[1] != graph_safe_only or grouping.num_groups == 0:
-            return self._refit(grouping, desc, graph_safe_only)
+            return self._refit(grouping, desc, graph_safe_only, seq_total)
         self.hits += 1
         if self.dispatcher.forced is not None:  # depends on the grouping only (eligibility)
             return self._decision
-        dt = float(np.add.reduce(desc.seq_lens)) - self._seq0
+        if seq_total is None or not self.hint_ok:
+            seq_total = np.add.reduce(desc.seq_lens)
+        dt = float(seq_total) - self._seq0
         (b0, b1, b2, b3), (s0, s1, s2, s3) = self._base, self._slope
         times = PathTimes(b0 + s0 * dt, b1 + s1 * dt, b2 + s2 * dt, b3 + s3 * dt)
         k, t = 0, times[0]  # the first minimum, as min(range(4), key=...): PAGED wins ties
@@ -201,8 +210,11 @@ class SteadyChooser:
             return Decision(prev.path, times, prev.reason)
         return self._decide(times)
 
-    def _refit(self, grouping, desc, graph_safe_only) -> Decision:
+    def _refit(self, grouping, desc, graph_safe_only, seq_total=None) -> Decision:
         self.misses += 1
+        if seq_total is not None and self.hint_ok and seq_total != int(np.add.reduce(desc.seq_lens)):
+            self.hint_ok = False  # the caller's totals are not the arrays' sums: use the arrays
+            self.hint_mismatches += 1
         d = self.dispatcher.choose(grouping, desc, graph_safe_only=graph_safe_only)
         self._key, self._decision = (grouping, graph_safe_only), d
         if grouping.num_groups == 0:

@@ -144,9 +144,13 @@ class StepStats:
         self.stage_seconds += stage
         self.plan_cpu_seconds += cpu
         if sections is not None:
-            acc = self.section_seconds
-            for i, v in enumerate(sections):
-                acc[i] += v
+            acc, (a0, a1, a2, a3, a4, a5) = self.section_seconds, sections
+            acc[0] += a0
+            acc[1] += a1
+            acc[2] += a2
+            acc[3] += a3
+            acc[4] += a4
+            acc[5] += a5
         if seconds > self.plan_max_seconds:
             self.plan_max_seconds = seconds
         self.recent_plan.add(seconds)

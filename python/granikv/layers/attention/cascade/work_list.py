@@ -35,7 +35,8 @@ forest's long prefixes get more items and short ones fewer, all about the same s
 
 ``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
 states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
-it in place with one non-blocking copy from pinned memory, so a captured CUDA graph stays valid
+it in place with one non-blocking copy from pinned memory (a ring of staging buffers, see
+``CascadeWorkspace._claim``), so a captured CUDA graph stays valid
 and replays a different batch correctly: grids are fixed at capacity and programs read the
 live item counts from ``meta`` (device memory).
 """
@@ -46,7 +47,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from .kernel_config import KernelConfig, default_config, tile_config
+from granikv.kernels.kernel_config import KernelConfig, default_config, tile_config
 
 __all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config", "tile_config",
            "suffix_heads"]
@@ -316,6 +317,10 @@ class CascadeWorkspace:
     - partial rows  <= ceil(block_m * target_p / ratio) + max_bs  (prefix)  +  suffix items
       (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
 
+    Host staging: ``staging_buffers`` pinned copies of ``meta`` (on CUDA), used in turn, one per
+    upload; each upload is one non-blocking copy and one event record, and a buffer is written
+    only once its last copy is known done (``_claim``).
+
     Device buffers (int32 unless noted):
       ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
       n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
@@ -336,9 +341,12 @@ class CascadeWorkspace:
         max_splits: int = 32,
         sm_count: Optional[int] = None,
         config: Optional[KernelConfig] = None,
+        staging_buffers: int = 8,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if staging_buffers < 2:
+            raise ValueError(f"staging_buffers={staging_buffers} must be >= 2")
         self.device = torch.device(device)
         self.ratio = num_q_heads // num_kv_heads
         self.config = config or tile_config(self.ratio, head_dim)
@@ -371,10 +379,14 @@ class CascadeWorkspace:
             offs[name], o = o, o + n
         self._offs, self._meta_len = offs, o
         pin = self.device.type == "cuda"
-        self._host = [torch.zeros(o, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        nbuf = self.staging_buffers = staging_buffers
+        self._host = [torch.zeros(o, dtype=torch.int32, pin_memory=pin) for _ in range(nbuf)]
         self._host_np = [h.numpy() for h in self._host]
-        self._events = [None, None]
-        self._flip = 0
+        self._events = [None] * nbuf  # event recorded after the last copy out of each buffer
+        self._buf_upload = [-1] * nbuf  # number of the upload that last read each buffer
+        self._uploads = 0  # uploads issued so far (the next one's number)
+        self._done_upto = -1  # every upload numbered <= this one has completed (see _claim)
+        self._flip = 0  # the next staging buffer (the ring's position)
         self.meta = torch.zeros(o, dtype=torch.int32, device=self.device)
         self.counts = self.meta[0:3]
         self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
@@ -392,14 +404,15 @@ class CascadeWorkspace:
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
         self._prefix_shape = None  # (bs, single chunk) of the last lookup
-        self._host_base = [None, None]  # the _ReuseBase whose work list each pinned buffer holds
+        self._host_base = [None] * nbuf  # the _ReuseBase whose work list each pinned buffer holds
         self._reuse_base = None  # _ReuseBase of the last full build (None: nothing to advance)
         self._adv = None  # (n, last_lo1[:n], hi_pos[:n], scratch [n]) of the current build
-        self._host_rows = [None, None]  # (rows array, n) each staging buffer holds (see _copy_up)
+        self._host_rows = [None] * nbuf  # (rows array, n) each staging buffer holds (see _copy_up)
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
         self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
         self.upload_seconds = 0.0  # host time of uploads: those waits + the copies (and events)
+        self.upload_waits = 0  # event synchronizations (one per staging_buffers // 2 uploads, steady)
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
                             else None)
@@ -529,9 +542,9 @@ class CascadeWorkspace:
         if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
             return False
         k = self._flip  # _next_buffer, inlined
-        self._flip = k ^ 1
-        if self._events[k] is not None:
-            self._wait(k)
+        self._flip = k + 1 if k + 1 < self.staging_buffers else 0
+        if self._buf_upload[k] > self._done_upto:
+            self._claim(k)
         h = self._host_np[k]
         if self._host_base[k] is base:  # the buffer holds a work list of this build: new ends only
             h[st[2]] = seq_lens
@@ -576,20 +589,41 @@ class CascadeWorkspace:
         )  # fmt: skip
 
     def _next_buffer(self) -> int:
-        """The pinned staging buffer to write this step (the two alternate), once the copy that
-        last read it is done."""
+        """The pinned staging buffer to write this step (a ring of ``staging_buffers``), once
+        the copy that last read it is done."""
         k = self._flip
-        self._flip = k ^ 1
-        if self._events[k] is not None:
-            self._wait(k)
+        self._flip = k + 1 if k + 1 < self.staging_buffers else 0
+        if self._buf_upload[k] > self._done_upto:
+            self._claim(k)
         return k
 
-    def _wait(self, k: int) -> None:
+    def _claim(self, k: int) -> None:
+        """Waits until the copy that last read buffer ``k`` is done (host writes to a pinned
+        buffer under a pending copy would reach the device).
+
+        Uploads run in order on the stream, so one synchronized event proves every earlier
+        upload done. The wait is on the upload ``staging_buffers // 2`` before the next one
+        (at least the one that read ``k``): that one is done already whenever the device keeps
+        up with the host (SGLang's overlap scheduler runs one step ahead), so the call returns
+        at once, and the next ``staging_buffers // 2`` claims need no call at all::
+
+            ring of 8, next upload U = 20: buffer 20 % 8 last read by upload 12
+            sync on upload 16's event -> done_upto = 16: uploads 21..24 reuse buffers of 13..16
+        """
+        target = max(self._buf_upload[k], self._uploads - self.staging_buffers // 2)
+        if target <= self._done_upto:
+            return
+        ev = self._events[target % self.staging_buffers]
+        if ev is None:  # no device copy (CPU workspace): nothing pending
+            self._done_upto = target
+            return
         t0 = time.perf_counter()
-        self._events[k].synchronize()
+        ev.synchronize()
         dt = time.perf_counter() - t0
+        self.upload_waits += 1
         self.upload_wait_seconds += dt
         self.upload_seconds += dt
+        self._done_upto = target
 
     def _upload(self, wl: WorkList, req_pool_indices, base: Optional[_ReuseBase] = None) -> None:
         """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
@@ -624,11 +658,14 @@ class CascadeWorkspace:
             self._host_rows[k] = (req_pool_indices, n)
         if self._cuda:
             self.meta.copy_(self._host[k], non_blocking=True)
-            ev = self._events[k] or torch.cuda.Event()
+            ev = self._events[k]
+            if ev is None:
+                ev = self._events[k] = torch.cuda.Event()
             ev.record()
-            self._events[k] = ev
         else:
             self.meta.copy_(self._host[k])
+        self._buf_upload[k] = self._uploads
+        self._uploads += 1
         if from_device:
             self.req_pool_indices[:n].copy_(req_pool_indices[:n], non_blocking=True)
         self.upload_seconds += time.perf_counter() - t0
