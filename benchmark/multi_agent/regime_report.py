@@ -234,8 +234,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
            "stock tok/s, `floor_fraction` = GraniKV tok/s ÷ the floor's. Targets: every row "
            f"≥ {SPEEDUP_MIN}x; rows with floor_speedup ≤ {NO_PAY_FLOOR} ≥ {NO_PAY_MIN}x (median ≥ 1.00x); "
            f"sharing rows ≥ {FLOOR_FRACTION_MIN:.0%} of their floor; planning ≤ {PLAN_P50_MAX_US:g} µs "
-           f"p50 and ≤ {PLAN_P99_MAX_US:g} µs p99 (the engine's window of recent decode steps; the "
-           "row's own mean beside it). How the grid was chosen: benchmark/multi_agent/regime_grid.py.",
+           f"p50 and ≤ {PLAN_P99_MAX_US:g} µs p99 (the row's own decode steps, from the engine's "
+           "plan-time histogram; the row's mean beside it). How the grid was chosen: benchmark/multi_agent/regime_grid.py.",
            "", "Commands:", ""]
     out += [f"    {c}" for c in meta.get("commands") or [meta.get("command")] if c]
     out += ["", markdown_table(rows), ""]
