@@ -206,14 +206,14 @@ def run_estimate_s(spec: Mapping[str, Any], cfg: Mapping[str, Any], pool_tokens:
     return ROW_OVERHEAD_S + prefill + waves * turns * out * step
 
 
-def estimate_s(row: Regime, model: Model) -> float:
+def estimate_s(row: Regime, model: Model, repeats: int = 1) -> float:
     """Seconds of one row on both engines (the GraniKV engine counted as the stock one) plus
-    its ceiling on the stock engine."""
+    its ceiling on the stock engine, each measured ``repeats`` times."""
     cfg, pool = model.config(), model.engine_kwargs.get("max_total_tokens")
     t = 2 * run_estimate_s(row.spec_json(), cfg, pool)
     if row.has_ceiling:
         t += run_estimate_s(row.spec_json(ceiling=True), cfg, pool)
-    return t
+    return t * repeats
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ class Selection:
 
 def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
            rows: Optional[Sequence[str]] = None, budget_s: float = 0.0,
-           model_table: Sequence[Model] = MODELS) -> Selection:
+           model_table: Sequence[Model] = MODELS, repeats: int = 1) -> Selection:
     """The rows to run: those of ``models`` (names) and ``rows`` (row names, or model/row
     keys), then, under a ``budget_s`` (0: none), the most important that fit the estimate.
 
@@ -243,7 +243,9 @@ def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
         raise ValueError(f"--rows: unknown {bad}; known: {', '.join(sorted({r.name for r in grid}))}")
     kept = [r for r in grid if (not models or r.model in models)
             and (not rows or r.name in rows or r.key in rows)]
-    cost = {r.key: estimate_s(r, by_name[r.model]) for r in kept}
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be >= 1")
+    cost = {r.key: estimate_s(r, by_name[r.model], repeats) for r in kept}
     skipped: List[Tuple[str, str]] = []
 
     def total(sel: Sequence[Regime]) -> float:

@@ -31,7 +31,8 @@ from granikv.layers.attention.cascade.step_stats import PlanTimeHistogram
 
 quantile_us = PlanTimeHistogram.quantile_us
 
-SIDE_KEYS = ("seconds", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_used_tokens_peak")
+SIDE_KEYS = ("seconds", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "kv_used_tokens_peak",
+             "repeats_out_tok_s")
 SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.90
 PLAN_P50_MAX_US, PLAN_P99_MAX_US = 30.0, 80.0
 

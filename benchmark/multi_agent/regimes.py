@@ -6,6 +6,8 @@ pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one i
     python3 benchmark/multi_agent/regimes.py --merge OUT/regimes_flashinfer.json \
         OUT/regimes_triton.json --out docs/results                     # regimes.{json,md,png}
     python3 benchmark/multi_agent/regimes.py --dry-run                 # the grid and its estimate
+    python3 benchmark/multi_agent/regimes.py --rows prefix512_2sharers_x64 --repeats 5 --out OUT
+                                          # short rows: the median of 5 runs per engine
 
 The grid, and how it was chosen, is in regime_grid.py. Per model of the grid (in order) the
 parent starts two engines, one after the other, each in its own subprocess (GPU memory is freed
@@ -71,6 +73,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="As run.py: stream (per-request TTFT/TPOT) or none (one batched generate).")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="Extra sglang.Engine keyword (repeatable); granikv_* keys go to the GraniKV engine.")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="Measure every row (and ceiling) this many times in its engine and keep the "
+                        "repeat with the median output tok/s (all of them in repeats_out_tok_s).")
     p.add_argument("--dry-run", action="store_true", help="Print the selected grid and its estimate.")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="Combine partial regimes_*.json into --out/regimes.{json,md,png} and exit.")
@@ -149,7 +154,8 @@ def run_engine(run: Run, model: grid.Model, config: str, rows: Sequence[grid.Reg
     finite = deadline != float("inf")
     job = dict(engine_kwargs=kw, backend=args.backend, config=config, model=model.name,
                model_config=str(grid.CONFIG_DIR / model.name / "config.json"), latency=args.latency,
-               dp_routing="prefix", rows=job_rows(rows, config), deadline=deadline if finite else None)
+               dp_routing="prefix", rows=job_rows(rows, config), deadline=deadline if finite else None,
+               repeats=args.repeats)
     done: List[str] = []
 
     def on_record(rec: Dict[str, Any]) -> None:
@@ -178,7 +184,8 @@ def run_engine(run: Run, model: grid.Model, config: str, rows: Sequence[grid.Reg
 def main_parent(args, argv: Sequence[str]) -> int:
     from run import parse_engine_args
 
-    sel = grid.select(grid.default_grid(), models=args.models, rows=args.rows, budget_s=args.time_budget_s)
+    sel = grid.select(grid.default_grid(), models=args.models, rows=args.rows, budget_s=args.time_budget_s,
+                      repeats=args.repeats)
     print_plan(sel, args)
     if args.dry_run:
         return 0
@@ -191,14 +198,15 @@ def main_parent(args, argv: Sequence[str]) -> int:
     order = grid.models_of(sel.rows)
     for i, name in enumerate(order):
         model, rows = by[name], [r for r in sel.rows if r.model == name]
-        later = sum(by[m].start_s * 2 + sum(grid.estimate_s(r, by[m]) for r in sel.rows if r.model == m)
+        later = sum(by[m].start_s * 2 + sum(grid.estimate_s(r, by[m], args.repeats)
+                                            for r in sel.rows if r.model == m)
                     for m in order[i + 1:])
         free = deadline - time.time() - later  # what this model may use
         if free < 2 * model.start_s:
             run.skip(rows, f"the two engine starts ({2 * model.start_s:.0f} s) no longer fit the time budget")
             run.error(name, "both", "skipped: time budget")
             continue
-        est_rows = sum(grid.estimate_s(r, model) for r in rows)
+        est_rows = sum(grid.estimate_s(r, model, args.repeats) for r in rows)
         share_b = model.start_s + est_rows * 0.6  # the stock engine runs the ceilings too
         share = share_b / (2 * model.start_s + est_rows)
         done = run_engine(run, model, "baseline", rows, time.time() + free * share, extra)
@@ -255,13 +263,29 @@ def main_child(job_path: str) -> int:
                 status = 1
                 continue
             try:
-                emit(engine_proc.ROW_TAG, dict(child.run(wl.WorkloadSpec.from_json(spec_json)), **tags))
+                spec = wl.WorkloadSpec.from_json(spec_json)
+                emit(engine_proc.ROW_TAG, dict(median_repeat([child.run(spec) for _ in range(job.get("repeats", 1))]),
+                                               **tags))
             except Exception as e:
                 traceback.print_exc()
                 emit(engine_proc.ERROR_TAG, dict(error=f"{row['regime']} ({variant}): {type(e).__name__}: {e}", **tags))
                 status = 1
     child.engine.shutdown()
     return status
+
+
+def median_repeat(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The repeat with the median output tok/s (the lower middle one of an even count), whole,
+    so its counters and latencies stay those of one run; with ``repeats_out_tok_s`` (every
+    repeat, in run order) when there was more than one."""
+    if not records:
+        raise ValueError("no repeat to choose from")
+    if len(records) == 1:
+        return records[0]
+    order = sorted(range(len(records)), key=lambda i: records[i]["out_tok_per_s"])
+    chosen = dict(records[order[(len(records) - 1) // 2]])
+    chosen["repeats_out_tok_s"] = [r["out_tok_per_s"] for r in records]
+    return chosen
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

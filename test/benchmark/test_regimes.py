@@ -377,3 +377,53 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((merged / "regimes.json").read_text())["rows"] == doc["rows"]
     assert "| llama-3.1-8b-4layers | triton | hom4k_x64 | 64 |" in (merged / "regimes.md").read_text()
+
+
+def test_repeats_keep_the_median_run_and_scale_the_estimate(regimes, grid, tmp_path, monkeypatch, capsys):
+    import run as run_mod
+
+    speeds = iter([30.0, 10.0, 20.0, 5.0, 7.0])  # row a: 3 repeats, then its ceiling: the next 2
+
+    class FakeEngine:
+        def generate(self, **_):
+            return []
+
+        def shutdown(self):
+            pass
+
+    class FakeChild:
+        def __init__(self, job):
+            self.engine = FakeEngine()
+
+        def info(self):
+            return dict(engine_up_s=1.0)
+
+        def run(self, spec):
+            tps = next(speeds)
+            return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=tps, params={}, tag=tps)
+
+    monkeypatch.setattr(run_mod, "Child", FakeChild)
+    spec = dict(name="no_sharing", agents=2, kwargs=dict(out=1))
+    job = dict(rows=[dict(regime="a", priority=0, has_ceiling=True, spec=spec, ceiling=spec)],
+               deadline=1e18, repeats=3)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    assert regimes.main_child(str(path)) == 1  # the ceiling's third repeat finds no speed left
+    recs = [x for x in map(regimes.engine_proc.parse_line, capsys.readouterr().out.splitlines()) if x]
+    assert [(r["kind"], r.get("variant")) for r in recs] == [("info", None), ("row", "main"), ("error", "ceiling")]
+    main = next(r for r in recs if r["kind"] == "row" and r["variant"] == "main")
+    assert main["out_tok_per_s"] == 20.0 and main["tag"] == 20.0  # the median run, whole
+    assert main["repeats_out_tok_s"] == [30.0, 10.0, 20.0]
+    assert regimes.median_repeat([{"out_tok_per_s": 4.0}, {"out_tok_per_s": 2.0}])["out_tok_per_s"] == 2.0
+    assert "repeats_out_tok_s" not in regimes.median_repeat([{"out_tok_per_s": 4.0}])
+    with pytest.raises(ValueError):
+        regimes.median_repeat([])
+    rows = grid.default_grid()
+    m = {x.name: x for x in grid.MODELS}[rows[0].model]
+    assert grid.estimate_s(rows[0], m, 3) == pytest.approx(3 * grid.estimate_s(rows[0], m))
+    one, three = grid.select(rows), grid.select(rows, repeats=3)
+    starts = sum(2 * x.start_s for x in grid.MODELS if x.name in {r.model for r in one.rows})
+    assert three.estimate_s - starts == pytest.approx(3 * (one.estimate_s - starts))
+    with pytest.raises(ValueError, match="--repeats=0"):
+        grid.select(rows, repeats=0)
+    assert regimes.parse_args(["--repeats", "3"]).repeats == 3 and regimes.parse_args([]).repeats == 1
