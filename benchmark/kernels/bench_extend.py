@@ -116,7 +116,7 @@ def granikv_prefix(q, k, v, start: int, prefix: int, scale: float):
     import numpy as np
 
     from granikv.kernels.prefix_attention import prefix_attention
-    from granikv.layers.attention.cascade.work_list import CascadeWorkspace
+    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
 
     n = q.shape[0]
     ws = CascadeWorkspace(n, HQ, HKV, D, DEV)

@@ -89,7 +89,8 @@ def work_list_fn(desc: BatchDescription):
 
 def step_fn(desc: BatchDescription, dispatcher, *, steady: bool):
     """One decode step's host work in the backend, for successive steps of the same batch."""
-    from granikv.layers.attention.cascade.work_list import CascadeWorkspace, default_config
+    from granikv.layers.attention.cascade.work_list import default_config
+    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
 
     cfg = default_config(128)
     if not steady:

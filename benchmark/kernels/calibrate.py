@@ -202,7 +202,7 @@ def paged_triton(case: Case):
 def granikv_paths(case: Case):
     """{path: us per call} for cascade, fused (graph) and bgemm (eager)."""
     from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
-    from granikv.layers.attention.cascade.work_list import CascadeWorkspace
+    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
 
     hq, hkv, d = case.heads
     g = case.grouping
@@ -228,7 +228,7 @@ def granikv_paths(case: Case):
 
 def plan_us(case: Case, dispatcher: Dispatcher, iters: int = 200) -> float:
     """Host wall time of one step's planning: group + choose + workspace fill."""
-    from granikv.layers.attention.cascade.work_list import CascadeWorkspace
+    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
 
     hq, hkv, d = case.heads
     ws = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=case.bs)

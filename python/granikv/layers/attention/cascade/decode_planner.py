@@ -78,7 +78,7 @@ class DecodePlanner:
     # ---- workspaces ----------------------------------------------------------------------
 
     def _new_workspace(self, max_bs: int):
-        from granikv.layers.attention.cascade.work_list import CascadeWorkspace
+        from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
 
         geo = self.host.dispatcher.geometry
         return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.host.device)

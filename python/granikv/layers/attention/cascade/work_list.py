@@ -1,4 +1,4 @@
-"""Host-side work lists for the cascade kernels, and the fixed-capacity device workspace.
+"""Host-side work lists for the cascade kernels: the work items of one decode step.
 
 A decode batch of ``bs`` requests is cut into two kinds of work items and a partial-state table:
 
@@ -33,24 +33,16 @@ chunk bound C for the step (total tile-work / target items), each group cut into
 ceil(len / C) EQUAL chunks (a multiple of block_n, only the group's last one shorter), so a
 forest's long prefixes get more items and short ones fewer, all about the same size.
 
-``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
-states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
-it in place with one non-blocking copy from pinned memory (a ring of staging buffers, see
-``CascadeWorkspace._claim``), so a captured CUDA graph stays valid
-and replays a different batch correctly: grids are fixed at capacity and programs read the
-live item counts from ``meta`` (device memory).
+The device workspace these lists are copied into: ``cascade_workspace.CascadeWorkspace``.
 """
 
-import time
 from typing import NamedTuple, Optional
 
 import numpy as np
-import torch
 
 from granikv.kernels.kernel_config import KernelConfig, default_config, tile_config
 
-__all__ = ["KernelConfig", "WorkList", "build_work_list", "CascadeWorkspace", "default_config", "tile_config",
-           "suffix_heads"]
+__all__ = ["KernelConfig", "WorkList", "build_work_list", "default_config", "tile_config", "suffix_heads"]
 
 
 def suffix_tile_rows(ratio: int) -> int:
@@ -115,12 +107,12 @@ class WorkList(NamedTuple):
         return int(self.part_indptr[-1])
 
 
-def _cdiv(a, b):
+def cdiv(a, b):
     return -(-a // b)
 
 
 def _round_up(x: int, m: int) -> int:
-    return _cdiv(x, m) * m
+    return cdiv(x, m) * m
 
 
 def _segment_arange(counts: np.ndarray) -> tuple:
@@ -155,7 +147,7 @@ def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, 
     g_ptr = np.asarray(group_req_indptr, dtype=np.int64)
     g_idx = np.asarray(group_req_idx, dtype=np.int64)
     n_mem = np.diff(g_ptr)
-    tiles = _cdiv(n_mem * ratio, config.block_m)
+    tiles = cdiv(n_mem * ratio, config.block_m)
     if len(g_len):
         if single_prefix_chunk:
             chunk = int(g_len.max())
@@ -163,11 +155,11 @@ def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, 
             target = max(prefix_target(config, sm_count, num_kv_heads),
                          int(config.forest_items_per_tile * int(tiles.sum())))
             work = int((tiles * g_len).sum())
-            chunk = max(_cdiv(work, target), config.min_prefix_chunk, _cdiv(int(g_len.max()), max_splits))
+            chunk = max(cdiv(work, target), config.min_prefix_chunk, cdiv(int(g_len.max()), max_splits))
             chunk = _round_up(chunk, config.block_n)
-        chunks = _cdiv(g_len, chunk)
+        chunks = cdiv(g_len, chunk)
         # equal chunks per group, a multiple of block_n: (chunks - 1) * g_chunk < len as g_chunk <= chunk
-        g_chunk = _cdiv(_cdiv(g_len, chunks), config.block_n) * config.block_n
+        g_chunk = cdiv(cdiv(g_len, chunks), config.block_n) * config.block_n
     else:
         chunk, chunks, g_chunk = 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
     item_g, local = _segment_arange(tiles * chunks)
@@ -224,11 +216,11 @@ def build_work_list(
     sfx_len = np.maximum(seq_lens - prefix_len, 0)
     if bs:
         target = suffix_target(config, sm_count, num_kv_heads, ratio)
-        s_chunk = max(_cdiv(int(sfx_len.sum()), target), config.min_suffix_chunk, _cdiv(int(sfx_len.max()), max_splits))
+        s_chunk = max(cdiv(int(sfx_len.sum()), target), config.min_suffix_chunk, cdiv(int(sfx_len.max()), max_splits))
         s_chunk = _round_up(s_chunk, config.suffix_block_n)
     else:
         s_chunk = config.suffix_block_n
-    n_sfx = _cdiv(sfx_len, s_chunk)
+    n_sfx = cdiv(sfx_len, s_chunk)
     part_indptr = np.zeros(bs + 1, np.int64)
     np.cumsum(p.n_pre + n_sfx, out=part_indptr[1:])
 
@@ -254,449 +246,3 @@ def build_work_list(
         sfx_row=s_row,
         part_indptr=part_indptr,
     )
-
-
-def _last_suffix_item(wl: WorkList) -> np.ndarray:
-    """Index of each request's last suffix item (-1 if it has none); items are in request order."""
-    n = np.bincount(wl.sfx_req, minlength=wl.bs)
-    last = np.cumsum(n) - 1
-    last[n == 0] = -1
-    return last
-
-
-class _ReuseBase(NamedTuple):
-    """What a full build leaves for the steady steps after it (``CascadeWorkspace.advance``).
-
-    ``hi_pos[i]``: where request i's last ``sfx_hi`` lives in a staging buffer (an index into
-    ``meta``), so a steady step writes the new suffix ends with one scatter; ``last_lo1`` and
-    ``limit``: the reuse bound as one unsigned comparison, ``0 <= seq_len - last_lo - 1 <
-    limit`` (``limit = floor(reuse_chunk_factor * suffix_chunk)``; a negative difference wraps
-    to a huge unsigned value)."""
-
-    items: PrefixItems
-    wl: WorkList  # the work list of the full build
-    single: bool  # built for the bgemm path (one prefix chunk per group)
-    last: np.ndarray  # each request's last suffix item
-    last_lo1: np.ndarray  # first token of that item, + 1
-    hi_pos: np.ndarray  # meta index of that item's sfx_hi
-    limit: int
-    rows: Optional[np.ndarray]  # the build's host rows (None: they came from the device)
-
-    @classmethod
-    def of(cls, items: PrefixItems, wl: WorkList, rows, *, single: bool, factor: float,
-           sfx_hi_offset: int) -> Optional["_ReuseBase"]:
-        """None when the build cannot be advanced (no request, or one without suffix chunks)."""
-        if factor <= 0 or not wl.bs:
-            return None
-        last = _last_suffix_item(wl)
-        if (last < 0).any():
-            return None
-        return cls(items, wl, single, last, wl.sfx_lo[last] + 1, sfx_hi_offset + last,
-                   int(factor * wl.suffix_chunk),
-                   None if isinstance(rows, torch.Tensor) else np.array(rows[: wl.bs], dtype=np.int64))
-
-
-# fill() arguments of a step with no request (group_req_indptr holds its single 0)
-_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
-               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-               np.zeros(0, np.int64))
-
-
-class CascadeWorkspace:
-    """Fixed-capacity device metadata + partial states for the cascade kernels.
-
-    Allocate once per (max batch size, head shape); call ``fill`` once per decode step (before
-    the layers run, outside any CUDA graph), then run the kernels of every layer against it.
-
-    Capacities (all derived from the constructor arguments, never from a batch):
-
-    - prefix items  <= target_p + T,  T = ceil(max_bs * ratio / block_m) + max_groups (the most
-                       (group, row tile) pairs), target_p = max(prefix_waves * SMs / Hkv,
-                       forest_items_per_tile * T)
-    - suffix items  <= target_s + max_bs
-    - partial rows  <= ceil(block_m * target_p / ratio) + max_bs  (prefix)  +  suffix items
-      (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
-
-    Host staging: ``staging_buffers`` pinned copies of ``meta`` (on CUDA), used in turn, one per
-    upload; each upload is one non-blocking copy and one event record, and a buffer is written
-    only once its last copy is known done (``_claim``).
-
-    Device buffers (int32 unless noted):
-      ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
-      n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
-      req_pool_indices (the view ``req_pool_indices``; host rows travel in the one copy);
-      ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
-      [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches).
-    """
-
-    def __init__(
-        self,
-        max_bs: int,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device,
-        *,
-        max_groups: Optional[int] = None,
-        max_splits: int = 32,
-        sm_count: Optional[int] = None,
-        config: Optional[KernelConfig] = None,
-        staging_buffers: int = 8,
-    ):
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        if staging_buffers < 2:
-            raise ValueError(f"staging_buffers={staging_buffers} must be >= 2")
-        self.device = torch.device(device)
-        self.ratio = num_q_heads // num_kv_heads
-        self.config = config or tile_config(self.ratio, head_dim)
-        if sm_count is None:
-            sm_count = (
-                torch.cuda.get_device_properties(self.device).multi_processor_count
-                if self.device.type == "cuda"
-                else 132
-            )
-        self.max_bs, self.num_q_heads, self.num_kv_heads, self.head_dim = max_bs, num_q_heads, num_kv_heads, head_dim
-        self.max_groups = max_bs if max_groups is None else max_groups
-        self.max_splits, self.sm_count = max_splits, sm_count
-        cfg = self.config
-        target_p = prefix_target(cfg, sm_count, num_kv_heads)
-        target_s = suffix_target(cfg, sm_count, num_kv_heads, self.ratio)
-        self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
-        self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
-        self.suffix_block_h = suffix_tile_rows(self.ratio)
-        tiles_max = _cdiv(max_bs * self.ratio, cfg.block_m) + self.max_groups  # (group, row tile) pairs
-        target_p = max(target_p, int(cfg.forest_items_per_tile * tiles_max))
-        self.prefix_cap = target_p + tiles_max
-        self.suffix_cap = target_s + max_bs
-        self.partial_cap = _cdiv(cfg.block_m * target_p, self.ratio) + max_bs + self.suffix_cap
-
-        # meta layout
-        P, S = self.prefix_cap, self.suffix_cap
-        offs, o = {}, 0
-        for name, n in (("counts", 3), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs), ("pptr", max_bs + 1),
-                        ("rpi", max_bs)):
-            offs[name], o = o, o + n
-        self._offs, self._meta_len = offs, o
-        pin = self.device.type == "cuda"
-        nbuf = self.staging_buffers = staging_buffers
-        self._host = [torch.zeros(o, dtype=torch.int32, pin_memory=pin) for _ in range(nbuf)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._events = [None] * nbuf  # event recorded after the last copy out of each buffer
-        self._buf_upload = [-1] * nbuf  # number of the upload that last read each buffer
-        self._uploads = 0  # uploads issued so far (the next one's number)
-        self._done_upto = -1  # every upload numbered <= this one has completed (see _claim)
-        self._flip = 0  # the next staging buffer (the ring's position)
-        self.meta = torch.zeros(o, dtype=torch.int32, device=self.device)
-        self.counts = self.meta[0:3]
-        self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
-        self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
-        self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
-        self.part_indptr = self.meta[offs["pptr"] : offs["pptr"] + max_bs + 1]
-        self.req_pool_indices = self.meta[offs["rpi"] : offs["rpi"] + max_bs]
-        self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
-        self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
-        self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
-        self._work_list: Optional[WorkList] = None
-        self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
-        self._cuda = self.device.type == "cuda"
-        self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
-        self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
-        self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
-        self._prefix_shape = None  # (bs, single chunk) of the last lookup
-        self._host_base = [None] * nbuf  # the _ReuseBase whose work list each pinned buffer holds
-        self._reuse_base = None  # _ReuseBase of the last full build (None: nothing to advance)
-        self._adv = None  # (n, last_lo1[:n], hi_pos[:n], scratch [n]) of the current build
-        self._host_rows = [None] * nbuf  # (rows array, n) each staging buffer holds (see _copy_up)
-        self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
-        self.fills_skipped = 0  # empty fills with the empty work list already on the device
-        self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
-        self.upload_seconds = 0.0  # host time of uploads: those waits + the copies (and events)
-        self.upload_waits = 0  # event synchronizations (one per staging_buffers // 2 uploads, steady)
-        # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
-        self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
-                            else None)
-
-    # ------------------------------------------------------------------ fill
-    @property
-    def work_list(self) -> Optional[WorkList]:
-        """The work list of the last fill. After a steady ``advance`` it is built here on first
-        read, from the build it advanced and the suffix ends in the staging buffer just copied
-        (the step itself only writes those ends)."""
-        k = self._hi_buf
-        if k is not None:
-            base = self._reuse_base
-            hi = base.wl.sfx_hi.copy()
-            hi[base.last] = self._host_np[k][base.hi_pos]
-            self._work_list, self._hi_buf = base.wl._replace(sfx_hi=hi), None
-        return self._work_list
-
-    @work_list.setter
-    def work_list(self, wl: Optional[WorkList]) -> None:
-        self._work_list, self._hi_buf = wl, None
-
-    def fill(
-        self,
-        group_start,
-        group_len,
-        group_req_indptr,
-        group_req_idx,
-        prefix_len,
-        seq_lens,
-        req_pool_indices,
-        *,
-        single_prefix_chunk: bool = False,
-        same_grouping: bool = False,
-    ) -> WorkList:
-        """Plan one decode step and copy its metadata into the fixed device buffers (async).
-
-        Grouping arrays as in docs/contracts.md (numpy); ``seq_lens`` numpy [bs];
-        ``req_pool_indices`` [bs] device tensor (copied device-to-device) or numpy.
-        ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``. ``same_grouping=True``:
-        the caller guarantees the four grouping arrays hold what they held in the previous
-        ``fill`` (the planner's unchanged ``Grouping``), which skips comparing them.
-        Raises ValueError when the batch exceeds the workspace's capacity.
-        """
-        bs = len(seq_lens)
-        if bs > self.max_bs:
-            raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
-        if len(group_len) > self.max_groups:
-            raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
-        items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
-                                   same_grouping)
-        seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        base = self._reuse_base
-        if base is not None and base.items is items and base.wl.bs == bs and self._advance(seq_lens, req_pool_indices):
-            return self.work_list
-        wl = build_work_list(
-            group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
-            ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
-            sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
-            prefix_items=items,
-        )  # fmt: skip
-        np_, ns = wl.num_prefix_items, wl.num_suffix_items
-        if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
-            raise ValueError(
-                f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
-                f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
-            )
-        base = _ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk,
-                             factor=self.config.reuse_chunk_factor,
-                             sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
-        self._upload(wl, req_pool_indices, base)
-        self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
-        self._adv = None
-        self.fills_built += 1
-        self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
-        if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
-            gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
-            self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
-        return wl
-
-    def fill_empty(self) -> WorkList:
-        """``fill`` with no request: the kernels then exit at once (a captured graph still runs
-        them on a paged step). While the device metadata already holds an empty work list
-        (paged steps in a row: no shared prefix in the batch) nothing is built or copied."""
-        wl = self._work_list
-        if self._hi_buf is None and wl is not None and wl.bs == 0:
-            self.fills_skipped += 1
-            return wl
-        return self.fill(*_EMPTY_FILL)
-
-    def advance(self, seq_lens: np.ndarray, req_pool_indices: np.ndarray, *, bs: int,
-                single_prefix_chunk: bool = False) -> bool:
-        """A steady decode step, without a ``fill``: the last fill's work list with each request's
-        last suffix chunk ending at its new ``seq_len``, uploaded. Returns False, having done
-        nothing, when a ``fill`` is needed (no build to advance, a different batch size, or a
-        last chunk that would outgrow ``KernelConfig.reuse_chunk_factor``).
-
-        The caller guarantees that the grouping is the one of the last ``fill`` (the planner's
-        unchanged ``Grouping``, as ``same_grouping``). ``seq_lens`` (int64) and
-        ``req_pool_indices`` (numpy, never written in place once passed: an array seen again
-        is not copied again) cover the first ``n = len(seq_lens)`` of the ``bs`` batch positions
-        of that fill; positions ``n..bs`` (graph padding) keep what that fill gave them.
-        Cost: a handful of numpy calls and one copy, whatever the batch (no per-request loop).
-        """
-        base = self._reuse_base
-        if (base is None or base.wl.bs != bs or base.single is not single_prefix_chunk
-                or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
-                or (base.rows is None and len(seq_lens) < bs)):
-            return False
-        return self._advance(seq_lens, req_pool_indices)
-
-    def _advance(self, seq_lens: np.ndarray, req_pool_indices) -> bool:
-        """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
-        and uploads it; False when a last chunk would hold no token or more than ``limit``.
-
-        Correct for any batch with the same prefix items (same grouping and batch size, hence
-        the same ``prefix_len`` per position): every chunk but a request's last is full and
-        starts at ``prefix_len + k * suffix_chunk``, so ``[lo_last, seq_len)`` completes an exact
-        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``.
-        """
-        base, n = self._reuse_base, len(seq_lens)
-        st = self._adv
-        if st is None or st[0] != n:  # per build and n: views and a scratch row, made once
-            st = self._adv = (n, base.last_lo1[:n], base.hi_pos[:n], np.empty(n, np.int64))
-        grow1 = st[3]
-        np.subtract(seq_lens, st[1], out=grow1)
-        if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
-            return False
-        k = self._flip  # _next_buffer, inlined
-        self._flip = k + 1 if k + 1 < self.staging_buffers else 0
-        if self._buf_upload[k] > self._done_upto:
-            self._claim(k)
-        h = self._host_np[k]
-        if self._host_base[k] is base:  # the buffer holds a work list of this build: new ends only
-            h[st[2]] = seq_lens
-            self._hi_buf = k
-        else:
-            bs = base.wl.bs
-            hi = base.wl.sfx_hi.copy()
-            hi[base.last[:n]] = seq_lens
-            wl = base.wl._replace(sfx_hi=hi)
-            self._write_all(h, wl)
-            if base.rows is not None:  # positions n.. keep the build's rows
-                h[self._offs["rpi"] : self._offs["rpi"] + bs] = base.rows
-                self._host_rows[k] = None
-            self._host_base[k] = base
-            self.work_list = wl
-        self._copy_up(k, n, req_pool_indices)
-        self.fills_reused += 1
-        return True
-
-    def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
-                      single_prefix_chunk: bool, same_grouping: bool = False) -> PrefixItems:
-        """``build_prefix_items``, reused while the grouping is unchanged (successive decode
-        steps of the same requests), which halves the host work of a step."""
-        arrays = (group_start, group_len, group_req_indptr, group_req_idx)
-        if same_grouping and self._prefix_shape == (bs, single_prefix_chunk):
-            return self._prefix_memo[1]
-        self._prefix_shape = (bs, single_prefix_chunk)
-        key = (bs, single_prefix_chunk) + tuple(np.asarray(a, dtype=np.int64).tobytes() for a in arrays)
-        if self._prefix_memo[0] != key:
-            items = build_prefix_items(*arrays, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
-                                       config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
-                                       single_prefix_chunk=single_prefix_chunk)  # fmt: skip
-            self._prefix_memo = (key, items)
-        return self._prefix_memo[1]
-
-    def fill_grouping(self, grouping, seq_lens, req_pool_indices, **kw) -> WorkList:
-        """``fill`` from any object with the planner's Grouping attribute names."""
-        g = grouping
-        return self.fill(
-            g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len,
-            seq_lens, req_pool_indices, **kw,
-        )  # fmt: skip
-
-    def _next_buffer(self) -> int:
-        """The pinned staging buffer to write this step (a ring of ``staging_buffers``), once
-        the copy that last read it is done."""
-        k = self._flip
-        self._flip = k + 1 if k + 1 < self.staging_buffers else 0
-        if self._buf_upload[k] > self._done_upto:
-            self._claim(k)
-        return k
-
-    def _claim(self, k: int) -> None:
-        """Waits until the copy that last read buffer ``k`` is done (host writes to a pinned
-        buffer under a pending copy would reach the device).
-
-        Uploads run in order on the stream, so one synchronized event proves every earlier
-        upload done. The wait is on the upload ``staging_buffers // 2`` before the next one
-        (at least the one that read ``k``): that one is done already whenever the device keeps
-        up with the host (SGLang's overlap scheduler runs one step ahead), so the call returns
-        at once, and the next ``staging_buffers // 2`` claims need no call at all::
-
-            ring of 8, next upload U = 20: buffer 20 % 8 last read by upload 12
-            sync on upload 16's event -> done_upto = 16: uploads 21..24 reuse buffers of 13..16
-        """
-        target = max(self._buf_upload[k], self._uploads - self.staging_buffers // 2)
-        if target <= self._done_upto:
-            return
-        ev = self._events[target % self.staging_buffers]
-        if ev is None:  # no device copy (CPU workspace): nothing pending
-            self._done_upto = target
-            return
-        t0 = time.perf_counter()
-        ev.synchronize()
-        dt = time.perf_counter() - t0
-        self.upload_waits += 1
-        self.upload_wait_seconds += dt
-        self.upload_seconds += dt
-        self._done_upto = target
-
-    def _upload(self, wl: WorkList, req_pool_indices, base: Optional[_ReuseBase] = None) -> None:
-        """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
-        the build ``wl`` is (what later advances may rewrite in part)."""
-        k = self._next_buffer()
-        self._write_all(self._host_np[k], wl)
-        self._host_base[k] = base
-        self._copy_up(k, wl.bs, req_pool_indices)
-
-    def _write_all(self, h, wl: WorkList) -> None:
-        P, S, o = self.prefix_cap, self.suffix_cap, self._offs
-        h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
-        n = wl.num_prefix_items
-        for j, a in enumerate((wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
-            h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a
-        n = wl.num_suffix_items
-        for j, a in enumerate((wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row)):
-            h[o["sfx"] + j * S : o["sfx"] + j * S + n] = a
-        h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
-        h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
-
-    def _copy_up(self, k: int, n: int, req_pool_indices) -> None:
-        """Buffer ``k`` (written but for the rows) to ``meta``, with the first ``n`` rows. Host
-        rows are written unless the buffer holds that very array already (same object, same n,
-        since the last full write of the buffer)."""
-        t0 = time.perf_counter()
-        rpi = self._offs["rpi"]
-        from_device = isinstance(req_pool_indices, torch.Tensor)
-        held = self._host_rows[k]
-        if not from_device and (held is None or held[0] is not req_pool_indices or held[1] != n):
-            self._host_np[k][rpi : rpi + n] = req_pool_indices[:n]
-            self._host_rows[k] = (req_pool_indices, n)
-        if self._cuda:
-            self.meta.copy_(self._host[k], non_blocking=True)
-            ev = self._events[k]
-            if ev is None:
-                ev = self._events[k] = torch.cuda.Event()
-            ev.record()
-        else:
-            self.meta.copy_(self._host[k])
-        self._buf_upload[k] = self._uploads
-        self._uploads += 1
-        if from_device:
-            self.req_pool_indices[:n].copy_(req_pool_indices[:n], non_blocking=True)
-        self.upload_seconds += time.perf_counter() - t0
-
-    # -------------------------------------------------------------- helpers
-    def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
-        """Raise ValueError if q / k_buffer do not match this workspace."""
-        if q.dim() != 3 or q.shape[1:] != (self.num_q_heads, self.head_dim):
-            raise ValueError(f"q {tuple(q.shape)} does not match [bs, {self.num_q_heads}, {self.head_dim}]")
-        if k_buffer.dim() != 3 or k_buffer.shape[1:] != (self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"k_buffer {tuple(k_buffer.shape)} does not match [slots, {self.num_kv_heads}, {self.head_dim}]"
-            )
-        if q.shape[0] > self.max_bs:
-            raise ValueError(f"q batch {q.shape[0]} exceeds max_bs={self.max_bs}")
-
-    def grid_items(self, kind: str) -> int:
-        """Programs along axis 0 for a launch ('prefix', 'suffix', 'fused'): the workspace's
-        capacity, fixed per workspace (programs past the live count exit at once; measured at
-        serving capacity, sweep 7 in docs/results/kernels.md, they cost ~2 us per layer)."""
-        return {"prefix": self.prefix_cap, "suffix": self.suffix_cap, "fused": self.prefix_cap + self.suffix_cap}[kind]
-
-    def check_integrity(self) -> None:
-        """Assert the last work list is self-consistent (debug aid, host-side only)."""
-        wl = self.work_list
-        assert wl is not None, "workspace was never filled"
-        assert wl.num_partials <= self.partial_cap, f"{wl.num_partials} partial rows > cap {self.partial_cap}"
-        assert (wl.pfx_n_kv > 0).all() and (wl.sfx_hi > wl.sfx_lo).all(), "empty work item"
-        cover = np.zeros((wl.num_partials, self.ratio), np.int64)  # writes of (partial row, q-head of a kv head)
-        cover[wl.sfx_row] += 1
-        for lo, hi, sp in zip(wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_split):
-            f = np.arange(lo, hi)
-            np.add.at(cover, (wl.part_indptr[wl.group_req_idx[f // self.ratio]] + sp, f % self.ratio), 1)
-        assert (cover == 1).all(), "partial rows not written exactly once (per q-head)"
