@@ -1,7 +1,9 @@
 """Regime benchmark: stock SGLang vs SGLang + GraniKV over the regimes that decide whether sharing
 pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one invocation.
 
-    python3 benchmark/multi_agent/regimes.py --backend flashinfer --out OUT      # ~8 min, one GPU
+    python3 benchmark/multi_agent/regimes.py --backend flashinfer --time-budget-s 0 --out OUT   # ~12 min
+    python3 benchmark/multi_agent/regimes.py --backend flashinfer --models llama-3.1-8b --tag a --out OUT
+                                          # one model per invocation where a call is limited to 10 min
     python3 benchmark/multi_agent/regimes.py --backend triton --out OUT
     python3 benchmark/multi_agent/regimes.py --merge OUT/regimes_flashinfer.json \
         OUT/regimes_triton.json --out docs/results                     # regimes.{json,md,png}
