@@ -302,7 +302,8 @@ def test_parent_writes_after_every_record_and_pairs_engines(regimes, tmp_path, m
     assert "enable_granikv" not in kw["qwen2.5-7b/flashinfer/baseline"]
 
 
-def test_child_loop_runs_rows_then_ceilings_and_stops_at_deadline(regimes, tmp_path, monkeypatch, capsys):
+def _fake_child(monkeypatch, run_row):
+    """run.Child replaced by an engine-less child whose ``run(spec)`` is ``run_row(spec)``."""
     import run as run_mod
 
     class FakeEngine:
@@ -320,11 +321,18 @@ def test_child_loop_runs_rows_then_ceilings_and_stops_at_deadline(regimes, tmp_p
             return dict(engine_up_s=1.0)
 
         def run(self, spec):
-            if spec.agents == 13:
-                raise RuntimeError("bad row")
-            return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=1.0, params={})
+            return run_row(spec)
 
     monkeypatch.setattr(run_mod, "Child", FakeChild)
+
+
+def test_child_loop_runs_rows_then_ceilings_and_stops_at_deadline(regimes, tmp_path, monkeypatch, capsys):
+    def run_row(spec):
+        if spec.agents == 13:
+            raise RuntimeError("bad row")
+        return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=1.0, params={})
+
+    _fake_child(monkeypatch, run_row)
     row = lambda name, agents, ceil: dict(regime=name, priority=0, has_ceiling=ceil,  # noqa: E731
                                           spec=dict(name="no_sharing", agents=agents, kwargs=dict(out=1)),
                                           ceiling=dict(name="no_sharing", agents=agents, kwargs=dict(out=1)) if ceil else None)
@@ -380,29 +388,13 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
 
 
 def test_repeats_keep_the_median_run_and_scale_the_estimate(regimes, grid, tmp_path, monkeypatch, capsys):
-    import run as run_mod
-
     speeds = iter([30.0, 10.0, 20.0, 5.0, 7.0])  # row a: 3 repeats, then its ceiling: the next 2
 
-    class FakeEngine:
-        def generate(self, **_):
-            return []
+    def run_row(spec):
+        tps = next(speeds)
+        return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=tps, params={}, tag=tps)
 
-        def shutdown(self):
-            pass
-
-    class FakeChild:
-        def __init__(self, job):
-            self.engine = FakeEngine()
-
-        def info(self):
-            return dict(engine_up_s=1.0)
-
-        def run(self, spec):
-            tps = next(speeds)
-            return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=tps, params={}, tag=tps)
-
-    monkeypatch.setattr(run_mod, "Child", FakeChild)
+    _fake_child(monkeypatch, run_row)
     spec = dict(name="no_sharing", agents=2, kwargs=dict(out=1))
     job = dict(rows=[dict(regime="a", priority=0, has_ceiling=True, spec=spec, ceiling=spec)],
                deadline=1e18, repeats=3)
