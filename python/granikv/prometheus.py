@@ -45,54 +45,48 @@ class PrometheusExporter:
         reg = registry if registry is not None else REGISTRY
         self.labels = dict(labels)
         names = list(self.labels)
+
+        def gauge(name, doc, extra=()):
+            """One of GraniKV's gauges: the server's labels (+ ``extra``), the most recent value
+            across processes."""
+            return Gauge(name, doc, labelnames=names + list(extra), multiprocess_mode="mostrecent",
+                         registry=reg)
+
         self._storage: Dict[str, object] = {}
         for key, doc in STORAGE_GAUGES.items():
             name = f"granikv:{key}{'_total' if key in TOTALS else ''}"
-            self._storage[key] = Gauge(name, doc, labelnames=names, multiprocess_mode="mostrecent",
-                                       registry=reg)
-        self._steps = Gauge("granikv:decode_steps_total", "Decode steps per attention path.",
-                            labelnames=names + ["path"], multiprocess_mode="mostrecent",
-                            registry=reg)
-        self._hit = Gauge("granikv:hot_hit_rate",
-                          "Share of decode requests served from a shared HOT prefix.",
-                          labelnames=names, multiprocess_mode="mostrecent", registry=reg)
-        self._plan = Gauge("granikv:plan_us_mean",
-                           "Mean host time of a decode step's planning (grouping, path choice, workspace fill).",
-                           labelnames=names, multiprocess_mode="mostrecent", registry=reg)
-        self._plan_pct = Gauge("granikv:plan_us",
+            self._storage[key] = gauge(name, doc)
+        self._steps = gauge("granikv:decode_steps_total", "Decode steps per attention path.", ("path",))
+        self._hit = gauge("granikv:hot_hit_rate",
+                          "Share of decode requests served from a shared HOT prefix.")
+        self._plan = gauge("granikv:plan_us_mean",
+                           "Mean host time of a decode step's planning (grouping, path choice, workspace fill).")
+        self._plan_pct = gauge("granikv:plan_us",
                                "Host time of a decode step's planning (staging, grouping, path choice, "
-                               "workspace fill), percentile over the last decode steps.",
-                               labelnames=names + ["quantile"], multiprocess_mode="mostrecent",
-                               registry=reg)
-        self._plan_steps = Gauge("granikv:planned_steps_total", "Decode steps planned (and timed) by GraniKV.",
-                                 labelnames=names, multiprocess_mode="mostrecent", registry=reg)
-        self._plan_section = Gauge("granikv:plan_section_us_total",
+                               "workspace fill), percentile over the last decode steps.", ("quantile",))
+        self._plan_steps = gauge("granikv:planned_steps_total", "Decode steps planned (and timed) by GraniKV.")
+        self._plan_section = gauge("granikv:plan_section_us_total",
                                    "Host time of decode planning per section (stage, lookup, choose, fill, "
                                    "upload, view), and 'cpu': the thread CPU time of the backend's part "
-                                   "(work, not waiting); a rate over planned_steps_total gives means.",
-                                   labelnames=names + ["section"], multiprocess_mode="mostrecent", registry=reg)
-        self._plan_bucket = Gauge("granikv:plan_us_bucket",
+                                   "(work, not waiting); a rate over planned_steps_total gives means.", ("section",))
+        self._plan_bucket = gauge("granikv:plan_us_bucket",
                                   "Decode steps whose planning took at most 'le' microseconds (cumulative "
-                                  "histogram since start; bucket deltas give any window's percentiles).",
-                                  labelnames=names + ["le"], multiprocess_mode="mostrecent", registry=reg)
+                                  "histogram since start; bucket deltas give any window's percentiles).", ("le",))
         self._bucket_edges = set()  # histogram edges published so far
-        self._reuse = Gauge("granikv:work_list_fills_total",
+        self._reuse = gauge("granikv:work_list_fills_total",
                             "Decode-step workspace fills: 'built' from scratch or 'reused' from the previous step.",
-                            labelnames=names + ["kind"], multiprocess_mode="mostrecent", registry=reg)
-        self._extend = Gauge("granikv:extend_batches_total",
+                            ("kind",))
+        self._extend = gauge("granikv:extend_batches_total",
                              "Extend (prefill) batches with a cached prefix: prefix part 'hot' (dense "
-                             "call over HOT extents) or 'stock' (the wrapped backend's paged prefill).",
-                             labelnames=names + ["path"], multiprocess_mode="mostrecent", registry=reg)
+                             "call over HOT extents) or 'stock' (the wrapped backend's paged prefill).", ("path",))
 
-        self._unplanned = Gauge("granikv:unplanned_steps_total",
-                                "Decode steps that reached a GraniKV backend without a staged batch (ran paged).",
-                                labelnames=names, multiprocess_mode="mostrecent", registry=reg)
-        self._fallbacks = Gauge("granikv:extend_fallbacks_total",
+        self._unplanned = gauge("granikv:unplanned_steps_total",
+                                "Decode steps that reached a GraniKV backend without a staged batch (ran paged).")
+        self._fallbacks = gauge("granikv:extend_fallbacks_total",
                                 "Extend batches with a cached prefix left to the stock prefill, per reason.",
-                                labelnames=names + ["reason"], multiprocess_mode="mostrecent", registry=reg)
-        self._backends = Gauge("granikv:attention_backends",
-                               "GraniKV attention backends the scheduler stages (0: attention is stock).",
-                               labelnames=names, multiprocess_mode="mostrecent", registry=reg)
+                                ("reason",))
+        self._backends = gauge("granikv:attention_backends",
+                               "GraniKV attention backends the scheduler stages (0: attention is stock).")
 
     def update(self, snapshot: Mapping[str, object]) -> None:
         for key, gauge in self._storage.items():
