@@ -1,9 +1,11 @@
 # The SGLang releases GraniKV supports, and each one's CPU test environment (sourced by
 # scripts/setup_cpu_env.sh and scripts/test.sh; keep in step with python/granikv/sglang_compat.py).
 SGLANG_VERSIONS="0.5.17 0.5.23"
+# The release whose venv (.venv) holds torch and the shared imports; the others layer on it.
+SGLANG_BASE=0.5.17
 
 venv_for() {  # the per-release venv directory (git-ignored)
-  if [ "$1" = "0.5.17" ]; then echo .venv; else echo ".venv-sglang-$1"; fi
+  if [ "$1" = "$SGLANG_BASE" ]; then echo .venv; else echo ".venv-sglang-$1"; fi
 }
 
 flashinfer_for() {  # the flashinfer-python release that SGLang release pins
