@@ -2,21 +2,21 @@
 
 ``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
 states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
-it in place with one non-blocking copy from pinned memory (a ring of staging buffers, see
-``CascadeWorkspace._claim``), so a captured CUDA graph stays valid
-and replays a different batch correctly: grids are fixed at capacity and programs read the
+it in place with one non-blocking copy from pinned memory (``staging_ring``), so a captured
+CUDA graph stays valid and replays a different batch correctly: grids are fixed at capacity and programs read the
 live item counts from ``meta`` (device memory).
 
-Work items and their layout: ``work_list``.
+Work items and their layout: ``work_list``; what a steady step reuses: ``reuse_base``.
 """
 
-import time
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from granikv.kernels.kernel_config import KernelConfig, tile_config
+from granikv.layers.attention.cascade.reuse_base import ReuseBase
+from granikv.layers.attention.cascade.staging_ring import StagingRing
 from granikv.layers.attention.cascade.work_list import (
     PrefixItems,
     WorkList,
@@ -29,53 +29,13 @@ from granikv.layers.attention.cascade.work_list import (
     suffix_tile_rows,
 )
 
-def _last_suffix_item(wl: WorkList) -> np.ndarray:
-    """Index of each request's last suffix item (-1 if it has none); items are in request order."""
-    n = np.bincount(wl.sfx_req, minlength=wl.bs)
-    last = np.cumsum(n) - 1
-    last[n == 0] = -1
-    return last
-
-
-class _ReuseBase(NamedTuple):
-    """What a full build leaves for the steady steps after it (``CascadeWorkspace.advance``).
-
-    ``hi_pos[i]``: where request i's last ``sfx_hi`` lives in a staging buffer (an index into
-    ``meta``), so a steady step writes the new suffix ends with one scatter; ``last_lo1`` and
-    ``limit``: the reuse bound as one unsigned comparison, ``0 <= seq_len - last_lo - 1 <
-    limit`` (``limit = floor(reuse_chunk_factor * suffix_chunk)``; a negative difference wraps
-    to a huge unsigned value)."""
-
-    items: PrefixItems
-    wl: WorkList  # the work list of the full build
-    single: bool  # built for the bgemm path (one prefix chunk per group)
-    last: np.ndarray  # each request's last suffix item
-    last_lo1: np.ndarray  # first token of that item, + 1
-    hi_pos: np.ndarray  # meta index of that item's sfx_hi
-    limit: int
-    rows: Optional[np.ndarray]  # the build's host rows (None: they came from the device)
-
-    @classmethod
-    def of(cls, items: PrefixItems, wl: WorkList, rows, *, single: bool, factor: float,
-           sfx_hi_offset: int) -> Optional["_ReuseBase"]:
-        """None when the build cannot be advanced (no request, or one without suffix chunks)."""
-        if factor <= 0 or not wl.bs:
-            return None
-        last = _last_suffix_item(wl)
-        if (last < 0).any():
-            return None
-        return cls(items, wl, single, last, wl.sfx_lo[last] + 1, sfx_hi_offset + last,
-                   int(factor * wl.suffix_chunk),
-                   None if isinstance(rows, torch.Tensor) else np.array(rows[: wl.bs], dtype=np.int64))
-
-
 # fill() arguments of a step with no request (group_req_indptr holds its single 0)
 _EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
                np.zeros(0, np.int64))
 
 
-class CascadeWorkspace:
+class CascadeWorkspace(StagingRing):
     """Fixed-capacity device metadata + partial states for the cascade kernels.
 
     Allocate once per (max batch size, head shape); call ``fill`` once per decode step (before
@@ -92,7 +52,7 @@ class CascadeWorkspace:
 
     Host staging: ``staging_buffers`` pinned copies of ``meta`` (on CUDA), used in turn, one per
     upload; each upload is one non-blocking copy and one event record, and a buffer is written
-    only once its last copy is known done (``_claim``).
+    only once its last copy is known done (``StagingRing._claim``).
 
     Device buffers (int32 unless noted):
       ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
@@ -118,8 +78,6 @@ class CascadeWorkspace:
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        if staging_buffers < 2:
-            raise ValueError(f"staging_buffers={staging_buffers} must be >= 2")
         self.device = torch.device(device)
         self.ratio = num_q_heads // num_kv_heads
         self.config = config or tile_config(self.ratio, head_dim)
@@ -151,41 +109,25 @@ class CascadeWorkspace:
                         ("rpi", max_bs)):
             offs[name], o = o, o + n
         self._offs, self._meta_len = offs, o
-        pin = self.device.type == "cuda"
-        nbuf = self.staging_buffers = staging_buffers
-        self._host = [torch.zeros(o, dtype=torch.int32, pin_memory=pin) for _ in range(nbuf)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._events = [None] * nbuf  # event recorded after the last copy out of each buffer
-        self._buf_upload = [-1] * nbuf  # number of the upload that last read each buffer
-        self._uploads = 0  # uploads issued so far (the next one's number)
-        self._done_upto = -1  # every upload numbered <= this one has completed (see _claim)
-        self._flip = 0  # the next staging buffer (the ring's position)
-        self.meta = torch.zeros(o, dtype=torch.int32, device=self.device)
+        self._init_ring(o, offs["rpi"], max_bs, self.device, staging_buffers)
         self.counts = self.meta[0:3]
         self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
         self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
         self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
         self.part_indptr = self.meta[offs["pptr"] : offs["pptr"] + max_bs + 1]
-        self.req_pool_indices = self.meta[offs["rpi"] : offs["rpi"] + max_bs]
         self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self._work_list: Optional[WorkList] = None
         self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
-        self._cuda = self.device.type == "cuda"
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
         self._prefix_shape = None  # (bs, single chunk) of the last lookup
-        self._host_base = [None] * nbuf  # the _ReuseBase whose work list each pinned buffer holds
-        self._reuse_base = None  # _ReuseBase of the last full build (None: nothing to advance)
+        self._reuse_base = None  # ReuseBase of the last full build (None: nothing to advance)
         self._adv = None  # (n, last_lo1[:n], hi_pos[:n], scratch [n]) of the current build
-        self._host_rows = [None] * nbuf  # (rows array, n) each staging buffer holds (see _copy_up)
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
-        self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
-        self.upload_seconds = 0.0  # host time of uploads: those waits + the copies (and events)
-        self.upload_waits = 0  # event synchronizations (one per staging_buffers // 2 uploads, steady)
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
                             else None)
@@ -253,7 +195,7 @@ class CascadeWorkspace:
                 f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
                 f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
             )
-        base = _ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk,
+        base = ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk,
                              factor=self.config.reuse_chunk_factor,
                              sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
         self._upload(wl, req_pool_indices, base)
@@ -361,44 +303,7 @@ class CascadeWorkspace:
             seq_lens, req_pool_indices, **kw,
         )  # fmt: skip
 
-    def _next_buffer(self) -> int:
-        """The pinned staging buffer to write this step (a ring of ``staging_buffers``), once
-        the copy that last read it is done."""
-        k = self._flip
-        self._flip = k + 1 if k + 1 < self.staging_buffers else 0
-        if self._buf_upload[k] > self._done_upto:
-            self._claim(k)
-        return k
-
-    def _claim(self, k: int) -> None:
-        """Waits until the copy that last read buffer ``k`` is done (host writes to a pinned
-        buffer under a pending copy would reach the device).
-
-        Uploads run in order on the stream, so one synchronized event proves every earlier
-        upload done. The wait is on the upload ``staging_buffers // 2`` before the next one
-        (at least the one that read ``k``): that one is done already whenever the device keeps
-        up with the host (SGLang's overlap scheduler runs one step ahead), so the call returns
-        at once, and the next ``staging_buffers // 2`` claims need no call at all::
-
-            ring of 8, next upload U = 20: buffer 20 % 8 last read by upload 12
-            sync on upload 16's event -> done_upto = 16: uploads 21..24 reuse buffers of 13..16
-        """
-        target = max(self._buf_upload[k], self._uploads - self.staging_buffers // 2)
-        if target <= self._done_upto:
-            return
-        ev = self._events[target % self.staging_buffers]
-        if ev is None:  # no device copy (CPU workspace): nothing pending
-            self._done_upto = target
-            return
-        t0 = time.perf_counter()
-        ev.synchronize()
-        dt = time.perf_counter() - t0
-        self.upload_waits += 1
-        self.upload_wait_seconds += dt
-        self.upload_seconds += dt
-        self._done_upto = target
-
-    def _upload(self, wl: WorkList, req_pool_indices, base: Optional[_ReuseBase] = None) -> None:
+    def _upload(self, wl: WorkList, req_pool_indices, base: Optional[ReuseBase] = None) -> None:
         """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
         the build ``wl`` is (what later advances may rewrite in part)."""
         k = self._next_buffer()
@@ -417,31 +322,6 @@ class CascadeWorkspace:
             h[o["sfx"] + j * S : o["sfx"] + j * S + n] = a
         h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
         h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
-
-    def _copy_up(self, k: int, n: int, req_pool_indices) -> None:
-        """Buffer ``k`` (written but for the rows) to ``meta``, with the first ``n`` rows. Host
-        rows are written unless the buffer holds that very array already (same object, same n,
-        since the last full write of the buffer)."""
-        t0 = time.perf_counter()
-        rpi = self._offs["rpi"]
-        from_device = isinstance(req_pool_indices, torch.Tensor)
-        held = self._host_rows[k]
-        if not from_device and (held is None or held[0] is not req_pool_indices or held[1] != n):
-            self._host_np[k][rpi : rpi + n] = req_pool_indices[:n]
-            self._host_rows[k] = (req_pool_indices, n)
-        if self._cuda:
-            self.meta.copy_(self._host[k], non_blocking=True)
-            ev = self._events[k]
-            if ev is None:
-                ev = self._events[k] = torch.cuda.Event()
-            ev.record()
-        else:
-            self.meta.copy_(self._host[k])
-        self._buf_upload[k] = self._uploads
-        self._uploads += 1
-        if from_device:
-            self.req_pool_indices[:n].copy_(req_pool_indices[:n], non_blocking=True)
-        self.upload_seconds += time.perf_counter() - t0
 
     # -------------------------------------------------------------- helpers
     def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
