@@ -110,7 +110,8 @@ class PrometheusExporter:
             for section, us in sections.items():
                 self._plan_section.labels(**self.labels, section=section).set(float(us))
             self._update_buckets(attention.get("plan_us_hist") or {})
-            for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses")):
+            for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses"),
+                              ("in_place", "work_list_in_place")):
                 self._reuse.labels(**self.labels, kind=kind).set(float(attention.get(key, 0)))
             hot = float(attention.get("extend_hot_batches", 0))
             self._extend.labels(**self.labels, path="hot").set(hot)

@@ -8,6 +8,12 @@ request, whose slots are gathered from SGLang's table ``req_to_token[req_pool_in
 
     req_to_token row:  | prefix (served by the prefix kernel) | t_lo ... t_hi | ... | seq_len
                                                                   \\ one item  /
+
+Device ends (``CascadeWorkspace.seq_lens_dev`` bound, ``DEVICE_ENDS``): a request's last item
+(the next item belongs to another request) ends at ``seq_lens[req]``, read from the batch's
+own device tensor, not at its ``t_hi`` in the workspace. A steady decode step (same grouping,
+each request one token longer) then needs no upload at all. Graph padding rows, whose
+``seq_lens`` hold the wrapped backend's fill value, keep at least one token (``t_lo + 1``).
 """
 
 import torch
@@ -20,11 +26,11 @@ __all__ = ["suffix_attention"]
 
 
 @triton.jit
-def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
+def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, n_items,
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                  stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr):
     """Attention of suffix item ``w`` for kv heads ``hg*HEADS .. hg*HEADS+HEADS-1``.
 
     Rows r < HEADS*RATIO are q-heads ``hg*HEADS*RATIO + r`` (local kv head r // RATIO); the key
@@ -35,6 +41,10 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
     b = tl.load(SfxItems + w)
     t_lo = tl.load(SfxItems + sfx_cap + w)
     t_hi = tl.load(SfxItems + 2 * sfx_cap + w)
+    if DEVICE_ENDS:  # items are in request order: the last one of b is followed by another request's
+        nxt = tl.load(SfxItems + w + 1, mask=w + 1 < n_items, other=-1)
+        dev_hi = tl.maximum(tl.load(SeqLens + b).to(tl.int32), t_lo + 1)
+        t_hi = tl.where(nxt != b, dev_hi, t_hi)
     row = tl.load(SfxItems + 3 * sfx_cap + w).to(tl.int64)
     b64 = b.to(tl.int64)
 
@@ -71,19 +81,19 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
 
 
 @triton.jit
-def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken,
+def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken, SeqLens,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                    stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr):
     hg = tl.program_id(1)
     n_items = tl.load(Counts + 2)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
     if w < n_items:
-        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
+        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, n_items,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                      stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION)
+                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS)
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -93,7 +103,8 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     q:            [bs, Hq, D] fp16/bf16/fp32
     k_buffer:     [slots, Hkv, D] one layer (page size 1); v_buffer likewise
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
-    workspace:    CascadeWorkspace after ``fill`` (its ``req_pool_indices`` select the rows);
+    workspace:    CascadeWorkspace after ``fill`` (its ``req_pool_indices`` select the rows;
+                  its ``seq_lens_dev``, when bound, ends each request's last item);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
     Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per workspace (CUDA-graph safe).
     """
@@ -104,12 +115,14 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                          f"strides {req_to_token.stride()}")
     cfg = ws.config
     grid = (ws.grid_items("suffix"), ws.suffix_groups)
+    ends = ws.seq_lens_dev
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
+        ws.counts if ends is None else ends,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.suffix_cap,
         sm_scale * LOG2E,
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
-        BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype),
+        BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
         num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip

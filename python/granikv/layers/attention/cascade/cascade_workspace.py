@@ -29,6 +29,8 @@ from granikv.layers.attention.cascade.work_list import (
     suffix_tile_rows,
 )
 
+_END_DTYPES = (torch.int32, torch.int64)
+
 # fill() arguments of a step with no request (group_req_indptr holds its single 0)
 _EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
@@ -79,6 +81,8 @@ class CascadeWorkspace(StagingRing):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # one spelling, for ends_fit
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.ratio = num_q_heads // num_kv_heads
         self.config = config or tile_config(self.ratio, head_dim)
         if sm_count is None:
@@ -120,6 +124,11 @@ class CascadeWorkspace(StagingRing):
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self._work_list: Optional[WorkList] = None
         self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
+        self.ends_dev = torch.zeros(max_bs, dtype=torch.int32, device=self.device)  # see bind_ends
+        self.seq_lens_dev = None  # what the kernels end last items at: ends_dev once bound, else None
+        self._ends_views = {}  # bs -> ends_dev[:bs]
+        self._dev_ends = None  # n of the last in-place advance: its ends are ends_dev[:n] (work_list)
+        self.advances_in_place = 0  # steady steps with device ends: no upload at all
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
@@ -136,19 +145,46 @@ class CascadeWorkspace(StagingRing):
     @property
     def work_list(self) -> Optional[WorkList]:
         """The work list of the last fill. After a steady ``advance`` it is built here on first
-        read, from the build it advanced and the suffix ends in the staging buffer just copied
-        (the step itself only writes those ends)."""
-        k = self._hi_buf
-        if k is not None:
+        read, from the build it advanced and the suffix ends in the staging buffer just copied,
+        or, after an in-place advance, in ``ends_dev`` (the step itself only writes those ends)."""
+        k, ends = self._hi_buf, self._dev_ends
+        if k is not None or ends is not None:
             base = self._reuse_base
             hi = base.wl.sfx_hi.copy()
-            hi[base.last] = self._host_np[k][base.hi_pos]
-            self._work_list, self._hi_buf = base.wl._replace(sfx_hi=hi), None
+            if ends is None:
+                hi[base.last] = self._host_np[k][base.hi_pos]
+            else:  # a device read (debug and tests only: serving never reads the host list)
+                hi[base.last[:ends]] = self.ends_dev[:ends].cpu().numpy()
+            self.work_list = base.wl._replace(sfx_hi=hi)
         return self._work_list
 
     @work_list.setter
     def work_list(self, wl: Optional[WorkList]) -> None:
-        self._work_list, self._hi_buf = wl, None
+        self._work_list, self._hi_buf, self._dev_ends = wl, None, None
+
+    def ends_fit(self, t: torch.Tensor, bs: int) -> bool:
+        """``t`` can be bound as the ends of a batch of ``bs`` (``bind_ends``)."""
+        shape = t.shape
+        return len(shape) == 1 and shape[0] >= bs and t.dtype in _END_DTYPES and t.device == self.device
+
+    def bind_ends(self, seq_lens_dev: Optional[torch.Tensor], bs: int, *, checked: bool = False) -> None:
+        """Where the kernels read each request's last suffix end: ``seq_lens_dev[:bs]`` (SGLang's
+        ``forward_batch.seq_lens`` of the step, on this workspace's device) copied device to
+        device into the fixed ``ends_dev`` (one copy, which a captured graph reads at a fixed
+        address whatever buffer SGLang hands over), or, with None, the ends in ``meta``. Set on
+        every ``fill`` / ``advance`` / ``fill_empty``. ``checked``: the caller has just seen
+        ``ends_fit`` hold."""
+        if seq_lens_dev is None:
+            self.seq_lens_dev = None
+            return
+        if not checked and not self.ends_fit(seq_lens_dev, bs):
+            raise ValueError(f"seq_lens_dev {tuple(seq_lens_dev.shape)} {seq_lens_dev.dtype} on "
+                             f"{seq_lens_dev.device} is not an int32/int64 vector of >= {bs} on {self.device}")
+        dst = self._ends_views.get(bs)
+        if dst is None:
+            dst = self._ends_views[bs] = self.ends_dev[:bs]
+        dst.copy_(seq_lens_dev if seq_lens_dev.shape[0] == bs else seq_lens_dev[:bs], non_blocking=True)
+        self.seq_lens_dev = self.ends_dev
 
     def fill(
         self,
@@ -162,6 +198,7 @@ class CascadeWorkspace(StagingRing):
         *,
         single_prefix_chunk: bool = False,
         same_grouping: bool = False,
+        seq_lens_dev: Optional[torch.Tensor] = None,
     ) -> WorkList:
         """Plan one decode step and copy its metadata into the fixed device buffers (async).
 
@@ -170,6 +207,7 @@ class CascadeWorkspace(StagingRing):
         ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``. ``same_grouping=True``:
         the caller guarantees the four grouping arrays hold what they held in the previous
         ``fill`` (the planner's unchanged ``Grouping``), which skips comparing them.
+        ``seq_lens_dev``: see ``bind_ends`` (must hold ``seq_lens`` on the device).
         Raises ValueError when the batch exceeds the workspace's capacity.
         """
         bs = len(seq_lens)
@@ -177,6 +215,7 @@ class CascadeWorkspace(StagingRing):
             raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
         if len(group_len) > self.max_groups:
             raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
+        self.bind_ends(seq_lens_dev, bs)
         items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
                                    same_grouping)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -208,18 +247,21 @@ class CascadeWorkspace(StagingRing):
             self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
         return wl
 
-    def fill_empty(self) -> WorkList:
+    def fill_empty(self, seq_lens_dev: Optional[torch.Tensor] = None) -> WorkList:
         """``fill`` with no request: the kernels then exit at once (a captured graph still runs
         them on a paged step). While the device metadata already holds an empty work list
-        (paged steps in a row: no shared prefix in the batch) nothing is built or copied."""
+        (paged steps in a row: no shared prefix in the batch) nothing is built or copied.
+        ``seq_lens_dev``: what a graph captured over this fill reads its ends from (``bind_ends``)."""
         wl = self._work_list
-        if self._hi_buf is None and wl is not None and wl.bs == 0:
+        if self._hi_buf is None and self._dev_ends is None and wl is not None and wl.bs == 0:
+            self.bind_ends(seq_lens_dev, 0)
             self.fills_skipped += 1
             return wl
-        return self.fill(*_EMPTY_FILL)
+        return self.fill(*_EMPTY_FILL, seq_lens_dev=seq_lens_dev)
 
     def advance(self, seq_lens: np.ndarray, req_pool_indices: np.ndarray, *, bs: int,
-                single_prefix_chunk: bool = False) -> bool:
+                single_prefix_chunk: bool = False, seq_lens_dev: Optional[torch.Tensor] = None,
+                ends_checked: bool = False) -> bool:
         """A steady decode step, without a ``fill``: the last fill's work list with each request's
         last suffix chunk ending at its new ``seq_len``, uploaded. Returns False, having done
         nothing, when a ``fill`` is needed (no build to advance, a different batch size, or a
@@ -230,23 +272,27 @@ class CascadeWorkspace(StagingRing):
         ``req_pool_indices`` (numpy, never written in place once passed: an array seen again
         is not copied again) cover the first ``n = len(seq_lens)`` of the ``bs`` batch positions
         of that fill; positions ``n..bs`` (graph padding) keep what that fill gave them.
-        Cost: a handful of numpy calls and one copy, whatever the batch (no per-request loop).
+        Cost: a handful of numpy calls and one copy, whatever the batch (no per-request loop);
+        with ``seq_lens_dev`` (``bind_ends``) and the rows already on the device, only the
+        device-to-device copy of the ends: the kernels read the new ends there, nothing is uploaded.
         """
         base = self._reuse_base
         if (base is None or base.wl.bs != bs or base.single is not single_prefix_chunk
                 or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
                 or (base.rows is None and len(seq_lens) < bs)):
             return False
-        return self._advance(seq_lens, req_pool_indices)
+        self.bind_ends(seq_lens_dev, bs, checked=ends_checked)
+        return self._advance(seq_lens, req_pool_indices, in_place=True)
 
-    def _advance(self, seq_lens: np.ndarray, req_pool_indices) -> bool:
+    def _advance(self, seq_lens: np.ndarray, req_pool_indices, in_place: bool = False) -> bool:
         """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
         and uploads it; False when a last chunk would hold no token or more than ``limit``.
 
         Correct for any batch with the same prefix items (same grouping and batch size, hence
         the same ``prefix_len`` per position): every chunk but a request's last is full and
         starts at ``prefix_len + k * suffix_chunk``, so ``[lo_last, seq_len)`` completes an exact
-        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``.
+        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``. ``in_place``: with
+        device ends bound and the rows on the device the very rows given, nothing is uploaded.
         """
         base, n = self._reuse_base, len(seq_lens)
         st = self._adv
@@ -256,6 +302,12 @@ class CascadeWorkspace(StagingRing):
         np.subtract(seq_lens, st[1], out=grow1)
         if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
             return False
+        if in_place and self.seq_lens_dev is not None and self._rows_on_device(req_pool_indices, n):
+            # the kernels end each last item at seq_lens_dev: nothing to upload
+            self._work_list, self._hi_buf, self._dev_ends = None, None, n
+            self.fills_reused += 1
+            self.advances_in_place += 1
+            return True
         k = self._flip  # _next_buffer, inlined
         self._flip = k + 1 if k + 1 < self.staging_buffers else 0
         if self._buf_upload[k] > self._done_upto:
@@ -278,6 +330,15 @@ class CascadeWorkspace(StagingRing):
         self._copy_up(k, n, req_pool_indices)
         self.fills_reused += 1
         return True
+
+    def _rows_on_device(self, req_pool_indices, n: int) -> bool:
+        """The last upload's first ``n`` rows are ``req_pool_indices[:n]`` (host rows only: the
+        same array, or an equal one; the build's padding rows after them stay)."""
+        held = self._rows_up
+        if held is None or held[1] < n or isinstance(req_pool_indices, torch.Tensor):
+            return False
+        return (held[0] is req_pool_indices and held[1] == n) or bool(
+            np.array_equal(held[0][:n], req_pool_indices[:n]))
 
     def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
                       single_prefix_chunk: bool, same_grouping: bool = False) -> PrefixItems:

@@ -53,6 +53,7 @@ class DecodePlanner:
         self.filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
         self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
         self._pad_fill = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
+        self._ends = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
     def use_dispatcher(self, dispatcher) -> None:
@@ -64,6 +65,7 @@ class DecodePlanner:
         wss = [w for w in (self.workspace, self.eager_workspace) if w is not None]
         return {"work_list_builds": sum(w.fills_built for w in wss),
                 "work_list_reuses": sum(w.fills_reused for w in wss),
+                "work_list_in_place": sum(w.advances_in_place for w in wss),
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
                 "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss),
@@ -181,6 +183,10 @@ class DecodePlanner:
                          "(stale HotPrefixTable); this step runs paged")
             stats.unplanned += 1
             return None
+        self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
+        if graph and self._ends is None:  # the cascade graph reads them
+            stats.record_paged(bs, "no device seq_lens for the cascade graph")
+            return None
         self._t_choose = time.perf_counter()
         decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
         stats.record(decision, grouping)
@@ -222,14 +228,16 @@ class DecodePlanner:
         up0 = ws.upload_seconds
         grouping, desc, decision = plan
         same = grouping is self.filled_grouping and ws is self._filled_ws
+        ends = self._ends  # checked against this workspace in _plan
         if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
-                               single_prefix_chunk=decision.path is Path.BGEMM):
+                               single_prefix_chunk=decision.path is Path.BGEMM, seq_lens_dev=ends,
+                               ends_checked=True):
             return ws.upload_seconds - up0  # a steady step: only the suffix ends changed
         prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens, desc.req_pool_indices,
                                          fb.batch_size)
         ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
                 grouping.group_req_idx, prefix_len, seq_lens, rpi,
-                single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same)
+                single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same, seq_lens_dev=ends)
         self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
         return ws.upload_seconds - up0
 
@@ -285,7 +293,7 @@ class DecodePlanner:
             return
         self.path = Path.CASCADE
         self.ws = self.workspace_for(bs)
-        self.ws.fill_empty()
+        self.ws.fill_empty(_device_ends(fb, self.ws))  # the graph reads the runner's static seq_lens
         view = self._inner_view(fb)
         if bs in self._capture_metadata:
             inner.init_forward_metadata_out_graph(view)
@@ -319,6 +327,14 @@ def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
     """The staged rows equal the held ones (a new array with the same rows: e.g. a batch rebuilt
     on the host without a change); compared only when the array is not the held one."""
     return staged.shape == held.shape and bool((staged == held).all())
+
+
+def _device_ends(fb, ws):
+    """The step's device ``seq_lens``, which the kernels end each request's last suffix item at
+    (``CascadeWorkspace.bind_ends``): steady steps then upload nothing. None (the ends travel in
+    the workspace's upload) where the tensor does not cover the padded batch on its device."""
+    t = getattr(fb, "seq_lens", None)
+    return t if t is not None and ws.ends_fit(t, fb.batch_size) else None
 
 
 def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):

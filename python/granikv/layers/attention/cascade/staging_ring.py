@@ -39,6 +39,7 @@ class StagingRing:
         self._flip = 0  # the next staging buffer (the ring's position)
         self._host_base = [None] * nbuf  # the build whose work list each pinned buffer holds
         self._host_rows = [None] * nbuf  # (rows array, n) each staging buffer holds (see _copy_up)
+        self._rows_up = None  # (host rows array, n) of the last upload (None: device rows)
         self.meta = torch.zeros(meta_len, dtype=torch.int32, device=device)
         self.req_pool_indices = self.meta[rows_offset : rows_offset + max_rows]
         self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
@@ -93,6 +94,7 @@ class StagingRing:
         if not from_device and (held is None or held[0] is not req_pool_indices or held[1] != n):
             self._host_np[k][rpi : rpi + n] = req_pool_indices[:n]
             self._host_rows[k] = (req_pool_indices, n)
+        self._rows_up = None if from_device else (req_pool_indices, n)
         if self._cuda:
             self.meta.copy_(self._host[k], non_blocking=True)
             ev = self._events[k]

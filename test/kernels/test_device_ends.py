@@ -1,0 +1,131 @@
+"""Device ends: the kernels end each request's last suffix item at the batch's own device
+``seq_lens`` (``CascadeWorkspace.bind_ends``), so a steady decode step uploads nothing.
+
+The kernel checks compare with the float64 decode reference at the new lengths (fp16
+tolerances of test_cascade.py); a workspace whose device metadata still holds the old ends
+would miss the new tokens, so every check below fails if the kernels ignore the bound ends.
+"""
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_CONFIG, make_batch
+
+from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
+from granikv.kernels.reference import decode_attention_ref
+from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+
+PATHS = [cascade_attention, fused_cascade_attention]
+
+
+def _workspace(b, extra=4):
+    return CascadeWorkspace(b.bs + extra, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
+
+
+def _fill(ws, b, seq, ends=None, **kw):
+    return ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+                   b.req_pool_indices, seq_lens_dev=ends, **kw)  # fmt: skip
+
+
+def _ref(b, seq):
+    return decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, torch.as_tensor(seq),
+                                b.sm_scale).o
+
+
+def _run(path, ws, b):
+    out = torch.full_like(b.q, float("nan"))
+    path(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_steady_steps_upload_nothing_and_match_the_reference(path):
+    b = make_batch(suffix=40, ungrouped_len=70, seed=11)
+    ws = _workspace(b)
+    seq0 = b.seq_lens - 3
+    ends = torch.as_tensor(seq0.copy())  # stands for SGLang's device seq_lens (rewritten each step)
+    _fill(ws, b, seq0, ends)
+    meta0, uploads0 = ws.meta.clone(), ws._uploads
+    for step in (2, 1, 0):
+        seq = b.seq_lens - step
+        ends.copy_(torch.as_tensor(seq))
+        assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+        assert ws._uploads == uploads0 and torch.equal(ws.meta, meta0)  # nothing copied
+        torch.testing.assert_close(_run(path, ws, b).double(), _ref(b, seq), atol=4e-3, rtol=4e-3)
+    assert ws.advances_in_place == 3
+    ws.check_integrity()  # the host work list is rebuilt from the ends of the last advance
+    assert [int(ws.work_list.sfx_hi[ws.work_list.sfx_req == i].max()) for i in range(b.bs)] == list(b.seq_lens)
+
+
+def test_without_bound_ends_the_metadata_ends_are_used():
+    """The planted fault of the checks above: advancing in place, then unbinding the ends, runs
+    the kernels on the stale ends in ``meta`` and misses the new tokens."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=13)
+    ws = _workspace(b)
+    seq0 = b.seq_lens - 2
+    ends = torch.as_tensor(b.seq_lens.copy())
+    _fill(ws, b, seq0, torch.as_tensor(seq0.copy()))
+    assert ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+    good = _run(cascade_attention, ws, b)
+    torch.testing.assert_close(good.double(), _ref(b, b.seq_lens), atol=4e-3, rtol=4e-3)
+    ws.seq_lens_dev = None  # the fault: kernels read meta, which still ends at seq0
+    stale = _run(cascade_attention, ws, b).double()
+    torch.testing.assert_close(stale, _ref(b, seq0), atol=4e-3, rtol=4e-3)
+    assert (stale - _ref(b, b.seq_lens)).abs().max() > 1e-2
+
+
+def test_other_rows_or_unbound_ends_upload():
+    b = make_batch(suffix=40, ungrouped_len=70, seed=17)
+    ws = _workspace(b)
+    ends = torch.as_tensor(b.seq_lens.copy())
+    _fill(ws, b, b.seq_lens - 2, ends)
+    u = ws._uploads
+    other_rows = b.req_pool_indices.copy()
+    other_rows[[0, 1]] = other_rows[[1, 0]]
+    assert ws.advance(b.seq_lens - 1, other_rows, bs=b.bs, seq_lens_dev=ends)
+    assert ws._uploads == u + 1 and ws.advances_in_place == 0  # new rows: the ring path uploads them
+    equal_rows = other_rows.copy()  # an equal array (not the same object): rows already there
+    assert ws.advance(b.seq_lens, equal_rows, bs=b.bs, seq_lens_dev=ends)
+    assert ws._uploads == u + 1 and ws.advances_in_place == 1
+    assert ws.advance(b.seq_lens, equal_rows, bs=b.bs)  # ends unbound: the ends travel in the upload
+    assert ws._uploads == u + 2 and ws.seq_lens_dev is None
+
+
+def test_a_full_build_with_bound_ends_and_padding_rows():
+    """Graph padding rows (prefix 0, one token, device seq_len at the wrapped backend's fill
+    value, here 0) keep one token, and the real rows match the reference."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=19)
+    ws = _workspace(b, extra=4)
+    pad = 3
+    seq = np.concatenate([b.seq_lens, np.ones(pad, np.int64)])
+    pl = np.concatenate([b.prefix_len, np.zeros(pad, np.int64)])
+    rows = np.concatenate([b.req_pool_indices, np.zeros(pad, np.int64)])
+    ends = torch.as_tensor(np.concatenate([b.seq_lens, np.zeros(pad, np.int64)]))
+    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, pl, seq, rows, seq_lens_dev=ends)
+    q = torch.cat([b.q, b.q[:pad]])
+    for path in PATHS:
+        out = torch.full_like(q, float("nan"))
+        path(q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out[: b.bs].double(), _ref(b, b.seq_lens), atol=4e-3, rtol=4e-3)
+
+
+def test_bgemm_path_reads_the_bound_ends():
+    b = make_batch(suffix=40, ungrouped_len=70, seed=23)
+    ws = _workspace(b)
+    ends = torch.as_tensor((b.seq_lens - 1).copy())
+    _fill(ws, b, b.seq_lens - 1, ends, single_prefix_chunk=True)
+    ends.copy_(torch.as_tensor(b.seq_lens))
+    assert ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs, single_prefix_chunk=True, seq_lens_dev=ends)
+    out = _run(bgemm_cascade_attention, ws, b)
+    torch.testing.assert_close(out.double(), _ref(b, b.seq_lens), atol=4e-3, rtol=4e-3)
+
+
+def test_ends_that_do_not_fit_are_refused():
+    b = make_batch(suffix=40, ungrouped_len=70)
+    ws = _workspace(b)
+    for bad in (torch.zeros(b.bs - 1, dtype=torch.int64), torch.zeros(b.bs, dtype=torch.float32),
+                torch.zeros(b.bs, 1, dtype=torch.int64)):
+        assert not ws.ends_fit(bad, b.bs)
+        with pytest.raises(ValueError, match="seq_lens_dev"):
+            _fill(ws, b, b.seq_lens, bad)
