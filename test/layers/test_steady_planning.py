@@ -384,3 +384,25 @@ def test_new_rows_array_with_the_same_rows_keeps_the_plan():
 
 def _same_lists(a, b) -> bool:
     return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
+
+
+def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph():
+    """The cascade graph's suffix kernels end each request at the step's device seq_lens
+    (copied into the workspace's ``ends_dev``); a replay whose seq_lens cannot be copied there
+    (here: float) must replay the stock graph, not the cascade graph over stale ends."""
+    from test_backend import _replay_view
+
+    runner = _runner()
+    be = _graph_backend(runner)
+    fb, rows = _batch(runner, hot={0, 1, 3})
+    good = _replay_view(fb, 8)
+    be.stage_batch(rows)
+    be.init_forward_metadata_out_graph(good)
+    assert be.graphs.planned_cascade and be.decode.ws.seq_lens_dev is be.decode.ws.ends_dev
+    bad = copy.copy(good)
+    bad.seq_lens = good.seq_lens.float()
+    unplanned = be.stats.unplanned
+    be.stage_batch(rows)
+    be.init_forward_metadata_out_graph(bad)
+    assert not be.graphs.planned_cascade and be.decode.path is Path.PAGED
+    assert be.stats.unplanned == unplanned + 1

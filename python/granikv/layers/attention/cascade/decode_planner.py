@@ -183,14 +183,14 @@ class DecodePlanner:
                          "(stale HotPrefixTable); this step runs paged")
             stats.unplanned += 1
             return None
-        self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
-        if graph and self._ends is None:  # the cascade graph reads them
-            stats.record_paged(bs, "no device seq_lens for the cascade graph")
-            return None
         self._t_choose = time.perf_counter()
         decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
+            return None
+        self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
+        if graph and self._ends is None:  # the cascade graph ends each suffix at them
+            stats.unplanned += 1
             return None
         return grouping, desc, decision
 
