@@ -222,3 +222,32 @@ def test_steady_advances_on_the_device_match_a_host_fill():
         torch.cuda.synchronize()
         assert torch.equal(ws.meta.cpu(), ref.meta), f"step {step}"
     assert ws.fills_reused == ref.fills_reused >= 20
+
+
+@pytest.mark.parametrize("path", ["cascade", "fused"])
+def test_device_ends_under_graph_replay_bf16(path):
+    """Serving's steady steps (``CascadeWorkspace.bind_ends``): the graph is captured over a
+    workspace whose suffix ends come from a device seq_lens buffer; each step SGLang refills
+    that buffer, the workspace advances in place (no upload: ``meta`` unchanged) and copies
+    the ends to ``ends_dev``; the replay must see the new tokens (16K x 64 + ungrouped, bf16)."""
+    b = _batch(32, seed=5)
+    seq0 = b.seq_lens - 3
+    sl = torch.as_tensor(seq0, device="cuda")  # stands for SGLang's static seq_lens buffer
+    ws = CascadeWorkspace(b.bs, 32, 8, 128, "cuda")
+    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq0,
+            b.req_pool_indices, seq_lens_dev=sl)  # fmt: skip
+    out = torch.empty_like(b.q)
+    g = capture_graph(lambda: PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out))
+    meta = ws.meta.clone()
+    for step in (2, 1, 0):
+        seq = b.seq_lens - step
+        sl.copy_(torch.as_tensor(seq, device="cuda"))
+        assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=sl)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ws.meta, meta)  # nothing uploaded
+        ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, torch.as_tensor(seq),
+                                   b.sm_scale).o
+        assert _rel_err(out, ref) < 1e-2, step
+    assert ws.advances_in_place == 3
