@@ -1,5 +1,5 @@
 """Device ends: the kernels end each request's last suffix item at the batch's own device
-``seq_lens`` (``CascadeWorkspace.bind_ends``), so a steady decode step uploads nothing.
+``seq_lens`` (``SuffixEnds.bind``), so a steady decode step uploads nothing.
 
 The kernel checks compare with the float64 decode reference at the new lengths (fp16
 tolerances of test_cascade.py); a workspace whose device metadata still holds the old ends
@@ -68,7 +68,7 @@ def test_without_bound_ends_the_metadata_ends_are_used():
     assert ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
     good = _run(cascade_attention, ws, b)
     torch.testing.assert_close(good.double(), _ref(b, b.seq_lens), atol=4e-3, rtol=4e-3)
-    ws.seq_lens_dev = None  # the fault: kernels read meta, which still ends at seq0
+    ws.ends.bound = None  # the fault: kernels read meta, which still ends at seq0
     stale = _run(cascade_attention, ws, b).double()
     torch.testing.assert_close(stale, _ref(b, seq0), atol=4e-3, rtol=4e-3)
     assert (stale - _ref(b, b.seq_lens)).abs().max() > 1e-2
@@ -88,7 +88,7 @@ def test_other_rows_or_unbound_ends_upload():
     assert ws.advance(b.seq_lens, equal_rows, bs=b.bs, seq_lens_dev=ends)
     assert ws._uploads == u + 1 and ws.advances_in_place == 1
     assert ws.advance(b.seq_lens, equal_rows, bs=b.bs)  # ends unbound: the ends travel in the upload
-    assert ws._uploads == u + 2 and ws.seq_lens_dev is None
+    assert ws._uploads == u + 2 and ws.ends.bound is None
 
 
 def test_a_full_build_with_bound_ends_and_padding_rows():
@@ -126,6 +126,6 @@ def test_ends_that_do_not_fit_are_refused():
     ws = _workspace(b)
     for bad in (torch.zeros(b.bs - 1, dtype=torch.int64), torch.zeros(b.bs, dtype=torch.float32),
                 torch.zeros(b.bs, 1, dtype=torch.int64)):
-        assert not ws.ends_fit(bad, b.bs)
+        assert not ws.ends.fits(bad, b.bs)
         with pytest.raises(ValueError, match="seq_lens_dev"):
             _fill(ws, b, b.seq_lens, bad)

@@ -226,10 +226,10 @@ def test_steady_advances_on_the_device_match_a_host_fill():
 
 @pytest.mark.parametrize("path", ["cascade", "fused"])
 def test_device_ends_under_graph_replay_bf16(path):
-    """Serving's steady steps (``CascadeWorkspace.bind_ends``): the graph is captured over a
+    """Serving's steady steps (``SuffixEnds.bind``): the graph is captured over a
     workspace whose suffix ends come from a device seq_lens buffer; each step SGLang refills
     that buffer, the workspace advances in place (no upload: ``meta`` unchanged) and copies
-    the ends to ``ends_dev``; the replay must see the new tokens (16K x 64 + ungrouped, bf16)."""
+    the ends to ``CascadeWorkspace.ends``; the replay must see the new tokens (16K x 64 + ungrouped, bf16)."""
     b = _batch(32, seed=5)
     seq0 = b.seq_lens - 3
     sl = torch.as_tensor(seq0, device="cuda")  # stands for SGLang's static seq_lens buffer

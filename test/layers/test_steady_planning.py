@@ -117,7 +117,7 @@ def test_steady_graph_steps_match_the_full_fill_every_step():
     host buffer refilled in place. The backend's steady path (``CascadeWorkspace.advance``, the
     cached seq_lens view and description) leaves, every step, the host work list and the device
     metadata of a twin backend that fills the workspace from the padded arrays (but the suffix
-    ends, which the fast one's kernels read from the device seq_lens copied to ``ends_dev``),
+    ends, which the fast one's kernels read from the device seq_lens copied to ``CascadeWorkspace.ends``),
     and the path of a fresh ``Dispatcher.choose``; outputs match the paged reference on the
     first and last step."""
     from test_backend import _replay_view
@@ -150,7 +150,7 @@ def test_steady_graph_steps_match_the_full_fill_every_step():
         for f in fw.work_list._fields:
             a, b = getattr(fw.work_list, f), getattr(sw.work_list, f)
             assert (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), (step, f)
-        assert fw.ends_dev[:8].tolist() == view.seq_lens.tolist() and fw.seq_lens_dev is fw.ends_dev
+        assert fw.ends.buffer[:8].tolist() == view.seq_lens.tolist() and fw.ends.bound is fw.ends.buffer
         grouping, desc = fast.decode.filled_grouping, fast.decode.last_desc
         want = fast.dispatcher.choose(grouping, BatchDescription(rows, fb.seq_lens_cpu.numpy().copy(),
                                                                  desc.hot_start, desc.hot_len))
@@ -388,7 +388,7 @@ def _same_lists(a, b) -> bool:
 
 def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph():
     """The cascade graph's suffix kernels end each request at the step's device seq_lens
-    (copied into the workspace's ``ends_dev``); a replay whose seq_lens cannot be copied there
+    (copied into the workspace's ``ends``); a replay whose seq_lens cannot be copied there
     (here: float) must replay the stock graph, not the cascade graph over stale ends."""
     from test_backend import _replay_view
 
@@ -398,7 +398,7 @@ def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph():
     good = _replay_view(fb, 8)
     be.stage_batch(rows)
     be.init_forward_metadata_out_graph(good)
-    assert be.graphs.planned_cascade and be.decode.ws.seq_lens_dev is be.decode.ws.ends_dev
+    assert be.graphs.planned_cascade and be.decode.ws.ends.bound is be.decode.ws.ends.buffer
     bad = copy.copy(good)
     bad.seq_lens = good.seq_lens.float()
     unplanned = be.stats.unplanned

@@ -110,7 +110,7 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("fused"), ws.num_kv_heads)
-    ends = ws.seq_lens_dev  # see suffix_attention: device ends of each request's last suffix item
+    ends = ws.ends.bound  # see suffix_attention: device ends of each request's last suffix item
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.counters,

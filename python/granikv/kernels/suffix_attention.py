@@ -9,7 +9,7 @@ request, whose slots are gathered from SGLang's table ``req_to_token[req_pool_in
     req_to_token row:  | prefix (served by the prefix kernel) | t_lo ... t_hi | ... | seq_len
                                                                   \\ one item  /
 
-Device ends (``CascadeWorkspace.seq_lens_dev`` bound, ``DEVICE_ENDS``): a request's last item
+Device ends (``CascadeWorkspace.ends`` bound, ``DEVICE_ENDS``): a request's last item
 (the next item belongs to another request) ends at ``seq_lens[req]``, read from the batch's
 own device tensor, not at its ``t_hi`` in the workspace. A steady decode step (same grouping,
 each request one token longer) then needs no upload at all. Graph padding rows, whose
@@ -104,7 +104,7 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     k_buffer:     [slots, Hkv, D] one layer (page size 1); v_buffer likewise
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
     workspace:    CascadeWorkspace after ``fill`` (its ``req_pool_indices`` select the rows;
-                  its ``seq_lens_dev``, when bound, ends each request's last item);
+                  its ``ends``, when bound, ends each request's last item);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
     Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per workspace (CUDA-graph safe).
     """
@@ -115,7 +115,7 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                          f"strides {req_to_token.stride()}")
     cfg = ws.config
     grid = (ws.grid_items("suffix"), ws.suffix_groups)
-    ends = ws.seq_lens_dev
+    ends = ws.ends.bound
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
         ws.counts if ends is None else ends,

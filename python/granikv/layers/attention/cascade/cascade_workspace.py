@@ -17,19 +17,16 @@ import torch
 from granikv.kernels.kernel_config import KernelConfig, tile_config
 from granikv.layers.attention.cascade.reuse_base import ReuseBase
 from granikv.layers.attention.cascade.staging_ring import StagingRing
+from granikv.layers.attention.cascade.suffix_ends import SuffixEnds
 from granikv.layers.attention.cascade.work_list import (
     PrefixItems,
     WorkList,
     build_prefix_items,
     build_work_list,
-    cdiv,
-    prefix_target,
+    capacity,
     suffix_heads,
-    suffix_target,
     suffix_tile_rows,
 )
-
-_END_DTYPES = (torch.int32, torch.int64)
 
 # fill() arguments of a step with no request (group_req_indptr holds its single 0)
 _EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
@@ -43,18 +40,8 @@ class CascadeWorkspace(StagingRing):
     Allocate once per (max batch size, head shape); call ``fill`` once per decode step (before
     the layers run, outside any CUDA graph), then run the kernels of every layer against it.
 
-    Capacities (all derived from the constructor arguments, never from a batch):
-
-    - prefix items  <= target_p + T,  T = ceil(max_bs * ratio / block_m) + max_groups (the most
-                       (group, row tile) pairs), target_p = max(prefix_waves * SMs / Hkv,
-                       forest_items_per_tile * T)
-    - suffix items  <= target_s + max_bs
-    - partial rows  <= ceil(block_m * target_p / ratio) + max_bs  (prefix)  +  suffix items
-      (the prefix chunk is at least total tile-work / target_p; see ``build_work_list``)
-
-    Host staging: ``staging_buffers`` pinned copies of ``meta`` (on CUDA), used in turn, one per
-    upload; each upload is one non-blocking copy and one event record, and a buffer is written
-    only once its last copy is known done (``StagingRing._claim``).
+    Capacities: ``work_list.capacity`` (from the constructor arguments, never from a batch).
+    Host staging: ``StagingRing``; suffix ends once bound: ``SuffixEnds``.
 
     Device buffers (int32 unless noted):
       ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
@@ -81,7 +68,7 @@ class CascadeWorkspace(StagingRing):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # one spelling, for ends_fit
+        if self.device.type == "cuda" and self.device.index is None:  # one spelling, for SuffixEnds.fits
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ratio = num_q_heads // num_kv_heads
         self.config = config or tile_config(self.ratio, head_dim)
@@ -95,16 +82,11 @@ class CascadeWorkspace(StagingRing):
         self.max_groups = max_bs if max_groups is None else max_groups
         self.max_splits, self.sm_count = max_splits, sm_count
         cfg = self.config
-        target_p = prefix_target(cfg, sm_count, num_kv_heads)
-        target_s = suffix_target(cfg, sm_count, num_kv_heads, self.ratio)
         self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
         self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
         self.suffix_block_h = suffix_tile_rows(self.ratio)
-        tiles_max = cdiv(max_bs * self.ratio, cfg.block_m) + self.max_groups  # (group, row tile) pairs
-        target_p = max(target_p, int(cfg.forest_items_per_tile * tiles_max))
-        self.prefix_cap = target_p + tiles_max
-        self.suffix_cap = target_s + max_bs
-        self.partial_cap = cdiv(cfg.block_m * target_p, self.ratio) + max_bs + self.suffix_cap
+        self.prefix_cap, self.suffix_cap, self.partial_cap = capacity(
+            cfg, max_bs, self.max_groups, self.ratio, num_kv_heads, sm_count)
 
         # meta layout
         P, S = self.prefix_cap, self.suffix_cap
@@ -124,10 +106,8 @@ class CascadeWorkspace(StagingRing):
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self._work_list: Optional[WorkList] = None
         self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
-        self.ends_dev = torch.zeros(max_bs, dtype=torch.int32, device=self.device)  # see bind_ends
-        self.seq_lens_dev = None  # what the kernels end last items at: ends_dev once bound, else None
-        self._ends_views = {}  # bs -> ends_dev[:bs]
-        self._dev_ends = None  # n of the last in-place advance: its ends are ends_dev[:n] (work_list)
+        self.ends = SuffixEnds(max_bs, self.device)  # the suffix ends the kernels read once bound
+        self._dev_ends = None  # n of the last in-place advance: its ends are ends.host(n) (work_list)
         self.advances_in_place = 0  # steady steps with device ends: no upload at all
         self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
         self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
@@ -146,7 +126,7 @@ class CascadeWorkspace(StagingRing):
     def work_list(self) -> Optional[WorkList]:
         """The work list of the last fill. After a steady ``advance`` it is built here on first
         read, from the build it advanced and the suffix ends in the staging buffer just copied,
-        or, after an in-place advance, in ``ends_dev`` (the step itself only writes those ends)."""
+        or, after an in-place advance, in ``ends`` (the step itself only writes those ends)."""
         k, ends = self._hi_buf, self._dev_ends
         if k is not None or ends is not None:
             base = self._reuse_base
@@ -154,37 +134,13 @@ class CascadeWorkspace(StagingRing):
             if ends is None:
                 hi[base.last] = self._host_np[k][base.hi_pos]
             else:  # a device read (debug and tests only: serving never reads the host list)
-                hi[base.last[:ends]] = self.ends_dev[:ends].cpu().numpy()
+                hi[base.last[:ends]] = self.ends.host(ends)
             self.work_list = base.wl._replace(sfx_hi=hi)
         return self._work_list
 
     @work_list.setter
     def work_list(self, wl: Optional[WorkList]) -> None:
         self._work_list, self._hi_buf, self._dev_ends = wl, None, None
-
-    def ends_fit(self, t: torch.Tensor, bs: int) -> bool:
-        """``t`` can be bound as the ends of a batch of ``bs`` (``bind_ends``)."""
-        shape = t.shape
-        return len(shape) == 1 and shape[0] >= bs and t.dtype in _END_DTYPES and t.device == self.device
-
-    def bind_ends(self, seq_lens_dev: Optional[torch.Tensor], bs: int, *, checked: bool = False) -> None:
-        """Where the kernels read each request's last suffix end: ``seq_lens_dev[:bs]`` (SGLang's
-        ``forward_batch.seq_lens`` of the step, on this workspace's device) copied device to
-        device into the fixed ``ends_dev`` (one copy, which a captured graph reads at a fixed
-        address whatever buffer SGLang hands over), or, with None, the ends in ``meta``. Set on
-        every ``fill`` / ``advance`` / ``fill_empty``. ``checked``: the caller has just seen
-        ``ends_fit`` hold."""
-        if seq_lens_dev is None:
-            self.seq_lens_dev = None
-            return
-        if not checked and not self.ends_fit(seq_lens_dev, bs):
-            raise ValueError(f"seq_lens_dev {tuple(seq_lens_dev.shape)} {seq_lens_dev.dtype} on "
-                             f"{seq_lens_dev.device} is not an int32/int64 vector of >= {bs} on {self.device}")
-        dst = self._ends_views.get(bs)
-        if dst is None:
-            dst = self._ends_views[bs] = self.ends_dev[:bs]
-        dst.copy_(seq_lens_dev if seq_lens_dev.shape[0] == bs else seq_lens_dev[:bs], non_blocking=True)
-        self.seq_lens_dev = self.ends_dev
 
     def fill(
         self,
@@ -207,7 +163,7 @@ class CascadeWorkspace(StagingRing):
         ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``. ``same_grouping=True``:
         the caller guarantees the four grouping arrays hold what they held in the previous
         ``fill`` (the planner's unchanged ``Grouping``), which skips comparing them.
-        ``seq_lens_dev``: see ``bind_ends`` (must hold ``seq_lens`` on the device).
+        ``seq_lens_dev``: see ``SuffixEnds.bind`` (must hold ``seq_lens`` on the device).
         Raises ValueError when the batch exceeds the workspace's capacity.
         """
         bs = len(seq_lens)
@@ -215,7 +171,7 @@ class CascadeWorkspace(StagingRing):
             raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
         if len(group_len) > self.max_groups:
             raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
-        self.bind_ends(seq_lens_dev, bs)
+        self.ends.bind(seq_lens_dev, bs)
         items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
                                    same_grouping)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -251,10 +207,10 @@ class CascadeWorkspace(StagingRing):
         """``fill`` with no request: the kernels then exit at once (a captured graph still runs
         them on a paged step). While the device metadata already holds an empty work list
         (paged steps in a row: no shared prefix in the batch) nothing is built or copied.
-        ``seq_lens_dev``: what a graph captured over this fill reads its ends from (``bind_ends``)."""
+        ``seq_lens_dev``: what a graph captured over this fill reads its ends from (``SuffixEnds.bind``)."""
         wl = self._work_list
         if self._hi_buf is None and self._dev_ends is None and wl is not None and wl.bs == 0:
-            self.bind_ends(seq_lens_dev, 0)
+            self.ends.bind(seq_lens_dev, 0)
             self.fills_skipped += 1
             return wl
         return self.fill(*_EMPTY_FILL, seq_lens_dev=seq_lens_dev)
@@ -273,7 +229,7 @@ class CascadeWorkspace(StagingRing):
         is not copied again) cover the first ``n = len(seq_lens)`` of the ``bs`` batch positions
         of that fill; positions ``n..bs`` (graph padding) keep what that fill gave them.
         Cost: a handful of numpy calls and one copy, whatever the batch (no per-request loop);
-        with ``seq_lens_dev`` (``bind_ends``) and the rows already on the device, only the
+        with ``seq_lens_dev`` (``SuffixEnds.bind``) and the rows already on the device, only the
         device-to-device copy of the ends: the kernels read the new ends there, nothing is uploaded.
         """
         base = self._reuse_base
@@ -281,7 +237,7 @@ class CascadeWorkspace(StagingRing):
                 or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
                 or (base.rows is None and len(seq_lens) < bs)):
             return False
-        self.bind_ends(seq_lens_dev, bs, checked=ends_checked)
+        self.ends.bind(seq_lens_dev, bs, checked=ends_checked)
         return self._advance(seq_lens, req_pool_indices, in_place=True)
 
     def _advance(self, seq_lens: np.ndarray, req_pool_indices, in_place: bool = False) -> bool:
@@ -302,7 +258,7 @@ class CascadeWorkspace(StagingRing):
         np.subtract(seq_lens, st[1], out=grow1)
         if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
             return False
-        if in_place and self.seq_lens_dev is not None and self._rows_on_device(req_pool_indices, n):
+        if in_place and self.ends.bound is not None and self._rows_on_device(req_pool_indices, n):
             # the kernels end each last item at seq_lens_dev: nothing to upload
             self._work_list, self._hi_buf, self._dev_ends = None, None, n
             self.fills_reused += 1

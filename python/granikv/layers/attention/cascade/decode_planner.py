@@ -331,10 +331,10 @@ def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
 
 def _device_ends(fb, ws):
     """The step's device ``seq_lens``, which the kernels end each request's last suffix item at
-    (``CascadeWorkspace.bind_ends``): steady steps then upload nothing. None (the ends travel in
+    (``SuffixEnds.bind``): steady steps then upload nothing. None (the ends travel in
     the workspace's upload) where the tensor does not cover the padded batch on its device."""
     t = getattr(fb, "seq_lens", None)
-    return t if t is not None and ws.ends_fit(t, fb.batch_size) else None
+    return t if t is not None and ws.ends.fits(t, fb.batch_size) else None
 
 
 def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):

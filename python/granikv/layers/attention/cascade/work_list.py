@@ -76,6 +76,32 @@ def suffix_target(config: KernelConfig, sm_count: int, num_kv_heads: int, ratio:
     return max(1, int(config.suffix_waves * sm_count) // (num_kv_heads // suffix_heads(ratio, num_kv_heads, config)))
 
 
+class Capacity(NamedTuple):
+    """A workspace's fixed item and partial-row capacities (``capacity``)."""
+
+    prefix_items: int
+    suffix_items: int
+    partial_rows: int
+
+
+def capacity(config: KernelConfig, max_bs: int, max_groups: int, ratio: int, num_kv_heads: int,
+             sm_count: int) -> Capacity:
+    """The most work items and partial rows any batch of ``max_bs`` requests in ``max_groups``
+    groups can plan (``build_work_list``'s chunking rules):
+
+    - prefix items  <= target_p + T,  T = ceil(max_bs * ratio / block_m) + max_groups (the most
+                       (group, row tile) pairs), target_p = max(prefix_waves * SMs / Hkv,
+                       forest_items_per_tile * T)
+    - suffix items  <= target_s + max_bs
+    - partial rows  <= ceil(block_m * target_p / ratio) + max_bs  (prefix)  +  suffix items
+      (the prefix chunk is at least total tile-work / target_p)
+    """
+    tiles_max = cdiv(max_bs * ratio, config.block_m) + max_groups  # (group, row tile) pairs
+    target_p = max(prefix_target(config, sm_count, num_kv_heads), int(config.forest_items_per_tile * tiles_max))
+    suffix_cap = suffix_target(config, sm_count, num_kv_heads, ratio) + max_bs
+    return Capacity(target_p + tiles_max, suffix_cap, cdiv(config.block_m * target_p, ratio) + max_bs + suffix_cap)
+
+
 class WorkList(NamedTuple):
     """One step's work items (numpy int64, see the module docstring for the layout)."""
 

@@ -1,0 +1,50 @@
+"""Where the suffix kernels end each request's last suffix item: the step's device seq_lens.
+
+A steady decode step (same grouping, every request a token longer) changes nothing in the
+work list but those ends. ``SuffixEnds`` copies the step's ``forward_batch.seq_lens`` device
+to device into one fixed int32 buffer, which the kernels read (``DEVICE_ENDS``) and a captured
+CUDA graph reads at its fixed address whatever tensor SGLang hands over, so such a step
+uploads no metadata at all (``CascadeWorkspace.advance``). Unbound (``bound is None``), the
+kernels use the ends in the workspace's metadata, as a direct kernel call does.
+"""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+_DTYPES = (torch.int32, torch.int64)
+
+
+class SuffixEnds:
+    def __init__(self, max_bs: int, device: torch.device):
+        self.device = device
+        self.buffer = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.bound: Optional[torch.Tensor] = None  # what the kernels read: ``buffer`` once bound
+        self._views = {}  # bs -> buffer[:bs]
+
+    def fits(self, t: torch.Tensor, bs: int) -> bool:
+        """``t`` can be bound as the ends of a batch of ``bs``: an int32/int64 vector of at
+        least ``bs`` on this device."""
+        shape = t.shape
+        return len(shape) == 1 and shape[0] >= bs and t.dtype in _DTYPES and t.device == self.device
+
+    def bind(self, seq_lens_dev: Optional[torch.Tensor], bs: int, *, checked: bool = False) -> None:
+        """Ends from ``seq_lens_dev[:bs]`` (one non-blocking device copy, ordered on the current
+        stream before the layers' kernels), or, with None, from the metadata. ``checked``: the
+        caller has just seen ``fits`` hold. Raises ValueError for a tensor that does not fit."""
+        if seq_lens_dev is None:
+            self.bound = None
+            return
+        if not checked and not self.fits(seq_lens_dev, bs):
+            raise ValueError(f"seq_lens_dev {tuple(seq_lens_dev.shape)} {seq_lens_dev.dtype} on "
+                             f"{seq_lens_dev.device} is not an int32/int64 vector of >= {bs} on {self.device}")
+        dst = self._views.get(bs)
+        if dst is None:
+            dst = self._views[bs] = self.buffer[:bs]
+        dst.copy_(seq_lens_dev if seq_lens_dev.shape[0] == bs else seq_lens_dev[:bs], non_blocking=True)
+        self.bound = self.buffer
+
+    def host(self, n: int) -> np.ndarray:
+        """The first ``n`` bound ends on the host (a device read: debug and tests only)."""
+        return self.buffer[:n].cpu().numpy()
