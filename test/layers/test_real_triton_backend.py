@@ -96,3 +96,39 @@ def test_wrapped_real_triton_decode_equals_stock(real_runner):
     assert ours.stats.paths == {"cascade": 1} and ours.stats.grouped_requests == 3
     # the real backend was planned with seq_len = 1: GraniKV's kernels produced every row
     torch.testing.assert_close(out, stock, atol=tb.ATOL, rtol=tb.RTOL)
+
+
+def test_wrapped_real_triton_steady_steps_equal_stock(real_runner):
+    """Decode steps of one batch as serving runs them: each request one token longer per step
+    (its KV written by the step itself). After the first step GraniKV advances its plan in place
+    (no metadata upload: the suffix kernels read the step's device seq_lens), and every step
+    equals SGLang's real triton backend on the same KV."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    runner = real_runner
+    fb, rows = tb._batch(runner, hot={0, 2, 3})
+    fb.spec_info = None
+    translator = getattr(runner, "kv_index_translator", None)
+    layer = _layer()
+    stock_be = TritonAttnBackend(runner)
+    cfg = GraniKVConfig(enable=True, attention_path="cascade")
+    ours = GraniKVAttnBackend.wrap(TritonAttnBackend(runner), model_runner=runner, cfg=cfg, backend_name="triton")
+    rt = runner.req_to_token_pool.req_to_token
+    free = iter(range(tb.HOT_BASE + 40, tb.SLOTS))  # slots no request holds yet
+    for step in range(4):
+        if step:  # every request appends the token this step decodes
+            seq = fb.seq_lens_cpu + 1
+            new = torch.tensor([next(free) for _ in rows], dtype=torch.int64)
+            rt[torch.as_tensor(rows), seq - 1] = new.to(torch.int32)
+            fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum, fb.out_cache_loc = seq.clone(), seq, int(seq.sum()), new
+        if translator is not None:
+            translator.own_plan(fb).bind(fb, translator)
+        q, k, v = tb._qkv(fb.batch_size, 10 + step)
+        k, v = k.view(-1, tb.HKV, tb.D), v.view(-1, tb.HKV, tb.D)
+        stock = _decode(stock_be, fb, q, k, v, layer)
+        ours.stage_batch(rows)
+        out = _decode(ours, fb, q, k, v, layer)
+        torch.testing.assert_close(out, stock, atol=tb.ATOL, rtol=tb.RTOL, msg=f"step {step}")
+    ws = ours.decode.workspace
+    assert ours.stats.paths == {"cascade": 4}
+    assert ws.advances_in_place == 3 and ws.fills_built == 1, (ws.advances_in_place, ws.fills_built)
