@@ -129,3 +129,21 @@ def test_ends_that_do_not_fit_are_refused():
         assert not ws.ends.fits(bad, b.bs)
         with pytest.raises(ValueError, match="seq_lens_dev"):
             _fill(ws, b, b.seq_lens, bad)
+
+
+def test_check_integrity_reads_the_device_ends():
+    """After an in-place advance the host work list is rebuilt from the device ends, so
+    ``check_integrity`` sees a corrupted end (here: one that leaves a last item empty)."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=29)
+    ws = _workspace(b)
+    ends = torch.as_tensor(b.seq_lens - 2)
+    _fill(ws, b, b.seq_lens - 2, ends)
+    ends += 1
+    assert ws.advance(b.seq_lens - 1, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+    ws.check_integrity()
+    ends += 1
+    assert ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+    base = ws._reuse_base
+    ws.ends.buffer[0] = int(base.last_lo1[0]) - 1  # the planted fault: request 0's last item ends where it starts
+    with pytest.raises(AssertionError, match="empty work item"):
+        ws.check_integrity()
