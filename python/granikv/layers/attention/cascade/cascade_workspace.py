@@ -363,10 +363,4 @@ class CascadeWorkspace(StagingRing):
         wl = self.work_list
         assert wl is not None, "workspace was never filled"
         assert wl.num_partials <= self.partial_cap, f"{wl.num_partials} partial rows > cap {self.partial_cap}"
-        assert (wl.pfx_n_kv > 0).all() and (wl.sfx_hi > wl.sfx_lo).all(), "empty work item"
-        cover = np.zeros((wl.num_partials, self.ratio), np.int64)  # writes of (partial row, q-head of a kv head)
-        cover[wl.sfx_row] += 1
-        for lo, hi, sp in zip(wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_split):
-            f = np.arange(lo, hi)
-            np.add.at(cover, (wl.part_indptr[wl.group_req_idx[f // self.ratio]] + sp, f % self.ratio), 1)
-        assert (cover == 1).all(), "partial rows not written exactly once (per q-head)"
+        wl.check(self.ratio)

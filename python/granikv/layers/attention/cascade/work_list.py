@@ -132,6 +132,17 @@ class WorkList(NamedTuple):
     def num_partials(self) -> int:
         return int(self.part_indptr[-1])
 
+    def check(self, ratio: int) -> None:
+        """Assert no item is empty and every (partial row, q-head of a kv head) is written by
+        exactly one item (``ratio`` q-heads per kv head)."""
+        assert (self.pfx_n_kv > 0).all() and (self.sfx_hi > self.sfx_lo).all(), "empty work item"
+        cover = np.zeros((self.num_partials, ratio), np.int64)  # writes per (partial row, q-head)
+        cover[self.sfx_row] += 1
+        for lo, hi, sp in zip(self.pfx_row_lo, self.pfx_row_hi, self.pfx_split):
+            f = np.arange(lo, hi)
+            np.add.at(cover, (self.part_indptr[self.group_req_idx[f // ratio]] + sp, f % ratio), 1)
+        assert (cover == 1).all(), "partial rows not written exactly once (per q-head)"
+
 
 def cdiv(a, b):
     return -(-a // b)
