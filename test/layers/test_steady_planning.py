@@ -386,7 +386,7 @@ def _same_lists(a, b) -> bool:
     return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
 
 
-def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph():
+def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph(caplog):
     """The cascade graph's suffix kernels end each request at the step's device seq_lens
     (copied into the workspace's ``ends``); a replay whose seq_lens cannot be copied there
     (here: float) must replay the stock graph, not the cascade graph over stale ends."""
@@ -406,3 +406,4 @@ def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph():
     be.init_forward_metadata_out_graph(bad)
     assert not be.graphs.planned_cascade and be.decode.path is Path.PAGED
     assert be.stats.unplanned == unplanned + 1
+    assert "cannot be copied to the cascade workspace" in caplog.text  # said once, with the tensor

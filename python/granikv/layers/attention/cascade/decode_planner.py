@@ -54,6 +54,7 @@ class DecodePlanner:
         self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
         self._pad_fill = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends = None  # the step's device seq_lens, if the workspace can bind them (_plan)
+        self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
     def use_dispatcher(self, dispatcher) -> None:
@@ -190,6 +191,12 @@ class DecodePlanner:
             return None
         self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
         if graph and self._ends is None:  # the cascade graph ends each suffix at them
+            if not self._warned_ends:
+                t = getattr(fb, "seq_lens", None)
+                logger.warning("GraniKV: a decode graph step's seq_lens (%s) cannot be copied to the cascade "
+                               "workspace on %s; such steps replay the stock graph",
+                               None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.workspace.device)
+                self._warned_ends = True
             stats.unplanned += 1
             return None
         return grouping, desc, decision
