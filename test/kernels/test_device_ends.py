@@ -147,3 +147,16 @@ def test_check_integrity_reads_the_device_ends():
     ws.ends.buffer[0] = int(base.last_lo1[0]) - 1  # the planted fault: request 0's last item ends where it starts
     with pytest.raises(AssertionError, match="empty work item"):
         ws.check_integrity()
+
+
+def test_a_refused_advance_leaves_the_bound_ends():
+    """``advance`` returns False having done nothing: a step that needs a fill (here: a last
+    chunk grown past the reuse bound) copies no ends either (the fill binds them once)."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=31)
+    ws = _workspace(b)
+    ends = torch.as_tensor(b.seq_lens.copy())
+    _fill(ws, b, b.seq_lens, ends)
+    before = ws.ends.buffer.clone()
+    far = b.seq_lens + int(SMALL_CONFIG.reuse_chunk_factor * ws.work_list.suffix_chunk) + 1
+    assert not ws.advance(far, b.req_pool_indices, bs=b.bs, seq_lens_dev=torch.as_tensor(far))
+    assert torch.equal(ws.ends.buffer, before) and ws.ends.bound is ws.ends.buffer

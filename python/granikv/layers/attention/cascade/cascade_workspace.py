@@ -237,18 +237,19 @@ class CascadeWorkspace(StagingRing):
                 or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
                 or (base.rows is None and len(seq_lens) < bs)):
             return False
-        self.ends.bind(seq_lens_dev, bs, checked=ends_checked)
-        return self._advance(seq_lens, req_pool_indices, in_place=True)
+        return self._advance(seq_lens, req_pool_indices, ends=(seq_lens_dev, bs, ends_checked))
 
-    def _advance(self, seq_lens: np.ndarray, req_pool_indices, in_place: bool = False) -> bool:
+    def _advance(self, seq_lens: np.ndarray, req_pool_indices, ends=None) -> bool:
         """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
         and uploads it; False when a last chunk would hold no token or more than ``limit``.
 
         Correct for any batch with the same prefix items (same grouping and batch size, hence
         the same ``prefix_len`` per position): every chunk but a request's last is full and
         starts at ``prefix_len + k * suffix_chunk``, so ``[lo_last, seq_len)`` completes an exact
-        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``. ``in_place``: with
-        device ends bound and the rows on the device the very rows given, nothing is uploaded.
+        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``. ``ends``: the
+        ``SuffixEnds.bind`` arguments (``advance``), bound once the step is known to advance;
+        with ends bound and the rows on the device the very rows given, nothing is uploaded.
+        None (``fill``, which binds first): the binding stays and the step uploads.
         """
         base, n = self._reuse_base, len(seq_lens)
         st = self._adv
@@ -258,7 +259,9 @@ class CascadeWorkspace(StagingRing):
         np.subtract(seq_lens, st[1], out=grow1)
         if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
             return False
-        if in_place and self.ends.bound is not None and self._rows_on_device(req_pool_indices, n):
+        if ends is not None:
+            self.ends.bind(ends[0], ends[1], checked=ends[2])
+        if ends is not None and self.ends.bound is not None and self._rows_on_device(req_pool_indices, n):
             # the kernels end each last item at seq_lens_dev: nothing to upload
             self._work_list, self._hi_buf, self._dev_ends = None, None, n
             self.fills_reused += 1
