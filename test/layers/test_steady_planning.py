@@ -401,9 +401,10 @@ def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph(caplog
     assert be.graphs.planned_cascade and be.decode.ws.ends.bound is be.decode.ws.ends.buffer
     bad = copy.copy(good)
     bad.seq_lens = good.seq_lens.float()
-    unplanned = be.stats.unplanned
+    paged, steps = be.stats.paths.get("paged", 0), be.stats.steps
     be.stage_batch(rows)
     be.init_forward_metadata_out_graph(bad)
     assert not be.graphs.planned_cascade and be.decode.path is Path.PAGED
-    assert be.stats.unplanned == unplanned + 1
+    assert be.stats.paths["paged"] == paged + 1 and be.stats.steps == steps + 1  # one step, counted once
+    assert be.stats.last_reason == "no device seq_lens for the cascade graph"
     assert "cannot be copied to the cascade workspace" in caplog.text  # said once, with the tensor

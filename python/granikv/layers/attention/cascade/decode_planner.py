@@ -186,20 +186,25 @@ class DecodePlanner:
             return None
         self._t_choose = time.perf_counter()
         decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
+        if decision.path is not Path.PAGED:
+            self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
+            if graph and self._ends is None:  # the cascade graph ends each suffix at them
+                self._warn_ends(fb)
+                stats.record_paged(bs, "no device seq_lens for the cascade graph")
+                return None
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
             return None
-        self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
-        if graph and self._ends is None:  # the cascade graph ends each suffix at them
-            if not self._warned_ends:
-                t = getattr(fb, "seq_lens", None)
-                logger.warning("GraniKV: a decode graph step's seq_lens (%s) cannot be copied to the cascade "
-                               "workspace on %s; such steps replay the stock graph",
-                               None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.workspace.device)
-                self._warned_ends = True
-            stats.unplanned += 1
-            return None
         return grouping, desc, decision
+
+    def _warn_ends(self, fb) -> None:
+        if self._warned_ends:
+            return
+        t = getattr(fb, "seq_lens", None)
+        logger.warning("GraniKV: a decode graph step's seq_lens (%s) cannot be copied to the cascade workspace on "
+                       "%s; such steps replay the stock graph",
+                       None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.workspace.device)
+        self._warned_ends = True
 
     def _seq_total(self, fb):
         """``sum(seq_lens)`` of the real requests from SGLang's ``seq_lens_sum`` (no array work):
