@@ -58,10 +58,11 @@ class Model:
 MODELS: Tuple[Model, ...] = (
     # starts: the slower of the two engines measured on one H200 (docs/results/regimes.json's
     # engine info records, 2026-12-01), rounded up
+    # every pool capped alike, so that a model's stock and GraniKV engines fit one GPU side by side
     Model("llama-3.1-8b", 39.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
-    Model("qwen2.5-7b", 60.0),
-    Model("llama-3.2-3b", 56.0),
-    Model("llama-3.1-8b-4layers", 42.0),
+    Model("qwen2.5-7b", 60.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
+    Model("llama-3.2-3b", 56.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
+    Model("llama-3.1-8b-4layers", 42.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
 )
 MODEL_NAMES = tuple(m.name for m in MODELS)
 
@@ -125,6 +126,12 @@ def _short3(groups: int = 16) -> Dict[str, Any]:
                 suffix=[1024, 2048], out=128)
 
 
+def _small_groups(groups: int = 32) -> Dict[str, Any]:
+    """Many short shared prefixes (2-4K tokens, evenly spread), each shared by 2 or 3 agents."""
+    return dict(prefixes=[2048 + round(i * 2048 / (groups - 1)) for i in range(groups)],
+                agents_per_prefix=[2 + i % 2 for i in range(groups)], suffix=[64, 256], out=128)
+
+
 def _one(prefix: int, agents: int, out: int = 128, suffix: int = 256) -> Dict[str, Any]:
     return dict(prefixes=[prefix], agents_per_prefix=[agents], suffix=[suffix, suffix], out=out)
 
@@ -140,6 +147,7 @@ def default_grid() -> List[Regime]:
         Regime("kv_bound_no_sharing", L, ns, dict(agents=64, prompt_len=6144, out=64), 0),
         Regime("forest16", L, g, _forest16(), 0),
         Regime("agent_loop_10k_x24", L, g, dict(_one(10240, 24, out=64), turns=4, tool=128), 0),
+        Regime("small_groups32_2to3sharers", L, g, _small_groups(), 0),
         Regime("prefix512_2sharers_x64", L, g, dict(prefixes=[512] * 64, agents_per_prefix=[2] * 64,
                                                     suffix=[64, 256], out=64), 1),
         Regime("hom32k_x48", L, g, _one(32768, 48, out=64), 1),
@@ -160,6 +168,8 @@ def default_grid() -> List[Regime]:
         Regime("forest16", H, g, _forest16(), 0),
         Regime("short1k_3sharers", H, g, _short3(), 1),
         Regime("hom4k_x64", H, g, _one(4096, 64), 1),
+        Regime("three_unequal", H, g, dict(prefixes=[12288, 6144, 2048], agents_per_prefix=[8, 24, 48],
+                                           suffix=[1, 700], out=128), 1),
         Regime("no_sharing_1k_x64", H, ns, dict(agents=64, prompt_len=1024, out=128), 2),
     ]
     return rows
@@ -209,20 +219,28 @@ def run_estimate_s(spec: Mapping[str, Any], cfg: Mapping[str, Any], pool_tokens:
 
 
 def estimate_s(row: Regime, model: Model, repeats: int = 1) -> float:
-    """Seconds of one row on both engines (the GraniKV engine counted as the stock one) plus
-    its ceiling on the stock engine, each measured ``repeats`` times."""
+    """Seconds of one row on both engines (the GraniKV engine counted as the stock one), each
+    measured ``repeats`` times, plus its ceiling on the stock engine, measured once."""
     cfg, pool = model.config(), model.engine_kwargs.get("max_total_tokens")
-    t = 2 * run_estimate_s(row.spec_json(), cfg, pool)
+    t = 2 * run_estimate_s(row.spec_json(), cfg, pool) * repeats
     if row.has_ceiling:
         t += run_estimate_s(row.spec_json(ceiling=True), cfg, pool)
-    return t * repeats
+    return t
+
+
+PAIR_START_FACTOR = 1.3  # both engines of a model start at once on one GPU: ~1.3x one start
+
+
+def start_s(model: Model) -> float:
+    """Estimated seconds until both engines of ``model`` are up (started side by side)."""
+    return PAIR_START_FACTOR * model.start_s
 
 
 @dataclass(frozen=True)
 class Selection:
     rows: Tuple[Regime, ...]  # kept, in run order
     skipped: Tuple[Tuple[str, str], ...]  # (row key, why)
-    estimate_s: float  # kept rows + the two engine starts of each of their models
+    estimate_s: float  # kept rows + the engine pair start of each of their models
 
 
 def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
@@ -251,7 +269,7 @@ def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
     skipped: List[Tuple[str, str]] = []
 
     def total(sel: Sequence[Regime]) -> float:
-        return sum(cost[r.key] for r in sel) + sum(2 * by_name[m].start_s for m in {r.model for r in sel})
+        return sum(cost[r.key] for r in sel) + sum(start_s(by_name[m]) for m in {r.model for r in sel})
 
     if budget_s > 0:
         for r in sorted(kept, key=lambda r: (-r.priority, -cost[r.key])):

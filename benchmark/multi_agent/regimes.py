@@ -12,21 +12,25 @@ pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one i
                                           # short rows: the median of 5 runs per engine
 
 The grid, and how it was chosen, is in regime_grid.py. Per model of the grid (in order) the
-parent starts two engines, one after the other, each in its own subprocess (GPU memory is freed
-in between): the stock engine (``attention_backend=X``, dummy weights, run.py's engine
-arguments) runs every row of the model and, after each row with a prefix longer than 256 tokens,
-its ceiling (the same workload with every shared prefix cut to 256 tokens); then the GraniKV
-engine (the same + ``enable_granikv=True``) runs the rows the stock engine completed. A row is
-measured as in run.py (flush the radix cache, cache each shared prefix with one request, submit
-every agent at once, output tok/s = output tokens / wall time), and the GraniKV engine's
-counters are read before and after it (dispatch paths, extend fallbacks, promotion skips,
-planning time).
+parent starts both engines at once, side by side on the GPU (harness.resident_engine: each a
+subprocess that stays up and measures rows on request; every model's KV pool is capped so two
+fit): the stock engine (``attention_backend=X``, dummy weights, run.py's engine arguments) and
+the GraniKV engine (the same + ``enable_granikv=True``), each capturing decode CUDA graphs only
+for the batch sizes its rows use (``graph_sizes``). The rows then run in turn on both engines,
+taking turns per repeat (stock first on even repeats, GraniKV first on odd ones), so that drift
+of the machine lands on both; each side keeps its median repeat, and the stock repeats' relative
+spread is recorded per row (``baseline_spread``). After each row with a prefix longer than 256
+tokens the stock engine runs its ceiling (the same workload with every shared prefix cut to 256
+tokens) once. A row is measured as in run.py (flush the radix cache, cache each shared prefix
+with one request, submit every agent at once, output tok/s = output tokens / wall time), and the
+GraniKV engine's counters are read before and after it (dispatch paths, extend fallbacks,
+promotion skips, planning time).
 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
 Rows that the estimate says do not fit are dropped before anything starts (lowest priority
-first, the dry run lists them); while running, each engine starts no row past its share of what
-is left, and a model is not started when its two engine starts no longer fit. The JSON (and md)
-is rewritten after every record, so a run killed from outside keeps every row it finished.
+first, the dry run lists them); while running, no row starts whose estimate no longer fits, and
+a model is not started when its engines' start no longer fits. The JSON (and md) is rewritten
+after every record, so a run killed from outside keeps every row it finished.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -50,11 +54,14 @@ sys.path.insert(0, str(HERE.parent))
 
 import regime_grid as grid  # noqa: E402
 import regime_report as report  # noqa: E402
-from harness import engine_proc  # noqa: E402
+from harness import engine_proc, resident_engine  # noqa: E402
+from harness.resident_engine import EngineGone, ResidentEngine  # noqa: E402
 
 DEFAULT_BUDGET_S = 450.0
-START_GRACE_S = 90.0  # the hard kill of an engine: its share of the budget + this
-NO_BUDGET_TIMEOUT_S = 3600.0  # an engine's hard kill without a time budget
+START_GRACE_S = 90.0  # added to every wait on an engine (its start, one row)
+START_TIMEOUT_FACTOR = 4.0  # an engine start is given up after this x its estimate (+ the grace)
+REQUEST_TIMEOUT_FACTOR = 4.0  # one row's run, likewise
+CONFIGS = ("baseline", "granikv")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -75,9 +82,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="As run.py: stream (per-request TTFT/TPOT) or none (one batched generate).")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="Extra sglang.Engine keyword (repeatable); granikv_* keys go to the GraniKV engine.")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="Measure every row (and ceiling) this many times in its engine and keep the "
-                        "repeat with the median output tok/s (all of them in repeats_out_tok_s).")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="Measure every row this many times on each engine, taking turns, and keep "
+                        "the repeat with the median output tok/s (all of them in repeats_out_tok_s; "
+                        "the stock ones give baseline_spread). Default 3; ceilings run once.")
     p.add_argument("--dry-run", action="store_true", help="Print the selected grid and its estimate.")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="Combine partial regimes_*.json into --out/regimes.{json,md,png} and exit.")
@@ -147,40 +155,113 @@ class Run:
         self.meta["skipped"] += [[r.key, why] for r in rows]
 
 
-def run_engine(run: Run, model: grid.Model, config: str, rows: Sequence[grid.Regime],
-               deadline: float, extra: Dict[str, Any]) -> List[str]:
-    """One engine over ``rows``; returns the regimes it measured (main variant)."""
+def graph_sizes(rows: Sequence[grid.Regime]) -> List[int]:
+    """Decode CUDA-graph batch sizes for an engine serving ``rows``: every row's agent count and
+    the powers of two below the largest (a batch that shrinks as requests finish pads to the
+    next of these), never above run.py's 256."""
+    top = min(256, max(r.agents for r in rows))
+    sizes = {1 << k for k in range(9) if (1 << k) <= top} | {min(256, r.agents) for r in rows}
+    return sorted(sizes)
+
+
+def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
+                  extra: Dict[str, Any]) -> Dict[str, ResidentEngine]:
+    """Both engines of ``model`` as resident children, started at once (each caps its KV pool at
+    the model's ``max_total_tokens``, so the two fit one GPU side by side); returns them by
+    config once both said INFO. Raises EngineGone (both killed) when either fails to start."""
     args = run.args
-    kw = engine_kwargs(model, args.backend, config, extra)
-    run.meta["engine_kwargs"][f"{model.name}/{args.backend}/{config}"] = kw
-    finite = deadline != float("inf")
-    job = dict(engine_kwargs=kw, backend=args.backend, config=config, model=model.name,
-               model_config=str(grid.CONFIG_DIR / model.name / "config.json"), latency=args.latency,
-               dp_routing="prefix", rows=job_rows(rows, config), deadline=deadline if finite else None,
-               repeats=args.repeats)
-    done: List[str] = []
-
-    def on_record(rec: Dict[str, Any]) -> None:
-        if rec["kind"] == "row" and rec.get("variant") == "main":
-            done.append(rec["regime"])
-        run.add(rec)
-
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    timeout = (max(30.0, deadline - time.time()) if finite else NO_BUDGET_TIMEOUT_S) + START_GRACE_S
+    sizes = graph_sizes(rows)
+    engines: Dict[str, ResidentEngine] = {}
+    for config in CONFIGS:
+        kw = engine_kwargs(model, args.backend, config, extra)
+        kw.setdefault("cuda_graph_bs_decode", sizes)
+        kw["cuda_graph_max_bs_decode"] = max(kw["cuda_graph_bs_decode"])
+        run.meta["engine_kwargs"][f"{model.name}/{args.backend}/{config}"] = kw
+        job = dict(engine_kwargs=kw, backend=args.backend, config=config, model=model.name,
+                   model_config=str(grid.CONFIG_DIR / model.name / "config.json"), latency=args.latency,
+                   dp_routing="prefix")
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(job, f)
+        engines[config] = ResidentEngine(
+            [sys.executable, str(Path(__file__).resolve()), "--child", f.name],
+            name=f"{model.name}/{args.backend}/{config}", env=engine_proc.engine_env(args.backend),
+            extra=dict(model=model.name, backend=args.backend, config=config),
+            on_record=lambda rec: run.add(rec) if rec["kind"] == "info" else None)
+        engines[config].job_path = f.name  # type: ignore[attr-defined]
     try:
-        res = engine_proc.run_tagged([sys.executable, str(Path(__file__).resolve()), "--child", f.name],
-                                     name=f"{model.name}/{args.backend}/{config}", on_record=on_record,
-                                     timeout=timeout, env=engine_proc.engine_env(args.backend),
-                                     extra=dict(model=model.name, backend=args.backend, config=config))
+        for e in engines.values():
+            e.wait_ready(timeout=START_TIMEOUT_FACTOR * model.start_s + START_GRACE_S)
+    except EngineGone:
+        for e in engines.values():
+            e.close()
+        raise
     finally:
-        os.unlink(f.name)
-    if res.timed_out:
-        run.error(model.name, config, f"killed after {timeout:.0f} s (its share of --time-budget-s + "
-                                      f"{START_GRACE_S:g} s)")
-    elif res.returncode != 0 and not res.errors:
-        run.error(model.name, config, f"child exited with status {res.returncode}")
-    return done
+        for e in engines.values():
+            os.unlink(e.job_path)  # type: ignore[attr-defined]
+    return engines
+
+
+def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Model,
+                row: grid.Regime) -> bool:
+    """One row on both engines, taking turns: repeat k runs stock then GraniKV for even k and
+    the other way round for odd k, so drift and order effects land on both; then its ceiling on
+    the stock engine once. Each side's record is its median repeat (``median_repeat``: every
+    repeat's tok/s in ``repeats_out_tok_s``, the stock ones give ``baseline_spread``). Returns
+    False when an engine is gone (the model's remaining rows are skipped)."""
+    args = run.args
+    tags = dict(regime=row.name, priority=row.priority, has_ceiling=row.has_ceiling)
+    timeout = REQUEST_TIMEOUT_FACTOR * grid.estimate_s(row, model) + START_GRACE_S
+    reps: Dict[str, List[Dict[str, Any]]] = {c: [] for c in CONFIGS}
+    failed: Dict[str, str] = {}
+    plan = [("main", c, row.spec_json()) for k in range(args.repeats)
+            for c in (CONFIGS if k % 2 == 0 else CONFIGS[::-1])]
+    if row.has_ceiling:
+        plan.append(("ceiling", "baseline", row.spec_json(ceiling=True)))
+    for variant, config, spec in plan:
+        if config in failed and variant == "main":
+            continue
+        try:
+            rec = engines[config].request(dict(spec=spec, tags=dict(tags, variant=variant)), timeout)
+        except EngineGone as e:
+            run.error(model.name, config, f"{row.name} ({variant}): {e}")
+            return False
+        rec.pop("id", None)
+        if rec["kind"] == "error":
+            failed[config] = rec["error"]
+            rec.update(tags, variant=variant)
+            run.add(rec)
+        elif variant == "main":
+            reps[config].append(rec)
+        else:
+            run.add(rec)
+    for config in CONFIGS:
+        if reps[config] and config not in failed:
+            run.add(median_repeat(reps[config]))
+    return True
+
+
+def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline: float,
+              extra: Dict[str, Any]) -> None:
+    """Both engines of one model up side by side, every row in turn, then both shut down. A
+    row is not started when its estimate no longer fits before ``deadline``."""
+    try:
+        engines = start_engines(run, model, rows, extra)
+    except EngineGone as e:
+        run.error(model.name, "both", f"engine start: {e}")
+        run.skip(rows, "an engine did not start")
+        return
+    try:
+        for i, row in enumerate(rows):
+            if time.time() + grid.estimate_s(row, model, run.args.repeats) > deadline:
+                run.skip(rows[i:i + 1], "its estimate no longer fits the time budget")
+                run.error(model.name, "both", f"{row.name} (main): skipped, time budget")
+                continue
+            if not measure_row(run, engines, model, row):
+                run.skip(rows[i + 1:], "an engine is gone")
+                break
+    finally:
+        for e in engines.values():
+            e.shutdown()
 
 
 def main_parent(args, argv: Sequence[str]) -> int:
@@ -196,27 +277,18 @@ def main_parent(args, argv: Sequence[str]) -> int:
     run = Run(args, argv, sel)
     extra = parse_engine_args(args.engine_arg)
     by = {m.name: m for m in grid.MODELS}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_tagged: the engine group dies
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_model: the engine groups die
     order = grid.models_of(sel.rows)
     for i, name in enumerate(order):
         model, rows = by[name], [r for r in sel.rows if r.model == name]
-        later = sum(by[m].start_s * 2 + sum(grid.estimate_s(r, by[m], args.repeats)
-                                            for r in sel.rows if r.model == m)
+        later = sum(grid.start_s(by[m]) + sum(grid.estimate_s(r, by[m], args.repeats)
+                                              for r in sel.rows if r.model == m)
                     for m in order[i + 1:])
-        free = deadline - time.time() - later  # what this model may use
-        if free < 2 * model.start_s:
-            run.skip(rows, f"the two engine starts ({2 * model.start_s:.0f} s) no longer fit the time budget")
+        if deadline - time.time() - later < grid.start_s(model):
+            run.skip(rows, f"the engine start ({grid.start_s(model):.0f} s) no longer fits the time budget")
             run.error(name, "both", "skipped: time budget")
             continue
-        est_rows = sum(grid.estimate_s(r, model, args.repeats) for r in rows)
-        share_b = model.start_s + est_rows * 0.6  # the stock engine runs the ceilings too
-        share = share_b / (2 * model.start_s + est_rows)
-        done = run_engine(run, model, "baseline", rows, time.time() + free * share, extra)
-        kept = [r for r in rows if r.name in done]
-        if len(kept) < len(rows):
-            run.skip([r for r in rows if r.name not in done], "stock engine ran out of its share of the budget")
-        if kept:
-            run_engine(run, model, "granikv", kept, deadline - later, extra)
+        run_model(run, model, rows, deadline - later, extra)
     paths = report.write(args.out, run.stem, run.records, run.meta)
     print(f"wrote {', '.join(map(str, paths))} in {time.time() - t0:.0f} s", flush=True)
     rows = report.assemble(run.records, run.meta)
@@ -238,6 +310,8 @@ def main_merge(args) -> int:
 
 
 def main_child(job_path: str) -> int:
+    """One resident engine (harness.resident_engine): up, warmed, INFO, then every requested
+    row (``{"spec": WorkloadSpec json, "tags": {...}}``) measured and answered with its record."""
     import run
     import workloads as wl
 
@@ -252,28 +326,14 @@ def main_child(job_path: str) -> int:
     child.engine.generate(input_ids=[[1000 + i] * 64 for i in range(4)],  # lazy init, not timed
                           sampling_params={"max_new_tokens": 16, "ignore_eos": True, "temperature": 0})
     emit(engine_proc.INFO_TAG, child.info())
-    status = 0
-    for row in job["rows"]:
-        for variant in ("main", "ceiling"):
-            spec_json = row["spec"] if variant == "main" else row["ceiling"]
-            if spec_json is None:
-                continue
-            tags = dict(regime=row["regime"], variant=variant, priority=row["priority"],
-                        has_ceiling=row["has_ceiling"])
-            if job.get("deadline") and time.time() > job["deadline"]:
-                emit(engine_proc.ERROR_TAG, dict(error=f"{row['regime']} ({variant}): skipped, time budget", **tags))
-                status = 1
-                continue
-            try:
-                spec = wl.WorkloadSpec.from_json(spec_json)
-                emit(engine_proc.ROW_TAG, dict(median_repeat([child.run(spec) for _ in range(job.get("repeats", 1))]),
-                                               **tags))
-            except Exception as e:
-                traceback.print_exc()
-                emit(engine_proc.ERROR_TAG, dict(error=f"{row['regime']} ({variant}): {type(e).__name__}: {e}", **tags))
-                status = 1
-    child.engine.shutdown()
-    return status
+
+    def handle(req: Dict[str, Any]) -> Dict[str, Any]:
+        return dict(child.run(wl.WorkloadSpec.from_json(req["spec"])), **req.get("tags", {}))
+
+    try:
+        return resident_engine.serve(handle)
+    finally:
+        child.engine.shutdown()
 
 
 def median_repeat(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:

@@ -93,9 +93,9 @@ def test_select_subsets_and_budget(grid):
     # run order stays grouped by model, in the grid's order
     order = [r.key for r in tight.rows]
     assert order == [r.key for r in rows if r.key in set(order)]
-    # the default budget fits its own estimate, starts included (2 engines per model)
+    # the default budget fits its own estimate, starts included (one pair start per model)
     d = grid.select(rows, budget_s=450)
-    starts = sum(2 * m.start_s for m in grid.MODELS if m.name in {r.model for r in d.rows})
+    starts = sum(grid.start_s(m) for m in grid.MODELS if m.name in {r.model for r in d.rows})
     assert d.estimate_s <= 450 and d.estimate_s == pytest.approx(
         starts + sum(grid.estimate_s(r, {m.name: m for m in grid.MODELS}[r.model]) for r in d.rows))
 
@@ -268,38 +268,166 @@ def regimes():
     return regimes_mod
 
 
-def test_parent_writes_after_every_record_and_pairs_engines(regimes, tmp_path, monkeypatch):
+class FakeResident:
+    """regimes.ResidentEngine without a child: ``answer(config, row, variant, k)`` gives each
+    request's record (a dict) or raises EngineGone; every request is logged in ``log``."""
+
+    log: list = []
+    answer = None
+
+    def __init__(self, cmd, *, name, env, extra, on_record, echo=True):
+        self.job = json.loads(open(cmd[-1]).read())
+        self.extra, self.on_record = extra, on_record
+        self.k = {}
+
+    def wait_ready(self, timeout):
+        assert timeout > 0
+        rec = dict(kind="info", max_total_num_tokens=1000, **self.extra)
+        self.on_record(rec)
+        return rec
+
+    def request(self, payload, timeout):
+        assert timeout > 0
+        t = payload["tags"]
+        key = (t["regime"], t["variant"])
+        k = self.k[key] = self.k.get(key, -1) + 1
+        FakeResident.log.append((self.job["config"], t["regime"], t["variant"]))
+        rec = FakeResident.answer(self.job, t, k)
+        return dict(rec, id=0, **self.extra)
+
+    def shutdown(self):
+        FakeResident.log.append((self.job["config"], "shutdown", None))
+
+    def close(self):
+        pass
+
+
+@pytest.fixture()
+def fake_resident(regimes, monkeypatch):
+    FakeResident.log = []
+    monkeypatch.setattr(regimes, "ResidentEngine", FakeResident)
+    return FakeResident
+
+
+def test_parent_interleaves_engines_per_repeat_and_writes_after_every_record(regimes, fake_resident, tmp_path):
     seen = []
+    tps = {("baseline", 0): 1000.0, ("baseline", 1): 1010.0, ("baseline", 2): 990.0,
+           ("granikv", 0): 3000.0, ("granikv", 1): 2900.0, ("granikv", 2): 3100.0}
 
-    def fake_run_tagged(cmd, *, name, on_record, timeout, env, extra, **_):
-        job = json.loads(open(cmd[-1]).read())
-        assert timeout > 0 and job["config"] in ("baseline", "granikv")
-        for i, row in enumerate(job["rows"]):
-            if job["config"] == "baseline" and row["regime"] == "forest16" and job["model"] == "qwen2.5-7b":
-                on_record(dict(kind="error", error="forest16 (main): skipped, time budget", **extra))
-                continue
-            spec = row["spec"]
-            for variant, sp in (("main", spec), ("ceiling", row["ceiling"])):
-                if sp is None:
-                    continue
-                on_record(dict(_rec(job["config"], row["regime"], 1000.0 + i, variant, model=job["model"],
-                                    agents=spec["agents"]), **extra))
-                seen.append((tmp_path / "regimes_flashinfer.json").exists())
-        return regimes.engine_proc.ChildResult(0, False, 0, 1.0)
+    def answer(job, tags, k):
+        seen.append((tmp_path / "regimes_flashinfer.json").exists())
+        if job["config"] == "granikv" and tags["regime"] == "forest16":
+            return dict(kind="error", error="forest16: bad row")
+        v = 5000.0 if tags["variant"] == "ceiling" else tps[(job["config"], k)]
+        return _rec(job["config"], tags["regime"], v, tags["variant"], model=job["model"])
 
-    monkeypatch.setattr(regimes.engine_proc, "run_tagged", fake_run_tagged)
+    fake_resident.answer = answer
     argv = ["--models", "qwen2.5-7b", "--rows", "forest16,short1k_3sharers", "--out", str(tmp_path),
             "--time-budget-s", "0"]
     assert regimes.main(argv) == 1  # an error record was sent
+    log = [x for x in fake_resident.log if x[1] == "short1k_3sharers"]
+    # taking turns: stock first on even repeats, GraniKV first on odd ones, the ceiling once at the end
+    assert [c for c, _, v in log] == ["baseline", "granikv", "granikv", "baseline", "baseline", "granikv",
+                                      "baseline"]
+    assert log[-1][2] == "ceiling"
+    assert fake_resident.log[-2:] == [("baseline", "shutdown", None), ("granikv", "shutdown", None)]
+    assert [c for c, r, v in fake_resident.log if r == "forest16" and v == "main"].count("granikv") == 1
     doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
     assert all(seen[1:])  # the JSON exists from the first record on
     rows = {r["workload"]: r for r in doc["rows"]}
-    assert set(rows) == {"short1k_3sharers"}  # forest16 never reached the GraniKV engine
-    assert rows["short1k_3sharers"]["ceiling_out_tok_s"] is not None
-    assert ["qwen2.5-7b/forest16", "stock engine ran out of its share of the budget"] in doc["meta"]["skipped"]
+    s = rows["short1k_3sharers"]
+    assert s["baseline_out_tok_s"] == 1000.0 and s["granikv_out_tok_s"] == 3000.0  # median repeats
+    assert s["baseline_spread"] == pytest.approx(0.02) and s["granikv_spread"] == pytest.approx(0.2 / 3, abs=1e-4)
+    assert s["baseline_repeats_out_tok_s"] == [1000.0, 1010.0, 990.0]
+    assert s["ceiling_out_tok_s"] == 5000.0
+    assert rows["forest16"]["granikv_out_tok_s"] is None
     kw = doc["meta"]["engine_kwargs"]
     assert kw["qwen2.5-7b/flashinfer/granikv"]["enable_granikv"] is True
     assert "enable_granikv" not in kw["qwen2.5-7b/flashinfer/baseline"]
+    # graphs for the rows' batch sizes only, and a capped pool so both engines fit one GPU
+    assert kw["qwen2.5-7b/flashinfer/baseline"]["cuda_graph_bs_decode"] == [1, 2, 4, 8, 16, 32, 48, 64, 128, 130]
+    assert kw["qwen2.5-7b/flashinfer/baseline"]["max_total_tokens"] > 0
+
+
+def test_parent_skips_the_rest_of_a_model_whose_engine_is_gone(regimes, fake_resident, tmp_path):
+    def answer(job, tags, k):
+        if job["config"] == "granikv":
+            raise regimes.EngineGone("granikv: exited with status -9")
+        return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+    fake_resident.answer = answer
+    argv = ["--models", "qwen2.5-7b", "--rows", "forest16,short1k_3sharers", "--out", str(tmp_path),
+            "--time-budget-s", "0", "--repeats", "1"]
+    assert regimes.main(argv) == 1
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    assert ["qwen2.5-7b/forest16", "an engine is gone"] in doc["meta"]["skipped"]
+    assert any("exited with status -9" in r.get("error", "") for r in doc["measurements"] if r["kind"] == "error")
+
+
+def test_graph_sizes_cover_every_row_and_the_powers_below(regimes, grid):
+    rows = [r for r in grid.default_grid() if r.model == "llama-3.1-8b"]
+    sizes = regimes.graph_sizes(rows)
+    assert {r.agents for r in rows} <= set(sizes) and max(sizes) <= 256 and sizes == sorted(set(sizes))
+    assert regimes.graph_sizes(rows[:1]) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_resident_child_answers_every_request_then_stops(regimes, monkeypatch, capsys, tmp_path):
+    import io
+
+    from harness import resident_engine
+
+    def run_row(spec):
+        if spec.agents == 13:
+            raise RuntimeError("bad row")
+        return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=1.0, params={})
+
+    _fake_child(monkeypatch, run_row)
+    spec = lambda agents: dict(name="no_sharing", agents=agents, kwargs=dict(out=1))  # noqa: E731
+    reqs = [dict(op="row", id=0, spec=spec(2), tags=dict(regime="a", variant="main")),
+            dict(op="row", id=1, spec=spec(13), tags=dict(regime="b", variant="main")),
+            dict(op="row", id=2, spec=spec(3), tags=dict(regime="c", variant="ceiling")),
+            dict(op="shutdown"), dict(op="row", id=3, spec=spec(4), tags={})]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(json.dumps(r) + "\n" for r in reqs)))
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(dict(engine_kwargs={})))
+    assert regimes.main_child(str(path)) == 1  # one request failed
+    recs = [x for x in map(regimes.engine_proc.parse_line, capsys.readouterr().out.splitlines()) if x]
+    assert [(r["kind"], r.get("id"), r.get("regime")) for r in recs] == [
+        ("info", None, None), ("row", 0, "a"), ("error", 1, None), ("row", 2, "c")]  # nothing after shutdown
+    assert "bad row" in recs[2]["error"]
+    assert resident_engine.serve(lambda req: {}, io.StringIO("")) == 0
+
+
+def test_resident_engine_round_trip_with_a_real_child(tmp_path):
+    """ResidentEngine against a real subprocess speaking the protocol: ready, requests answered
+    by id, a child that dies is reported as EngineGone, not a hang."""
+    from harness import resident_engine
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmark')!r})\n"
+        "from harness import engine_proc, resident_engine\n"
+        "print('starting up')\n"
+        "engine_proc.emit(engine_proc.INFO_TAG, dict(up=1))\n"
+        "def handle(req):\n"
+        "    if req.get('die'):\n"
+        "        import os; os._exit(3)\n"
+        "    return dict(double=2 * req['x'])\n"
+        "sys.exit(resident_engine.serve(handle))\n")
+    seen = []
+    e = resident_engine.ResidentEngine([sys.executable, str(child)], name="t", extra=dict(model="m"),
+                                       on_record=seen.append, echo=False)
+    assert e.wait_ready(30)["up"] == 1 and seen[0]["model"] == "m"
+    assert e.request(dict(x=4), 30)["double"] == 8
+    assert e.request(dict(x=5), 30)["double"] == 10
+    with pytest.raises(resident_engine.EngineGone, match="exited"):
+        e.request(dict(die=True), 30)
+    e.shutdown(grace_s=1)
+    e2 = resident_engine.ResidentEngine([sys.executable, str(child)], name="t2", echo=False)
+    e2.wait_ready(30)
+    e2.shutdown(grace_s=10)
+    assert e2.proc.returncode == 0
 
 
 def _fake_child(monkeypatch, run_row):
@@ -324,32 +452,6 @@ def _fake_child(monkeypatch, run_row):
             return run_row(spec)
 
     monkeypatch.setattr(run_mod, "Child", FakeChild)
-
-
-def test_child_loop_runs_rows_then_ceilings_and_stops_at_deadline(regimes, tmp_path, monkeypatch, capsys):
-    def run_row(spec):
-        if spec.agents == 13:
-            raise RuntimeError("bad row")
-        return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=1.0, params={})
-
-    _fake_child(monkeypatch, run_row)
-    row = lambda name, agents, ceil: dict(regime=name, priority=0, has_ceiling=ceil,  # noqa: E731
-                                          spec=dict(name="no_sharing", agents=agents, kwargs=dict(out=1)),
-                                          ceiling=dict(name="no_sharing", agents=agents, kwargs=dict(out=1)) if ceil else None)
-    job = dict(rows=[row("a", 2, True), row("b", 13, False)], deadline=1e18)
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(job))
-    assert regimes.main_child(str(path)) == 1
-    lines = [regimes.engine_proc.parse_line(x) for x in capsys.readouterr().out.splitlines()]
-    recs = [x for x in lines if x]
-    assert [(r["kind"], r.get("regime"), r.get("variant")) for r in recs] == [
-        ("info", None, None), ("row", "a", "main"), ("row", "a", "ceiling"), ("error", "b", "main")]
-    job["deadline"] = 1.0
-    path.write_text(json.dumps(job))
-    assert regimes.main_child(str(path)) == 1
-    recs = [x for x in map(regimes.engine_proc.parse_line, capsys.readouterr().out.splitlines()) if x]
-    assert [r["kind"] for r in recs] == ["info", "error", "error", "error"]
-    assert all("time budget" in r["error"] for r in recs[1:])
 
 
 def test_end_to_end_with_a_fake_engine(tmp_path):
@@ -387,35 +489,28 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
     assert "| llama-3.1-8b-4layers | triton | hom4k_x64 | 64 |" in (merged / "regimes.md").read_text()
 
 
-def test_repeats_keep_the_median_run_and_scale_the_estimate(regimes, grid, tmp_path, monkeypatch, capsys):
-    speeds = iter([30.0, 10.0, 20.0, 5.0, 7.0])  # row a: 3 repeats, then its ceiling: the next 2
-
-    def run_row(spec):
-        tps = next(speeds)
-        return dict(workload=spec.name, agents=spec.agents, out_tok_per_s=tps, params={}, tag=tps)
-
-    _fake_child(monkeypatch, run_row)
-    spec = dict(name="no_sharing", agents=2, kwargs=dict(out=1))
-    job = dict(rows=[dict(regime="a", priority=0, has_ceiling=True, spec=spec, ceiling=spec)],
-               deadline=1e18, repeats=3)
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(job))
-    assert regimes.main_child(str(path)) == 1  # the ceiling's third repeat finds no speed left
-    recs = [x for x in map(regimes.engine_proc.parse_line, capsys.readouterr().out.splitlines()) if x]
-    assert [(r["kind"], r.get("variant")) for r in recs] == [("info", None), ("row", "main"), ("error", "ceiling")]
-    main = next(r for r in recs if r["kind"] == "row" and r["variant"] == "main")
-    assert main["out_tok_per_s"] == 20.0 and main["tag"] == 20.0  # the median run, whole
-    assert main["repeats_out_tok_s"] == [30.0, 10.0, 20.0]
+def test_repeats_keep_the_median_run_and_scale_the_estimate(regimes, grid):
+    assert regimes.median_repeat([{"out_tok_per_s": 30.0, "tag": 1}, {"out_tok_per_s": 10.0},
+                                  {"out_tok_per_s": 20.0, "tag": 3}]) == {
+        "out_tok_per_s": 20.0, "tag": 3, "repeats_out_tok_s": [30.0, 10.0, 20.0]}  # the median run, whole
     assert regimes.median_repeat([{"out_tok_per_s": 4.0}, {"out_tok_per_s": 2.0}])["out_tok_per_s"] == 2.0
     assert "repeats_out_tok_s" not in regimes.median_repeat([{"out_tok_per_s": 4.0}])
     with pytest.raises(ValueError):
         regimes.median_repeat([])
     rows = grid.default_grid()
     m = {x.name: x for x in grid.MODELS}[rows[0].model]
-    assert grid.estimate_s(rows[0], m, 3) == pytest.approx(3 * grid.estimate_s(rows[0], m))
-    one, three = grid.select(rows), grid.select(rows, repeats=3)
-    starts = sum(2 * x.start_s for x in grid.MODELS if x.name in {r.model for r in one.rows})
-    assert three.estimate_s - starts == pytest.approx(3 * (one.estimate_s - starts))
+    ceiling = grid.estimate_s(rows[0], m) - 2 * grid.run_estimate_s(rows[0].spec_json(), m.config(),
+                                                                     m.engine_kwargs.get("max_total_tokens"))
+    assert rows[0].has_ceiling and ceiling > 0
+    assert grid.estimate_s(rows[0], m, 3) - ceiling == pytest.approx(3 * (grid.estimate_s(rows[0], m) - ceiling))
     with pytest.raises(ValueError, match="--repeats=0"):
         grid.select(rows, repeats=0)
-    assert regimes.parse_args(["--repeats", "3"]).repeats == 3 and regimes.parse_args([]).repeats == 1
+    assert regimes.parse_args(["--repeats", "1"]).repeats == 1 and regimes.parse_args([]).repeats == 3
+
+
+def test_spread_of_repeats(rep):
+    assert rep.spread(dict(repeats_out_tok_s=[100.0, 102.0, 99.0])) == pytest.approx(0.03)
+    assert rep.spread(dict(repeats_out_tok_s=[100.0])) is None and rep.spread(None) is None
+    row = dict(speedup=1.0, floor_speedup=1.0, baseline_spread=0.02)
+    assert "baseline_spread > 0.01" in rep.verdicts(row)
+    assert not rep.verdicts(dict(row, baseline_spread=0.005))

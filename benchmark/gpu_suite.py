@@ -1,0 +1,217 @@
+"""The GPU suite: everything GraniKV proves on a GPU, from one entry point.
+
+    python3 benchmark/gpu_suite.py --parts all --out /tmp/granikv-suite
+    python3 benchmark/gpu_suite.py --parts tests,smoke,correctness --out OUT   # first half of all
+    python3 benchmark/gpu_suite.py --parts grid --grid-backends flashinfer --out OUT
+    python3 benchmark/gpu_suite.py --merge OUT1/gpu_suite.json OUT2/gpu_suite.json --out docs/results
+
+On a machine without network, prefix the command with the offline recipe's wrapper
+(``bash .offline-gpu/setup.sh python3 benchmark/gpu_suite.py ...``, docs/gpu_quickstart.md).
+
+Parts (run in this order; ``all`` = every one):
+
+- ``tests``: ``pytest -m gpu test/`` (the GPU tests; a junit XML in ``--out``);
+- ``smoke``: the quickstart as written: ``python -m sglang.launch_server`` with
+  ``--enable-granikv --enable-metrics`` on the shipped Llama-3.1-8B config (dummy weights, a
+  word-level tokenizer so text prompts work), ``/generate`` calls whose texts share a long
+  prefix, a ``/metrics`` scrape that must show a HOT extent and cascade decode steps, and a clean
+  shutdown (SIGTERM, exit within the grace);
+- ``correctness``: benchmark/correctness/check.py (GraniKV vs stock on a context-sensitive
+  model, the planted fault must be caught);
+- ``grid``: benchmark/multi_agent/regimes.py per ``--grid-backends`` (stock and GraniKV engines
+  side by side, taking turns per repeat).
+
+Every part prints its wall time; ``--out`` gets one folder per part and ``gpu_suite.json``:
+``{"commit", "date", "sglang_version", "gpu", "parts": [{"name", "wall_s", "passed", ...}]}``.
+Exit status 1 when a part fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("tests", "smoke", "correctness", "grid")
+SUMMARY = "gpu_suite.json"
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    csv = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", type=csv, default=["all"], help=f"Comma-separated subset of {','.join(PARTS)} or all.")
+    p.add_argument("--out", default="/tmp/granikv-suite", help="Output folder.")
+    p.add_argument("--commit", default=None, help="Commit recorded in gpu_suite.json (default: git rev-parse HEAD).")
+    p.add_argument("--grid-backends", type=csv, default=["flashinfer", "triton"])
+    p.add_argument("--grid-models", default=None, help="regimes.py --models (default: every model).")
+    p.add_argument("--grid-rows", default=None, help="regimes.py --rows (default: every row).")
+    p.add_argument("--grid-budget-s", type=float, default=420.0, help="regimes.py --time-budget-s per backend.")
+    p.add_argument("--grid-repeats", type=int, default=3)
+    p.add_argument("--correctness-args", default="", help="Extra arguments of check.py (one shell string).")
+    p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
+    p.add_argument("--smoke-backend", default="flashinfer")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="Combine gpu_suite.json files into --out and exit.")
+    p.add_argument("--dry-run", action="store_true", help="Print each part's command and exit.")
+    args = p.parse_args(argv)
+    if args.parts == ["all"]:
+        args.parts = list(PARTS)
+    bad = [x for x in args.parts if x not in PARTS]
+    if bad:
+        p.error(f"--parts: unknown {bad}; known: {', '.join(PARTS)}, all")
+    return args
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def sglang_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return None
+
+
+def gpu_name() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return out[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---- parts -----------------------------------------------------------------------------------
+
+
+def python_cmd(script: str, *args: str) -> List[str]:
+    return [sys.executable, str(ROOT / script), *args]
+
+
+def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[str]]]:
+    """The subprocess commands of each command-line part (smoke runs in-process)."""
+    grid = []
+    for backend in args.grid_backends:
+        cmd = python_cmd("benchmark/multi_agent/regimes.py", "--backend", backend, "--out", str(out / "grid"),
+                         "--time-budget-s", f"{args.grid_budget_s:g}", "--repeats", str(args.grid_repeats))
+        if args.grid_models:
+            cmd += ["--models", args.grid_models]
+        if args.grid_rows:
+            cmd += ["--rows", args.grid_rows]
+        grid.append(cmd)
+    return dict(
+        tests=[[sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "test/",
+                f"--junitxml={out / 'tests' / 'gpu_tests.xml'}", *shlex.split(args.tests_args)]],
+        correctness=[python_cmd("benchmark/correctness/check.py", "--out", str(out / "correctness"),
+                                *shlex.split(args.correctness_args))],
+        grid=grid,
+    )
+
+
+def run_commands(cmds: Sequence[Sequence[str]]) -> Dict[str, Any]:
+    """Runs each command from the repository root in turn (output streamed); passed = every one
+    exited 0."""
+    codes = []
+    for cmd in cmds:
+        print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+        proc = subprocess.Popen(list(cmd), cwd=ROOT, start_new_session=True)
+        try:
+            codes.append(proc.wait())
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return dict(passed=all(c == 0 for c in codes), exit_codes=codes)
+
+
+def run_part(name: str, fn: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    print(f"=== part {name}", flush=True)
+    t0 = time.time()
+    try:
+        res = fn()
+    except Exception as e:  # a part that breaks is a failed part, the others still run
+        import traceback
+
+        traceback.print_exc()
+        res = dict(passed=False, error=f"{type(e).__name__}: {e}")
+    res = dict(name=name, wall_s=round(time.time() - t0, 1), **res)
+    print(f"=== part {name}: {'passed' if res['passed'] else 'FAILED'} in {res['wall_s']:.0f} s", flush=True)
+    return res
+
+
+def write_summary(out: Path, doc: Dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SUMMARY
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def merge(docs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Several suite runs as one summary: the parts of every run (a later run's part replaces an
+    earlier one of the same name), each keeping its own commit and date; the top-level commit and
+    date are the latest run's, ``runs`` lists every run."""
+    parts: Dict[str, Dict[str, Any]] = {}
+    for d in docs:
+        for p in d.get("parts", []):
+            parts[p["name"]] = dict(p, commit=d.get("commit"), date=d.get("date"))
+    last = docs[-1] if docs else {}
+    return dict(commit=last.get("commit"), date=last.get("date"), sglang_version=last.get("sglang_version"),
+                gpu=last.get("gpu"), runs=[dict(commit=d.get("commit"), date=d.get("date"), command=d.get("command"),
+                                                wall_s=d.get("wall_s")) for d in docs],
+                parts=[parts[n] for n in PARTS if n in parts],
+                passed=all(p.get("passed") for p in parts.values()))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.merge:
+        doc = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        print("wrote", write_summary(out, doc))
+        return 0 if doc["passed"] else 1
+    cmds = part_commands(args, out)
+    if args.dry_run:
+        for name in args.parts:
+            for cmd in cmds.get(name, [["(in-process) smoke", args.smoke_backend]]):
+                print(f"{name}: {' '.join(shlex.quote(c) for c in cmd)}")
+        return 0
+    from smoke import run_smoke  # benchmark/smoke.py, beside this file
+
+    doc = dict(commit=args.commit or git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               sglang_version=sglang_version(), gpu=gpu_name(),
+               command=" ".join(shlex.quote(a) for a in ["python3", "benchmark/gpu_suite.py", *argv]), parts=[])
+    t0 = time.time()
+    for name in args.parts:
+        if name == "smoke":
+            fn = lambda: run_smoke(out / "smoke", backend=args.smoke_backend)  # noqa: E731
+        else:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            fn = (lambda c: lambda: run_commands(c))(cmds[name])
+        doc["parts"].append(run_part(name, fn))
+        doc["wall_s"] = round(time.time() - t0, 1)
+        write_summary(out, doc)
+    for p in doc["parts"]:
+        print(f"{p['name']:12s} {p['wall_s']:7.1f} s  {'passed' if p['passed'] else 'FAILED'}")
+    return 0 if all(p["passed"] for p in doc["parts"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""benchmark/gpu_suite.py and benchmark/smoke.py on CPU: the parts' commands, the summary and its
+merge, a failing part, and the smoke checks on a real /metrics text of GraniKV's exporter."""
+
+import json
+import sys
+
+import pytest
+
+from bench_scripts import ROOT, load
+
+sys.path.insert(0, str(ROOT / "benchmark"))
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return load("gpu_suite.py")
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return load("smoke.py")
+
+
+def test_parts_and_their_commands(suite, tmp_path):
+    args = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "flashinfer,triton", "--grid-models",
+                             "llama-3.1-8b", "--grid-budget-s", "300"])
+    assert args.parts == list(suite.PARTS)  # all
+    cmds = suite.part_commands(args, tmp_path)
+    assert cmds["tests"][0][1:5] == ["-m", "pytest", "-m", "gpu"]
+    assert [c[c.index("--backend") + 1] for c in cmds["grid"]] == ["flashinfer", "triton"]
+    g = cmds["grid"][0]
+    assert g[g.index("--time-budget-s") + 1] == "300" and g[g.index("--models") + 1] == "llama-3.1-8b"
+    assert str(tmp_path / "grid") in g and str(tmp_path / "correctness") in cmds["correctness"][0]
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--parts", "tests,bogus"])
+
+
+def test_a_run_writes_its_summary_and_a_failing_part_fails_it(suite, tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(suite, "run_commands", lambda cmds: ran.append(cmds) or dict(passed=len(ran) == 1))
+    assert suite.main(["--parts", "tests,correctness", "--out", str(tmp_path), "--commit", "abc"]) == 1
+    doc = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert doc["commit"] == "abc" and [p["name"] for p in doc["parts"]] == ["tests", "correctness"]
+    assert [p["passed"] for p in doc["parts"]] == [True, False]
+    assert all(p["wall_s"] >= 0 for p in doc["parts"]) and "gpu_suite.py" in doc["command"]
+    assert "correctness: FAILED" in capsys.readouterr().out
+
+    def broken():
+        raise RuntimeError("no GPU")
+
+    res = suite.run_part("smoke", broken)  # a part that raises is a failed part, not a crash
+    assert res["passed"] is False and "no GPU" in res["error"]
+
+
+def test_merge_keeps_each_parts_run(suite, tmp_path):
+    a = dict(commit="c1", date="d1", parts=[dict(name="tests", wall_s=1, passed=True),
+                                            dict(name="grid", wall_s=2, passed=False)])
+    b = dict(commit="c2", date="d2", sglang_version="0.5.17", parts=[dict(name="grid", wall_s=3, passed=True)])
+    m = suite.merge([a, b])
+    assert [(p["name"], p["commit"], p["passed"]) for p in m["parts"]] == [("tests", "c1", True), ("grid", "c2", True)]
+    assert m["passed"] and m["commit"] == "c2" and len(m["runs"]) == 2
+    assert not suite.merge([b, a])["passed"]  # the later run's grid failed
+
+
+METRICS = """# HELP granikv:hot_extents HOT extents
+# TYPE granikv:hot_extents gauge
+granikv:hot_extents{model_name="m"} 1.0
+granikv:decode_steps_total{model_name="m",path="cascade"} 57.0
+granikv:decode_steps_total{model_name="m",path="paged"} 3.0
+"""
+
+
+def test_smoke_checks(smoke):
+    good = [dict(meta_info=dict(completion_tokens=smoke.MAX_NEW_TOKENS))] * 3
+    c = smoke.checks_of(METRICS, good)
+    assert all(x["passed"] for x in c.values()) and c["cascade_decode_steps"]["value"] == 57.0
+    assert not smoke.checks_of(METRICS.replace("57.0", "0.0"), good)["cascade_decode_steps"]["passed"]
+    assert not smoke.checks_of(METRICS.replace("extents{model_name=\"m\"} 1.0", "extents 0"), good)[
+        "hot_extents"]["passed"]
+    short = good + [dict(meta_info=dict(completion_tokens=3))]
+    assert not smoke.checks_of(METRICS, short)["completion_tokens"]["passed"]
+
+
+def test_smoke_reads_the_real_exporters_metric_names(smoke):
+    """The names the smoke scrapes are the ones GraniKV's Prometheus exporter defines."""
+    text = (ROOT / "python" / "granikv" / "prometheus.py").read_text()
+    assert '"granikv:decode_steps_total"' in text and '"hot_extents"' in text
+
+
+def test_smoke_command_is_the_quickstarts(smoke, tmp_path):
+    cmd = smoke.server_command(tmp_path, 30000, "flashinfer")
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    for flag in ("--enable-granikv", "--enable-metrics", "--attention-backend"):
+        assert flag in cmd
+    quick = (ROOT / "docs" / "gpu_quickstart.md").read_text()
+    assert "--attention-backend flashinfer --enable-granikv --enable-metrics" in quick
