@@ -57,6 +57,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid-rows", default=None, help="regimes.py --rows (default: every row).")
     p.add_argument("--grid-budget-s", type=float, default=420.0, help="regimes.py --time-budget-s per backend.")
     p.add_argument("--grid-repeats", type=int, default=3)
+    p.add_argument("--grid-idle-probe-steps", type=int, default=32,
+                   help="regimes.py --idle-probe-steps (GPU idle time per decode step; 0: off).")
     p.add_argument("--correctness-args", default="", help="Extra arguments of check.py (one shell string).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
     p.add_argument("--smoke-backend", default="flashinfer")
@@ -109,7 +111,8 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
     grid = []
     for backend in args.grid_backends:
         cmd = python_cmd("benchmark/multi_agent/regimes.py", "--backend", backend, "--out", str(out / "grid"),
-                         "--time-budget-s", f"{args.grid_budget_s:g}", "--repeats", str(args.grid_repeats))
+                         "--time-budget-s", f"{args.grid_budget_s:g}", "--repeats", str(args.grid_repeats),
+                         "--idle-probe-steps", str(args.grid_idle_probe_steps))
         if args.grid_models:
             cmd += ["--models", args.grid_models]
         if args.grid_rows:

@@ -89,6 +89,10 @@ class Regime:
         return int(sum(self.kwargs["agents_per_prefix"]))
 
     @property
+    def turns(self) -> int:
+        return int(self.kwargs.get("turns", 1))
+
+    @property
     def prefix_len(self) -> int:
         return max(self.kwargs.get("prefixes") or [0])
 

@@ -86,6 +86,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="Measure every row this many times on each engine, taking turns, and keep "
                         "the repeat with the median output tok/s (all of them in repeats_out_tok_s; "
                         "the stock ones give baseline_spread). Default 3; ceilings run once.")
+    p.add_argument("--idle-probe-steps", type=int, default=0,
+                   help="After a one-turn row's timed repeats, run it once more on each engine with "
+                        "SGLang's profiler over this many decode steps (GPU activity only) and record "
+                        "the GPU's idle time per step (gpu_idle_us_baseline / _granikv). 0: off.")
     p.add_argument("--dry-run", action="store_true", help="Print the selected grid and its estimate.")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="Combine partial regimes_*.json into --out/regimes.{json,md,png} and exit.")
@@ -237,6 +241,17 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     for config in CONFIGS:
         if reps[config] and config not in failed:
             run.add(median_repeat(reps[config]))
+    if args.idle_probe_steps > 0 and row.turns == 1:
+        for config in CONFIGS:  # untimed: the profiler's own cost stays out of the tok/s above
+            try:
+                rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(tags, variant="idle"),
+                                                   probe=dict(steps=args.idle_probe_steps)), timeout)
+            except EngineGone as e:
+                run.error(model.name, config, f"{row.name} (idle probe): {e}")
+                return False
+            rec.pop("id", None)
+            rec.update(tags, variant="idle")
+            run.add(rec)
     return True
 
 
@@ -328,7 +343,11 @@ def main_child(job_path: str) -> int:
     emit(engine_proc.INFO_TAG, child.info())
 
     def handle(req: Dict[str, Any]) -> Dict[str, Any]:
-        return dict(child.run(wl.WorkloadSpec.from_json(req["spec"])), **req.get("tags", {}))
+        spec = wl.WorkloadSpec.from_json(req["spec"])
+        if req.get("probe"):
+            trace_dir = tempfile.mkdtemp(prefix="granikv_idle_")
+            return dict(child.idle_probe(spec, int(req["probe"]["steps"]), trace_dir), **req.get("tags", {}))
+        return dict(child.run(spec), **req.get("tags", {}))
 
     try:
         return resident_engine.serve(handle)

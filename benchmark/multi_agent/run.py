@@ -447,7 +447,8 @@ class Child:
         return time.time() - t
 
     async def _agent(self, w: wl.Workload, i: int, stats: Dict[str, List],
-                     routes: Optional[Sequence[int]] = None) -> None:
+                     routes: Optional[Sequence[int]] = None,
+                     on_first: Optional[Callable[[], None]] = None) -> None:
         context = list(w.prompts[i])
         params = dict(w.sampling.to_dict(), stream_interval=STREAM_INTERVAL)
         route = {} if routes is None else {"routed_dp_rank": routes[i]}
@@ -459,6 +460,8 @@ class Child:
             async for chunk in stream:
                 if t_first is None:
                     t_first = time.perf_counter()
+                    if on_first is not None and turn == 0:
+                        on_first()
                 ids = ids + list(chunk["output_ids"]) if self.incremental else chunk["output_ids"]
                 meta = chunk.get("meta_info", {})
             t_end = time.perf_counter()
@@ -528,6 +531,46 @@ class Child:
                     warm_prefix_s=round(warm_s, 2),
                     dp_routes=None if routes is None else [routes.count(r) for r in range(max(routes) + 1)],
                     **self._counters(before), **m)
+
+    def idle_probe(self, spec: wl.WorkloadSpec, steps: int, trace_dir: str) -> Dict[str, Any]:
+        """The GPU's idle time between decode steps on one untimed run of ``spec``: once every
+        agent has its first token (prefill done, decode steady), SGLang's profiler records the
+        next ``steps`` forward steps (GPU activity only, no stacks or shapes); the trace is
+        reduced by harness.gpu_idle. The run's tok/s is not reported (the profiler slows it)."""
+        from harness import gpu_idle
+        from sglang.srt.managers.io_struct import ProfileReq
+
+        w = spec.build()
+        if w.turns != 1:
+            raise ValueError(f"{spec.label}: the idle probe needs a one-turn workload (has {w.turns})")
+        steps = max(1, min(steps, int(w.sampling.max_new_tokens) // 2))
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        self.warm(w)
+        req = ProfileReq(output_dir=trace_dir, num_steps=steps, activities=["GPU"], with_stack=False,
+                         record_shapes=False, profile_prefix="idle")
+
+        async def probe() -> None:
+            stats: Dict[str, List] = {"out": [], "cached": [], "ttft": [], "tpot": []}
+            first: List[int] = []
+            agents = [asyncio.ensure_future(self._agent(w, i, stats, on_first=lambda: first.append(1)))
+                      for i in range(w.agents)]
+            while len(first) < w.agents and not all(a.done() for a in agents):
+                await asyncio.sleep(0.005)
+            await self.engine.tokenizer_manager.start_profile(req)
+            await asyncio.gather(*agents)
+
+        self.loop.run_until_complete(probe())
+        deadline = time.time() + 60
+        trace = gpu_idle.newest_trace(Path(trace_dir))
+        while trace is None and time.time() < deadline:  # written when the N-th step ends
+            time.sleep(0.5)
+            trace = gpu_idle.newest_trace(Path(trace_dir))
+        if trace is None:
+            raise RuntimeError(f"no profiler trace in {trace_dir} after the probe")
+        time.sleep(1.0)  # let the writer finish the file
+        res = gpu_idle.idle_of_trace(trace, steps) or {}
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        return dict(res, workload=w.name, agents=w.agents)
 
     def _counters(self, before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """GraniKV counters after the row, and their increase over the timed batch."""

@@ -514,3 +514,27 @@ def test_spread_of_repeats(rep):
     row = dict(speedup=1.0, floor_speedup=1.0, baseline_spread=0.02)
     assert "baseline_spread > 0.01" in rep.verdicts(row)
     assert not rep.verdicts(dict(row, baseline_spread=0.005))
+
+
+def test_idle_probe_runs_untimed_after_the_repeats_and_fills_the_row(regimes, fake_resident, tmp_path):
+    def answer(job, tags, k):
+        if tags["variant"] == "idle":
+            return dict(kind="row", config=job["config"], workload="grouped",
+                        gpu_idle_us_per_step=12.0 if job["config"] == "baseline" else 15.0, gpu_busy_us_per_step=900.0)
+        return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+    fake_resident.answer = answer
+    argv = ["--models", "qwen2.5-7b", "--rows", "short1k_3sharers", "--out", str(tmp_path), "--time-budget-s", "0",
+            "--repeats", "1", "--idle-probe-steps", "32"]
+    assert regimes.main(argv) == 0
+    assert [v for _, _, v in fake_resident.log if v][-2:] == ["idle", "idle"]  # after the timed runs
+    row = json.loads((tmp_path / "regimes_flashinfer.json").read_text())["rows"][0]
+    assert (row["gpu_idle_us_baseline"], row["gpu_idle_us_granikv"]) == (12.0, 15.0)
+    assert row["baseline_out_tok_s"] == 1000.0  # the probe's run is not a timed repeat
+
+
+def test_planning_verdict_rests_on_idle_evidence(rep):
+    row = dict(speedup=2.0, floor_speedup=3.0, floor_fraction=0.95, plan_us_p50=100.0, plan_us_p99=150.0)
+    assert "plan p50 > 30 us" in rep.verdicts(row) and "plan p99 > 80 us" in rep.verdicts(row)
+    assert not rep.verdicts(dict(row, gpu_idle_us_baseline=10.0, gpu_idle_us_granikv=14.0))  # GPU never waits
+    assert "plan p50 > 30 us" in rep.verdicts(dict(row, gpu_idle_us_baseline=10.0, gpu_idle_us_granikv=16.0))
