@@ -5,8 +5,8 @@
     python3 benchmark/gpu_suite.py --parts grid --grid-backends flashinfer --out OUT
     python3 benchmark/gpu_suite.py --merge OUT1/gpu_suite.json OUT2/gpu_suite.json --out docs/results
 
-On a machine without network, prefix the command with the offline recipe's wrapper
-(``bash .offline-gpu/setup.sh python3 benchmark/gpu_suite.py ...``, docs/gpu_quickstart.md).
+On a host without network, run it inside the environment installed from the air-gapped bundle
+(docs/gpu_quickstart.md, "Air-gapped host").
 
 Parts (run in this order; ``all`` = every one):
 

@@ -15,10 +15,30 @@
    size, greedy with logprobs: homogeneous, heterogeneous, and the agent loop (turns submitted
    asynchronously per agent; the text between turns is fixed, not the engine's output, so every
    engine sees the same prompts in every turn).
-4. Compares (metrics.py) granikv and fault against the baseline of the same backend, and the
-   flashinfer baseline against the triton baseline (two correct kernels) on the same prompts.
-   A row passes when GraniKV agrees with stock as well as the two stock backends agree with
-   each other (less a margin); the planted fault is caught when the fault engine does not pass.
+4. GraniKV and fault engines run with ``--granikv-debug-compare-every N`` (``--compare-every``,
+   default 4): every layer of every N-th eager decode step is compared with the wrapped stock
+   backend's output for the same step (debug_compare.py), within a tolerance of
+   TOLERANCE_FACTOR (4) x the stock output's own deviation from a float64 paged reference, at
+   least FLOOR_EPS (2) x the dtype's eps. A CUDA-graph replay runs no Python, so while the
+   compare is on every engine (the baselines too: all engines run the same kind of decode
+   step) runs with decode CUDA graphs off (``disable_cuda_graph``); ``--compare-every 0``
+   keeps the graphs and drops the layer rule.
+5. Compares (metrics.py) granikv and fault against the baseline of the same backend, and the
+   flashinfer baseline against the triton baseline (two correct kernels) on the same prompts,
+   with bootstrap stderrs and 95% intervals (2,000 resamples of the requests, seed 0).
+
+The pass rule of a row (results.py): BOTH
+
+- layer outputs: at least one decode layer-step of the workload compared, and none with
+  ``max|GraniKV - stock| / max|stock|`` (over the batch, per layer) above its tolerance;
+- tokens: ``granikv agreement >= cross-backend agreement - max(0.05, 2 * diff_stderr)``, with
+  ``diff_stderr`` the paired bootstrap stderr of the difference of the two agreements (same
+  resampled requests), first-token agreement within 0.05 of cross-backend and logprob
+  deviation within 3x theirs + 0.02;
+
+with GraniKV's own attention shown to have run (its counters). The planted fault is caught
+only when EACH rule rejects the fault engine (``fault_caught_by`` records which did); with
+``--compare-every 0`` the token rule decides alone.
 
 Writes ``correctness.json`` (``{"meta", "rows"}``) and ``correctness.md`` into ``--out``. Exit
 status 1 when a row fails, a fault goes uncaught, or an engine fails.
@@ -54,6 +74,10 @@ import run as ma_run  # noqa: E402  (the multi-agent runner: engine kwargs, Chil
 import workloads as wl  # noqa: E402
 from harness.engine_proc import exit_after, kill_group  # noqa: E402
 
+# debug_compare.py's constants without importing granikv (this parent runs no engine); a test
+# checks they match
+TOLERANCE_FACTOR = 4.0
+FLOOR_EPS = 2.0
 CONFIGS = ("baseline", "granikv", "fault")
 FAULT = "half_prefix"
 RESULT_TAG = "RESULT "
@@ -166,8 +190,18 @@ class CheckChild(ma_run.Child):
             o = self.outputs(w)
             after = self.granikv_counters()
             delta = None if after is None else ma_run.counter_delta(after, before or {})
-            out[w.name] = dict(outputs=o.to_json(), granikv_delta=delta)
+            out[w.name] = dict(outputs=o.to_json(), granikv_delta=delta,
+                               granikv_state=layer_state(after))
         return out
+
+
+def layer_state(counters: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The debug compare's ``attention.layer_output_*`` figures as they stand (absolute: the
+    maxima cannot be differenced), None without GraniKV counters."""
+    if counters is None:
+        return None
+    att = counters.get("attention") or {}
+    return {"attention": {k: v for k, v in att.items() if k.startswith("layer_output_")}}
 
 
 def main_child(job_path: str) -> int:
@@ -187,11 +221,19 @@ def main_child(job_path: str) -> int:
 # ------------------------------------------------------------------------------------------
 
 
-def engine_kwargs(backend: str, config: str, attention_path: str) -> Dict[str, Any]:
+def engine_kwargs(backend: str, config: str, attention_path: str, compare_every: int = 0) -> Dict[str, Any]:
+    """The engine of ``config`` under ``backend``. ``compare_every`` > 0: decode CUDA graphs off
+    on every engine (a replay runs no Python, so the layer compare needs eager steps, and all
+    engines then decode alike) and the GraniKV engines compare every layer of every
+    ``compare_every``-th decode step."""
     kw = dict(ENGINE_KWARGS, attention_backend=backend)
+    if compare_every:
+        kw.update(disable_cuda_graph=True)
     if config != "baseline":
         # the prefill path over HOT prefixes forced too: "auto" may keep these short prefixes stock
         kw.update(enable_granikv=True, granikv_attention_path=attention_path, granikv_extend_path="hot")
+        if compare_every:
+            kw.update(granikv_debug_compare_every=compare_every)
     return kw
 
 
@@ -243,9 +285,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--attention-path", default="cascade",
                    help="granikv_attention_path of the GraniKV engines (auto picks paged on "
                         "prompts this short).")
+    p.add_argument("--compare-every", type=int, default=4,
+                   help="GraniKV engines compare every layer of every N-th decode step with the "
+                        "stock backend's output (--granikv-debug-compare-every; decode CUDA "
+                        "graphs off on every engine). 0: graphs on, no layer rule.")
     p.add_argument("--no-fault", action="store_true", help="Skip the planted-fault engines.")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
-    p.add_argument("--child-timeout", type=float, default=240.0)
+    p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -254,6 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.child:
         return main_child(args.child)
+    if args.compare_every < 0:
+        raise SystemExit(f"--compare-every {args.compare_every} must be >= 0")
     t0 = time.time()
     shape = checkpoint.LlamaShape()
     model_dir = args.model_dir or checkpoint.write_checkpoint(
@@ -268,12 +316,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 workloads=[s.to_json() for s in spec_list],
                 engine_kwargs=ENGINE_KWARGS, margin=metrics.AGREEMENT_MARGIN,
                 logprob_factor=metrics.LOGPROB_FACTOR, logprob_slack=metrics.LOGPROB_SLACK,
-                errors=[])
+                bootstrap_resamples=metrics.BOOTSTRAP_RESAMPLES, bootstrap_seed=metrics.BOOTSTRAP_SEED,
+                compare_every=args.compare_every, tolerance_factor=TOLERANCE_FACTOR,
+                floor_eps=FLOOR_EPS, errors=[])
     engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
     for backend in args.backends:
         for config in configs:
             job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
-                       engine_kwargs=engine_kwargs(backend, config, args.attention_path))
+                       engine_kwargs=engine_kwargs(backend, config, args.attention_path,
+                                                   args.compare_every))
             try:
                 engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout)
             except Exception as e:  # the other engines still run; the report says what failed
@@ -285,6 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     paths = results.write(args.out, meta, rows)
     print(results.markdown(meta, rows), flush=True)
     print(f"wrote {', '.join(map(str, paths))}", flush=True)
+    if not args.no_fault:
+        print(results.fault_summary(rows), flush=True)
     return 0 if results.all_ok(meta, rows, fault=not args.no_fault) else 1
 
 

@@ -13,23 +13,38 @@ nothing more can be compared. So every measure stops at each request's first dif
   comes from the prefill, so it checks the extend path);
 - ``logprob_dev_mean``: mean |logprob_A - logprob_B| of the chosen token over the agreeing
   positions;
-- ``agreement_stderr``: the standard error of the mean of the per-request agreeing shares
-  (each near 0 or 1: one early near-tie flip costs a whole request), the noise ``agreement``
-  carries at this request count.
+- ``agreement_stderr`` / ``agreement_ci95``: the bootstrap standard error and 95% percentile
+  interval of ``agreement`` (``BOOTSTRAP_RESAMPLES`` resamples of the requests with
+  replacement, seed ``BOOTSTRAP_SEED``): each request's agreeing share is near 0 or 1 (one early
+  near-tie flip costs a whole request), so this is the noise ``agreement`` carries at this
+  request count.
 
-A comparison passes when it agrees at least as well as two correct stock backends do with
-each other on the same prompts, less ``AGREEMENT_MARGIN``, and its logprob deviation is within
-``LOGPROB_FACTOR`` x theirs + ``LOGPROB_SLACK``. A wrong prefix drives agreement toward 0.
+Token rule (``token_passes``): a comparison ``c`` passes against the two stock backends'
+comparison ``ref`` on the same prompts when
+
+    c.agreement >= ref.agreement - max(AGREEMENT_MARGIN, 2 * diff_stderr)
+
+with ``diff_stderr`` the paired bootstrap standard error of ``c.agreement - ref.agreement``
+(both recomputed on the same resampled requests: ``difference_stderr``), i.e. agreement not
+significantly (~2 sigma) below stock-vs-stock and never more than the margin below it when the
+noise is smaller; and its first-token agreement is within ``AGREEMENT_MARGIN`` of ``ref``'s
+and its logprob deviation within ``LOGPROB_FACTOR`` x theirs + ``LOGPROB_SLACK``. A wrong
+prefix drives agreement toward 0. The check's other rule (the layer outputs) is
+``layer_passes``; results.py combines them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 AGREEMENT_MARGIN = 0.05
 LOGPROB_FACTOR = 3.0
 LOGPROB_SLACK = 0.02
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,9 @@ class Comparison:
     first_token_agreement: float
     logprob_dev_mean: Optional[float]  # None: no agreeing position had logprobs on both sides
     compared_tokens: int  # positions the logprob deviation averages over
-    agreement_stderr: Optional[float] = None  # None: fewer than two requests
+    agreement_stderr: Optional[float] = None  # bootstrap; None: fewer than two requests
+    agreement_ci95: Optional[Tuple[float, float]] = None  # bootstrap percentiles; None: as above
+    per_request: Tuple[Tuple[int, int], ...] = ()  # (agreeing tokens, output tokens) per request
 
 
 def _agreeing_prefix(x: Sequence[int], y: Sequence[int]) -> int:
@@ -72,39 +89,98 @@ def compare(a: Outputs, b: Outputs) -> Comparison:
     """A against B (symmetric). Raises ValueError when they cover different request counts."""
     if len(a.ids) != len(b.ids):
         raise ValueError(f"{len(a.ids)} requests vs {len(b.ids)}: not the same prompts")
-    same = total = first = 0
-    devs, shares = [], []
+    first = 0
+    devs, per = [], []
     for xa, xb, la, lb in zip(a.ids, b.ids, a.logprobs, b.logprobs):
         n = _agreeing_prefix(xa, xb)
-        same += n
-        total += max(len(xa), len(xb))
-        shares.append(n / max(len(xa), len(xb), 1))
+        per.append((n, max(len(xa), len(xb))))
         first += n > 0
         devs += [abs(p - q) for p, q in zip(la[:n], lb[:n]) if p is not None and q is not None]
     requests = len(a.ids)
+    boot = bootstrap(per)
     return Comparison(
-        agreement=same / total if total else 1.0,
+        agreement=_agreement(per),
         first_token_agreement=first / requests if requests else 1.0,
         logprob_dev_mean=sum(devs) / len(devs) if devs else None,
         compared_tokens=len(devs),
-        agreement_stderr=_stderr(shares),
+        agreement_stderr=None if boot is None else boot[0],
+        agreement_ci95=None if boot is None else boot[1],
+        per_request=tuple(per),
     )
 
 
-def _stderr(xs: Sequence[float]) -> Optional[float]:
-    n = len(xs)
-    if n < 2:
+def _agreement(per: Sequence[Tuple[int, int]]) -> float:
+    """Agreeing tokens / output tokens (1.0 when there are none)."""
+    total = sum(t for _, t in per)
+    return sum(n for n, _ in per) / total if total else 1.0
+
+
+def _resampled_agreements(per: Sequence[Tuple[int, int]], idx: np.ndarray) -> np.ndarray:
+    """``_agreement`` of every resample: ``idx[r]`` = the request indices of resample ``r``."""
+    arr = np.asarray(per, dtype=np.float64).reshape(-1, 2)
+    same, total = arr[idx, 0].sum(axis=1), arr[idx, 1].sum(axis=1)
+    return np.divide(same, total, out=np.ones_like(same), where=total > 0)
+
+
+def _resample_indices(n: int, resamples: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def bootstrap(per: Sequence[Tuple[int, int]], *, resamples: int = BOOTSTRAP_RESAMPLES,
+              seed: int = BOOTSTRAP_SEED) -> Optional[Tuple[float, Tuple[float, float]]]:
+    """The bootstrap standard error of ``agreement`` over requests ``per`` = (agreeing, output
+    tokens) each, and its 95% percentile interval: ``resamples`` draws of ``len(per)`` requests
+    with replacement (fixed ``seed``: the same figures every run). None for fewer than two."""
+    if len(per) < 2:
         return None
-    mean = sum(xs) / n
-    return (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5
+    stats = _resampled_agreements(per, _resample_indices(len(per), resamples, seed))
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(stats.std(ddof=1)), (float(lo), float(hi))
 
 
-def passes(c: Comparison, reference: Comparison) -> bool:
-    """Whether ``c`` is as close to the baseline as the cross-backend ``reference`` is."""
-    if c.agreement < reference.agreement - AGREEMENT_MARGIN:
+def difference_stderr(c: Comparison, ref: Comparison, *, resamples: int = BOOTSTRAP_RESAMPLES,
+                      seed: int = BOOTSTRAP_SEED) -> Optional[float]:
+    """The standard error of ``c.agreement - ref.agreement``: a paired bootstrap (the same
+    resampled request indices for both, as both compare the same prompts); without per-request
+    data of equal length, ``sqrt(se_c^2 + se_ref^2)`` of their own stderrs; None when neither
+    is known."""
+    if len(c.per_request) == len(ref.per_request) >= 2:
+        idx = _resample_indices(len(c.per_request), resamples, seed)
+        d = _resampled_agreements(c.per_request, idx) - _resampled_agreements(ref.per_request, idx)
+        return float(d.std(ddof=1))
+    if c.agreement_stderr is None or ref.agreement_stderr is None:
+        return None
+    return (c.agreement_stderr ** 2 + ref.agreement_stderr ** 2) ** 0.5
+
+
+def agreement_threshold(c: Comparison, reference: Comparison) -> float:
+    """The least agreement the token rule accepts: ``reference.agreement - max(AGREEMENT_MARGIN,
+    2 * difference_stderr)`` (the margin alone when the stderr is unknown)."""
+    se = difference_stderr(c, reference)
+    return reference.agreement - max(AGREEMENT_MARGIN, 2.0 * (se or 0.0))
+
+
+def token_passes(c: Comparison, reference: Comparison) -> bool:
+    """The token rule (module docstring): ``c`` is as close to the baseline as the
+    cross-backend ``reference`` is, up to its noise."""
+    if c.agreement < agreement_threshold(c, reference):
         return False
     if c.first_token_agreement < reference.first_token_agreement - AGREEMENT_MARGIN:
         return False
     if c.logprob_dev_mean is None or reference.logprob_dev_mean is None:
         return True  # agreement alone decides (no logprobs to compare)
     return c.logprob_dev_mean <= LOGPROB_FACTOR * reference.logprob_dev_mean + LOGPROB_SLACK
+
+
+passes = token_passes  # the rule's earlier name
+
+
+def layer_passes(layer: Optional[Mapping[str, float]]) -> Optional[bool]:
+    """The layer-output rule over one workload's compared decode layer-steps (the engine's
+    ``attention.layer_output_*`` counters, debug_compare.py): at least one layer-step compared
+    (``compares``) and none over its own tolerance (``over_tolerance``; every layer-step within
+    its tolerance implies ``layer_output_max_rel_dev <= layer_output_tolerance`` over them).
+    None when the compare was off (``layer`` None)."""
+    if layer is None:
+        return None
+    return layer.get("compares", 0) > 0 and layer.get("over_tolerance", 0) == 0

@@ -1,8 +1,27 @@
 """The correctness check's rows (one per workload and backend) and its report files.
 
 Input: ``engines[(backend, config)]`` = a child's RESULT (``workloads[name]`` holds the
-engine's ``outputs`` and the increase of GraniKV's counters, ``granikv_delta``), configs
-``baseline`` / ``granikv`` / ``fault``. A missing engine leaves its columns None.
+engine's ``outputs``, the increase of GraniKV's counters over the workload, ``granikv_delta``,
+and its absolute counters at the workload's end, ``granikv_state``), configs ``baseline`` /
+``granikv`` / ``fault``. A missing engine leaves its columns None.
+
+A row (one workload, one backend) passes when GraniKV passes both rules (metrics.py):
+
+- layer outputs (``metrics.layer_passes``): the debug compare (``--granikv-debug-compare-every``,
+  debug_compare.py) compared at least one decode layer-step of the workload and none deviated
+  from the stock output by more than its tolerance (TOLERANCE_FACTOR x the stock output's own
+  deviation from float64, at least FLOOR_EPS x the dtype's eps). Columns: the layer-steps
+  compared / over tolerance in this workload, and the engine's ``layer_output_max_rel_dev``,
+  ``layer_output_stock_max_rel_dev`` and ``layer_output_tolerance``: maxima over every layer-step
+  it compared up to this workload's end (workloads run in table order, so a later row's maxima
+  include the earlier workloads');
+- tokens (``metrics.token_passes``): agreement >= stock-vs-stock agreement - max(margin, 2 x
+  the paired bootstrap stderr of the difference), first-token and logprob clauses;
+
+and GraniKV's own attention ran (its counters). The planted fault is caught only when EACH
+applied rule rejects the fault engine (``fault_caught_by`` names those that did). With the
+compare off (no ``layer_output`` counters) the layer rule is not applied (None) and the tokens
+decide alone.
 """
 
 from __future__ import annotations
@@ -34,6 +53,24 @@ def _attention(engines, backend: str, config: str, workload: str) -> Optional[Di
     return {k: att[k] for k in ATTENTION_KEYS if k in att}
 
 
+LAYER_DELTA_KEYS = ("compares", "over_tolerance", "f64_references")  # counts: this workload's
+LAYER_STATE_KEYS = ("max_rel_dev", "stock_max_rel_dev", "tolerance")  # maxima: the engine's so far
+
+
+def _layer(engines, backend: str, config: str, workload: str) -> Optional[Dict[str, Any]]:
+    """The debug compare's layer-output figures of the engine over this workload (keys without
+    the ``layer_output_`` prefix), None when it compared nothing ever (compare off, baseline or
+    absent engine)."""
+    w = ((engines.get((backend, config)) or {}).get("workloads") or {}).get(workload) or {}
+    delta = (w.get("granikv_delta") or {}).get("attention") or {}
+    state = (w.get("granikv_state") or {}).get("attention") or {}
+    if "layer_output_compares" not in state:
+        return None
+    out = {k: int(delta.get(f"layer_output_{k}", 0)) for k in LAYER_DELTA_KEYS}
+    out.update({k: state.get(f"layer_output_{k}") for k in LAYER_STATE_KEYS})
+    return out
+
+
 def fast_path_ran(att: Optional[Mapping[str, Any]]) -> bool:
     """Whether GraniKV's own attention served any step: a non-paged decode step or an extend
     batch over HOT extents. A check where it never ran proves nothing."""
@@ -45,6 +82,24 @@ def fast_path_ran(att: Optional[Mapping[str, Any]]) -> bool:
 
 def _r(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(x, 4)
+
+
+def _ci(c: Optional[metrics.Comparison]) -> Optional[List[float]]:
+    return None if c is None or c.agreement_ci95 is None else [_r(x) for x in c.agreement_ci95]
+
+
+def _verdict(token: Optional[bool], layer: Optional[bool]) -> Optional[bool]:
+    """Both applied rules pass (a None layer rule: not applied); None without a token verdict."""
+    if token is None:
+        return None
+    return token and layer is not False
+
+
+def _rejected_by(token: Optional[bool], layer: Optional[bool]) -> Optional[List[str]]:
+    """The applied rules that reject (``tokens``, ``layer_output``); None without a verdict."""
+    if token is None:
+        return None
+    return [name for name, ok in (("tokens", token), ("layer_output", layer)) if ok is False]
 
 
 def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[str, Any]:
@@ -60,9 +115,25 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
         c = metrics.compare(ours, base) if ours is not None and base is not None else None
         out[f"{key}_agreement"] = _r(c.agreement) if c else None
         out[f"{key}_agreement_stderr"] = _r(c.agreement_stderr) if c else None
+        out[f"{key}_agreement_ci95"] = _ci(c)
         out[f"{key}_first_token_agreement"] = _r(c.first_token_agreement) if c else None
         out[f"{key}_logprob_dev_mean"] = _r(c.logprob_dev_mean) if c else None
-        out[f"{key}_passes"] = metrics.passes(c, cross) if c and cross else None
+        both = c is not None and cross is not None
+        out[f"{key}_agreement_diff_stderr"] = _r(metrics.difference_stderr(c, cross)) if both else None
+        out[f"{key}_agreement_threshold"] = _r(metrics.agreement_threshold(c, cross)) if both else None
+        token = metrics.token_passes(c, cross) if both else None
+        layer = _layer(engines, backend, config, workload)
+        layer_ok = metrics.layer_passes(layer)
+        out[f"{key}_token_passes"] = token
+        out[f"{key}_layer_passes"] = layer_ok
+        out[f"{key}_layer_output_compares"] = layer["compares"] if layer else None
+        out[f"{key}_layer_output_over_tolerance"] = layer["over_tolerance"] if layer else None
+        out[f"{key}_layer_output_f64_references"] = layer["f64_references"] if layer else None
+        for k in LAYER_STATE_KEYS:
+            v = layer[k] if layer else None
+            out[f"{key}_layer_output_{k}"] = None if v is None else float(f"{v:.4g}")
+        out[f"{key}_passes"] = _verdict(token, layer_ok)
+        out[f"{key}_rejected_by"] = _rejected_by(token, layer_ok)
         att = _attention(engines, backend, config, workload)
         out[f"{key}_attention"] = att
         out[f"{key}_fast_path_ran"] = fast_path_ran(att) if ours is not None else None
@@ -72,11 +143,17 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
     out["logprob_dev_mean"] = out.pop("granikv_logprob_dev_mean")
     out["cross_backend_agreement"] = _r(cross.agreement) if cross else None
     out["cross_agreement_stderr"] = _r(cross.agreement_stderr) if cross else None
+    out["cross_agreement_ci95"] = _ci(cross)
     out["cross_first_token_agreement"] = _r(cross.first_token_agreement) if cross else None
     out["cross_logprob_dev_mean"] = _r(cross.logprob_dev_mean) if cross else None
     out["passed"] = out.pop("granikv_passes")
-    fault_passes = out.pop("fault_passes")
-    out["planted_fault_caught"] = None if fault_passes is None else not fault_passes
+    out.pop("granikv_rejected_by")
+    out.pop("fault_passes")
+    # caught only when every applied rule rejects the fault engine on its own
+    caught_by = out.pop("fault_rejected_by")
+    applied = 1 + (out["fault_layer_passes"] is not None)
+    out["fault_caught_by"] = caught_by
+    out["planted_fault_caught"] = None if caught_by is None else len(caught_by) == applied
     out["requests"] = len(base.ids) if base is not None else None
     return out
 
@@ -98,6 +175,18 @@ def all_ok(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]], *, fault
     return True
 
 
+def fault_summary(rows_: Sequence[Mapping[str, Any]]) -> str:
+    """One line per row: whether the planted fault was caught, and by which rules (caught only
+    when every applied rule rejected it)."""
+    lines = ["planted fault:"]
+    for r in rows_:
+        by = r.get("fault_caught_by")
+        verdict = {True: "caught", False: "NOT caught", None: "no verdict"}[r.get("planted_fault_caught")]
+        lines.append(f"  {r['workload']}/{r['backend']}: {verdict}"
+                     + ("" if by is None else f" (rejected by: {', '.join(by) or 'no rule'})"))
+    return "\n".join(lines)
+
+
 def _fmt(x: Any) -> str:
     if x is None:
         return "–"
@@ -106,6 +195,29 @@ def _fmt(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.3f}"
     return str(x)
+
+
+def _pm(x: Optional[float], se: Optional[float]) -> str:
+    return _fmt(x) if x is None or se is None else f"{x:.3f} ± {se:.3f}"
+
+
+def _dev(r: Mapping[str, Any], key: str) -> str:
+    """``dev / tolerance (n)`` of ``key``'s layer compare; ``n``: layer-steps compared in the
+    workload, ``k over`` of them above their tolerance."""
+    n = r.get(f"{key}_layer_output_compares")
+    if n is None:
+        return "–"
+    over = r.get(f"{key}_layer_output_over_tolerance") or 0
+    dev, tol = r.get(f"{key}_layer_output_max_rel_dev"), r.get(f"{key}_layer_output_tolerance")
+    return (f"{_g(dev)} / {_g(tol)} ({n}" + (f", {over} over" if over else "") + ")")
+
+
+def _g(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.2g}"
+
+
+def _by(rules: Optional[Sequence[str]]) -> str:
+    return f" ({', '.join(rules) or 'none'})" if rules is not None else ""
 
 
 def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str:
@@ -120,25 +232,37 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
         f"path: {meta.get('attention_path')}. Planted fault: GRANIKV_DEBUG_FAULT="
         f"{meta.get('fault')}. Date {meta.get('date')}, {meta.get('seconds')} s.",
         "",
-        "Agreement = tokens before each request's first differing token / all tokens; logprob "
-        "dev = mean |logprob difference| before it. A row passes when GraniKV vs stock is within "
-        f"{meta.get('margin')} of stock flashinfer vs stock triton (and its logprob dev within "
-        f"{meta.get('logprob_factor')}x theirs + {meta.get('logprob_slack')}); the fault is "
-        "caught when the fault engine does not pass.",
+        "Agreement = tokens before each request's first differing token / all tokens (± its "
+        "bootstrap stderr over requests); logprob dev = mean |logprob difference| before it. "
+        "Layer dev = max over compared decode layer-steps of max|GraniKV - stock| / max|stock| "
+        "(every layer of every "
+        f"{meta.get('compare_every')}-th eager decode step); tolerance = "
+        f"{meta.get('tolerance_factor')}x the stock output's own deviation from float64, at least "
+        f"{meta.get('floor_eps')}x the dtype's eps. A row passes when no compared layer-step "
+        "exceeds its tolerance AND GraniKV's agreement >= cross-backend agreement - max("
+        f"{meta.get('margin')}, 2 x the paired bootstrap stderr of the difference) (first token "
+        f"within {meta.get('margin')}, logprob dev within {meta.get('logprob_factor')}x theirs + "
+        f"{meta.get('logprob_slack')}); the fault is caught when EACH rule rejects the fault "
+        "engine (caught by: the rules that did).",
         "",
-        "| workload | backend | requests | GraniKV agree | cross-backend agree | first token "
-        "(GraniKV / cross) | logprob dev (GraniKV / cross) | GraniKV path ran | passed | fault "
-        "agree | fault caught |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---|",
+        "| workload | backend | requests | GraniKV agree | cross-backend agree | agree bar | "
+        "first token (GraniKV / cross) | logprob dev (GraniKV / cross) | layer dev / tolerance "
+        "(layer-steps) | GraniKV path ran | passed | fault agree | fault layer dev | fault "
+        "caught (by) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
     for r in rows_:
         lines.append(
             f"| {r['workload']} | {r['backend']} | {_fmt(r['requests'])} | "
-            f"{_fmt(r['granikv_vs_baseline_agreement'])} | {_fmt(r['cross_backend_agreement'])} | "
+            f"{_pm(r['granikv_vs_baseline_agreement'], r.get('granikv_agreement_stderr'))} | "
+            f"{_pm(r['cross_backend_agreement'], r.get('cross_agreement_stderr'))} | "
+            f"{_fmt(r.get('granikv_agreement_threshold'))} | "
             f"{_fmt(r['first_token_agreement'])} / {_fmt(r['cross_first_token_agreement'])} | "
             f"{_fmt(r['logprob_dev_mean'])} / {_fmt(r['cross_logprob_dev_mean'])} | "
+            f"{_dev(r, 'granikv')} | "
             f"{_fmt(r['granikv_fast_path_ran'])} | {_fmt(r['passed'])} | "
-            f"{_fmt(r['fault_agreement'])} | {_fmt(r['planted_fault_caught'])} |")
+            f"{_pm(r['fault_agreement'], r.get('fault_agreement_stderr'))} | {_dev(r, 'fault')} | "
+            f"{_fmt(r['planted_fault_caught'])}{_by(r.get('fault_caught_by'))} |")
     for e in meta.get("errors") or []:
         lines.append(f"\nEngine failure: {e}")
     lines.append("")

@@ -271,15 +271,22 @@ def main():
     ap.add_argument("--with-grid", metavar="KERNELS_JSON",
                     help="with --refit-from: also fit to every point of a full bench_attention.py grid "
                          "(its kernels.json: single layers, paged = FlashInfer tensor-core decode)")
+    ap.add_argument("--launch-floor-us", type=float, metavar="US",
+                    help="served.launch_floor_us to write: GPU-side floor of one GraniKV launch per layer "
+                         "of a served step (default: the file's, else 3 us)")
+    ap.add_argument("--host-plan-us", type=float, metavar="US",
+                    help="served.host_plan_us to write: prior of the host planning term of a GraniKV "
+                         "step, e.g. the p50 plan time of cascade steps in serving (default: the file's, else 250 us)")
     args = ap.parse_args()
+    overrides = served_overrides(args.launch_floor_us, args.host_plan_us)
     if args.served_into:
         if not args.with_grid:
             ap.error("--served-into needs --with-grid")
-        return served_into(args.served_into, args.with_grid, args.extend_json)
+        return served_into(args.served_into, args.with_grid, args.extend_json, overrides)
     if args.with_grid and not args.refit_from:
         ap.error("--with-grid needs --refit-from")
     if args.refit_from:
-        return refit_from(args.refit_from, args.out, grid=args.with_grid)
+        return refit_from(args.refit_from, args.out, grid=args.with_grid, overrides=overrides)
     t_start = time.time()
     torch.manual_seed(0)
     heads = tuple(int(x) for x in args.heads.split(","))
@@ -312,6 +319,7 @@ def main():
     t_plan = plan_us(big, dispatcher)
     del big
     model, fitted = fit_and_choose(rows, t_plan)
+    model = dataclasses.replace(model, served=dataclasses.replace(model.served, **overrides))
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
@@ -476,9 +484,29 @@ def rows_from_grid(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
     return rows
 
 
-def refit_from(path: str, out: Optional[str], grid: Optional[str] = None) -> int:
+def served_overrides(launch_floor_us: Optional[float], host_plan_us: Optional[float]) -> dict:
+    """The ``ServedTerms`` fields given on the command line (checked: positive, finite)."""
+    out = {}
+    for name, v in (("launch_floor_us", launch_floor_us), ("host_plan_us", host_plan_us)):
+        if v is None:
+            continue
+        if not (math.isfinite(v) and v > 0):
+            raise SystemExit(f"--{name.replace('_', '-')}={v} must be a positive finite number of microseconds")
+        out[name] = float(v)
+    return out
+
+
+def kept_served(old: dict, source: str, overrides: dict) -> dict:
+    """The per-step served terms a rewrite keeps from the file ``old`` (launch floor, host
+    planning prior), with ``overrides`` on top."""
+    served = CostModel.from_mapping(old, source=source).served
+    return {"launch_floor_us": served.launch_floor_us, "host_plan_us": served.host_plan_us, **overrides}
+
+
+def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overrides: Optional[dict] = None) -> int:
     """Refit the coefficients and choose the disabled paths from ``path``'s measurements (and,
-    with ``grid``, a full kernel grid's)."""
+    with ``grid``, a full kernel grid's); the file's launch floor and host planning prior are
+    kept (or replaced by ``overrides``)."""
     with open(path) as f:
         old = json.load(f)
     cal = old["calibration"]
@@ -487,6 +515,8 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None) -> int
     if grid:
         rows += rows_from_grid(grid, heads, 2)
     model, fitted = fit_and_choose(rows, float(old["coefficients"]["plan_us"]))
+    model = dataclasses.replace(model, served=dataclasses.replace(
+        model.served, **kept_served(old, path, overrides or {})))
     meta = dict(cal, **fitted,
                 refit={"from": os.path.basename(path), "grid": grid and os.path.basename(grid),
                        "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -547,16 +577,22 @@ def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostM
                              "paged_launch_us, dense call = 2x it (plan + run of a ragged call), merge "
                              f"{extend.merge_us} us; to refit on the GPU")
     served = ServedTerms(eager_launch_us=statistics.median(eager) if eager else ServedTerms.eager_launch_us,
-                         paged_by_backend=by_backend, extend=extend)
+                         paged_by_backend=by_backend, extend=extend,
+                         launch_floor_us=fallback.served.launch_floor_us, host_plan_us=fallback.served.host_plan_us)
     return served, how
 
 
-def served_into(path: str, grid_path: str, extend_path: Optional[str]) -> int:
-    """Writes the served-step terms into the cost-model file ``path`` (coefficients unchanged)."""
+def served_into(path: str, grid_path: str, extend_path: Optional[str], overrides: Optional[dict] = None) -> int:
+    """Writes the served-step terms into the cost-model file ``path`` (coefficients unchanged;
+    the launch floor and host planning prior kept, or replaced by ``overrides``)."""
     with open(path) as f:
         values = json.load(f)
     model = CostModel.from_mapping(values, source=path)
     served, how = served_from_grid(grid_path, extend_path, model)
+    served = dataclasses.replace(served, **(overrides or {}))
+    old_note = (values.get("served") or {}).get("note") or {}
+    how.update({k: old_note[k] for k in ("launch_floor_us", "host_plan_us") if k in old_note and k not in (overrides or {})})
+    how.update({k: f"set on the command line ({v} us)" for k, v in (overrides or {}).items()})
     values["served"] = dict(served.to_mapping(), note={
         **how, "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)})
     CostModel.from_mapping(values, source=path)  # validates what is written

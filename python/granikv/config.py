@@ -101,12 +101,14 @@ class GraniKVConfig:
     )
     debug_integrity: bool = _opt(
         False, "Run check_integrity() on the pools and the cache after every scheduler step, and "
-        "check that every planned group's requests hold its HOT slots (slow)."
+        "check that every planned group's requests hold its HOT slots and that the suffix ends the "
+        "kernels read on the device are the host seq_lens the step was planned from (slow)."
     )
     debug_compare_every: int = _opt(
         0,
-        "Every N decode steps, compare layer 0 with a float64 reference of paged attention and "
-        "log the max difference (0 = off; eager steps only: use --disable-cuda-graph).",
+        "Every N decode steps, compare every layer's output with the wrapped backend's for the "
+        "same step (and that with a float64 reference of paged attention: the tolerance), log "
+        "and count the deviations (0 = off; eager steps only: use --disable-cuda-graph).",
         lo=0,
         hi=1 << 30,
     )

@@ -339,9 +339,14 @@ def _around_capture_one_shape(orig, runner, size, forward, stream_idx=None, vari
 
 def _around_load_batch(orig, runner, forward_batch, *args, **kwargs):
     """After SGLang's ``load_batch`` (which runs the backend's plan): the cascade graph's key
-    when the plan chose cascade, else SGLang's (stock) key."""
-    out = orig(runner, forward_batch, *args, **kwargs)
+    when the plan chose cascade, else SGLang's (stock) key. The choice is reset first: a
+    pre-planned batch (``load_batch`` returns before planning; SGLang pre-plans speculative
+    batches only, which GraniKV does not serve) replays the stock graph, never the cascade
+    graph on a previous step's plan."""
     backend = _graph_backend(runner)
+    if backend is not None:
+        backend.graphs.planned_cascade = False
+    out = orig(runner, forward_batch, *args, **kwargs)
     key = getattr(runner, "_replay_graph_key", None)
     if backend is not None and key is not None:
         runner._replay_graph_key = backend.graphs.replay_key(key)

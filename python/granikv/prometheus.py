@@ -80,6 +80,12 @@ class PrometheusExporter:
                              "Extend (prefill) batches with a cached prefix: prefix part 'hot' (dense "
                              "call over HOT extents) or 'stock' (the wrapped backend's paged prefill).", ("path",))
 
+        self._host_overhead = gauge("granikv:host_overhead_steps_total",
+                                    "Decode steps run paged because the host planning term and the launch "
+                                    "floors exceed what GraniKV's kernels would save (reason host_overhead).")
+        self._host_term = gauge("granikv:dispatch_host_us",
+                                "Host planning term the dispatcher charges a GraniKV step (moving average "
+                                "of the measured planning time of such steps; the cost model's prior before).")
         self._unplanned = gauge("granikv:unplanned_steps_total",
                                 "Decode steps that reached a GraniKV backend without a staged batch (ran paged).")
         self._fallbacks = gauge("granikv:extend_fallbacks_total",
@@ -96,6 +102,9 @@ class PrometheusExporter:
         self._backends.labels(**self.labels).set(float(attention.get("backends", 1)) if attention else 0.0)
         if attention:
             self._unplanned.labels(**self.labels).set(float(attention.get("unplanned_steps", 0)))
+            self._host_overhead.labels(**self.labels).set(float(attention.get("host_overhead_steps", 0)))
+            if "dispatch_host_us_mean" in attention:
+                self._host_term.labels(**self.labels).set(float(attention["dispatch_host_us_mean"]))
             for reason, n in (attention.get("extend_fallbacks") or {}).items():
                 self._fallbacks.labels(**self.labels, reason=reason).set(float(n))
             for path, n in attention.get("steps_per_path", {}).items():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from granikv import sglang_compat as compat
+from granikv.layers.attention.cascade.step_stats import MAXIMA
 
 logger = logging.getLogger("granikv")
 
@@ -122,7 +123,8 @@ def granikv_backends(scheduler, cache=None) -> list:
 
 class _AttentionStats:
     """The attention counters of one or several wrapped backends, as one snapshot: counts
-    summed, ``max_*`` maxima, means and rates of the busiest backend (most decode steps)."""
+    summed, ``max_*`` and ``step_stats.MAXIMA`` maxima, means and rates of the busiest backend
+    (most decode steps)."""
 
     def __init__(self, backends):
         self.backends = backends
@@ -133,7 +135,7 @@ class _AttentionStats:
             return snaps[0]
         out = dict(max(snaps, key=lambda s: s.get("decode_steps", 0)))
         for key, value in out.items():
-            if key.startswith("max_") or key.endswith("_max"):
+            if key.startswith("max_") or key.endswith("_max") or key in MAXIMA:
                 out[key] = max(s.get(key, 0) for s in snaps)
             elif isinstance(value, dict):
                 merged = {}

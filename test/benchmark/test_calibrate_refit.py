@@ -76,3 +76,18 @@ def test_rows_from_grid_rebuild_the_grid_points(tmp_path):
     assert w.num_groups == 1 and w.prefix_bytes == 4096 * 8 * 128 * 2 * 2
     with pytest.raises(ValueError, match="differ"):
         cal.rows_from_grid(str(p), heads=(40, 8, 128))
+
+
+def test_refit_keeps_the_served_step_terms_and_takes_overrides(tmp_path):
+    """A refit keeps the file's launch floor and host planning prior; --launch-floor-us /
+    --host-plan-us replace them (checked: positive microseconds)."""
+    out = tmp_path / "model.json"
+    old = CostModel.load(str(H200)).served
+    assert cal.refit_from(str(H200), str(out)) == 0
+    kept = CostModel.load(str(out)).served
+    assert (kept.launch_floor_us, kept.host_plan_us) == (old.launch_floor_us, old.host_plan_us)
+    assert cal.refit_from(str(H200), str(out), overrides=cal.served_overrides(2.5, None)) == 0
+    new = CostModel.load(str(out)).served
+    assert (new.launch_floor_us, new.host_plan_us) == (2.5, old.host_plan_us)
+    with pytest.raises(SystemExit, match="--host-plan-us=-1.0 must be a positive"):
+        cal.served_overrides(None, -1.0)

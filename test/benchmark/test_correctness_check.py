@@ -37,8 +37,10 @@ def test_compare_stops_at_each_first_difference():
     assert c.compared_tokens == 3  # request 0: 2 positions, request 2: 1 (the other has None)
     assert c.logprob_dev_mean == pytest.approx((0.5 + 0.0 + 0.25) / 3)
     assert metrics.compare(a, a).agreement == 1.0 and metrics.compare(a, a).logprob_dev_mean == 0.0
-    # per-request shares 0.5, 0.0, 1.0: sd 0.5, over sqrt(3) requests
-    assert c.agreement_stderr == pytest.approx(0.5 / 3 ** 0.5)
+    # per-request (agreeing, tokens) (2, 4), (0, 4), (2, 2): the bootstrap resamples those
+    assert c.per_request == ((2, 4), (0, 4), (2, 2))
+    assert c.agreement_stderr == metrics.bootstrap(c.per_request)[0] and 0.1 < c.agreement_stderr < 0.4
+    assert c.agreement_ci95[0] < c.agreement < c.agreement_ci95[1]
     assert metrics.compare(a, a).agreement_stderr == 0.0
     one = metrics.Outputs(ids=[[1]], logprobs=[[None]])
     assert metrics.compare(one, one).agreement_stderr is None
@@ -55,6 +57,81 @@ def test_pass_rule_fails_far_from_the_reference():
     assert not metrics.passes(metrics.Comparison(0.5, 0.9, 0.02, 100), ref)  # first token
     assert not metrics.passes(metrics.Comparison(0.5, 1.0, 0.08, 100), ref)  # logprobs
     assert metrics.passes(metrics.Comparison(0.5, 1.0, None, 0), ref)  # agreement alone decides
+
+
+def _per(shares):
+    """Requests of 10 output tokens agreeing on ``round(10 * share)`` of them."""
+    return [(round(10 * x), 10) for x in shares]
+
+
+def test_bootstrap_on_known_inputs():
+    assert metrics.bootstrap(_per([1.0] * 64)) == (0.0, (1.0, 1.0))  # all agree: no noise
+    se, (lo, hi) = metrics.bootstrap(_per([1.0, 0.0] * 32))  # 50/50: ~0.5 / sqrt(n)
+    assert se == pytest.approx(0.5 / 64 ** 0.5, rel=0.1)
+    assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * 0.5 / 8, rel=0.15)
+    assert metrics.bootstrap(_per([0.3])) is None  # one request: no stderr
+    assert metrics.bootstrap(_per([1.0, 0.0] * 8)) == metrics.bootstrap(_per([1.0, 0.0] * 8))  # seeded
+    # token-weighted like ``agreement``: a 30-token request weighs 3x a 10-token one
+    assert metrics.bootstrap([(30, 30), (0, 10)] * 50)[1][0] > 0.6
+    a = metrics.compare(metrics.Outputs(ids=[[1, 2]] * 32 + [[3, 4]] * 32, logprobs=[[None] * 2] * 64),
+                        metrics.Outputs(ids=[[1, 2]] * 64, logprobs=[[None] * 2] * 64))
+    assert a.agreement == 0.5 and a.agreement_stderr == pytest.approx(0.5 / 8, rel=0.1)
+    assert a.agreement_ci95[0] < 0.5 < a.agreement_ci95[1] and a.per_request[-1] == (0, 2)
+
+
+def _cmp(shares, first=1.0, lp=0.01):
+    per = tuple(_per(shares))
+    boot = metrics.bootstrap(per)
+    return metrics.Comparison(agreement=sum(n for n, _ in per) / sum(t for _, t in per),
+                              first_token_agreement=first, logprob_dev_mean=lp, compared_tokens=100,
+                              agreement_stderr=boot[0], agreement_ci95=boot[1], per_request=per)
+
+
+def test_paired_difference_stderr():
+    ref = _cmp([1.0, 0.0] * 32)
+    assert metrics.difference_stderr(ref, ref) == 0.0  # the same requests: no difference at all
+    flipped = _cmp([0.0, 1.0] * 32)  # same agreement, opposite requests: double the variance
+    assert metrics.difference_stderr(flipped, ref) == pytest.approx(2 * ref.agreement_stderr, rel=0.1)
+    legacy = metrics.Comparison(0.5, 1.0, 0.01, 10, agreement_stderr=0.03)
+    assert metrics.difference_stderr(legacy, metrics.Comparison(0.5, 1.0, 0.01, 10, agreement_stderr=0.04)) \
+        == pytest.approx(0.05)
+    assert metrics.difference_stderr(legacy, metrics.Comparison(0.5, 1.0, 0.01, 10)) is None
+
+
+def test_token_rule_widens_the_margin_to_two_stderrs():
+    ref = _cmp([1.0, 0.0] * 32)  # cross-backend 0.5, stderr ~0.0625
+    assert metrics.agreement_threshold(ref, ref) == pytest.approx(0.5 - 0.05)  # no noise: the margin
+    noisy = _cmp([1.0, 0.0, 0.0, 1.0] * 15 + [0.0] * 4)  # 0.469, its requests independent of ref's
+    bar = metrics.agreement_threshold(noisy, ref)
+    assert bar == pytest.approx(0.5 - 2 * metrics.difference_stderr(noisy, ref)) and bar < 0.45
+    assert metrics.token_passes(noisy, ref)  # within the noise
+    assert not metrics.token_passes(_cmp([0.1] * 64), ref)  # far below it
+    assert not metrics.token_passes(_cmp([1.0, 0.0] * 32, first=0.9), ref)  # first token
+    assert not metrics.token_passes(_cmp([1.0, 0.0] * 32, lp=0.08), ref)  # logprobs
+
+
+def test_layer_rule():
+    assert metrics.layer_passes(None) is None  # compare off: not applied
+    assert metrics.layer_passes({"compares": 8, "over_tolerance": 0})
+    assert not metrics.layer_passes({"compares": 8, "over_tolerance": 1})
+    assert not metrics.layer_passes({"compares": 0, "over_tolerance": 0})  # no evidence
+
+
+def test_check_tolerance_constants_are_the_compare_modules():
+    from granikv.layers.attention.cascade import debug_compare
+
+    assert (check.TOLERANCE_FACTOR, check.FLOOR_EPS) == (debug_compare.TOLERANCE_FACTOR,
+                                                         debug_compare.FLOOR_EPS)
+
+
+def test_engine_kwargs_turn_the_compare_on_with_eager_decode():
+    base = check.engine_kwargs("triton", "baseline", "cascade", 4)
+    ours = check.engine_kwargs("triton", "fault", "cascade", 4)
+    assert base["disable_cuda_graph"] and ours["disable_cuda_graph"]
+    assert ours["granikv_debug_compare_every"] == 4 and "granikv_debug_compare_every" not in base
+    off = check.engine_kwargs("triton", "granikv", "cascade", 0)
+    assert "disable_cuda_graph" not in off and "granikv_debug_compare_every" not in off
+    assert check.parse_args([]).compare_every == 4
 
 
 # ---- checkpoint ------------------------------------------------------------------------------
@@ -123,10 +200,64 @@ def test_scale_multiplies_the_agents_of_every_workload():
 # ---- rows and report --------------------------------------------------------------------------
 
 
-def _engine(ids, lp=-1.0, steps=None):
+def _engine(ids, lp=-1.0, steps=None, layer=None):
+    """An engine's RESULT over "homogeneous"; ``layer`` = (compares, over tolerance, max rel dev,
+    tolerance) of its debug compare (None: compare off)."""
     att = None if steps is None else {"attention": {"steps_per_path": steps, "extend_hot_batches": 0}}
+    state = None
+    if layer is not None:
+        n, over, dev, tol = layer
+        att["attention"].update(layer_output_compares=n, layer_output_over_tolerance=over,
+                                layer_output_f64_references=0)
+        state = {"attention": dict(layer_output_compares=n, layer_output_max_rel_dev=dev,
+                                   layer_output_stock_max_rel_dev=tol / 4, layer_output_tolerance=tol)}
     return {"workloads": {"homogeneous": {
-        "outputs": {"ids": ids, "logprobs": [[lp] * len(x) for x in ids]}, "granikv_delta": att}}}
+        "outputs": {"ids": ids, "logprobs": [[lp] * len(x) for x in ids]}, "granikv_delta": att,
+        "granikv_state": state}}}
+
+
+CLEAN_LAYERS = (8, 0, 0.004, 0.016)
+FAULT_LAYERS = (8, 8, 0.6, 0.016)
+
+
+@pytest.mark.parametrize("fault_tokens, fault_layers, caught_by", [
+    ([[1, 9, 9, 9]] * 8, FAULT_LAYERS, ["tokens", "layer_output"]),  # both rules reject: caught
+    ([[1, 2, 3, 4]] * 8, FAULT_LAYERS, ["layer_output"]),  # tokens look fine: not caught
+    ([[1, 9, 9, 9]] * 8, CLEAN_LAYERS, ["tokens"]),  # layer outputs look fine: not caught
+])
+def test_a_fault_is_caught_only_when_each_rule_rejects_it(fault_tokens, fault_layers, caught_by):
+    ref = [[1, 2, 3, 4]] * 8
+    engines = {("flashinfer", "baseline"): _engine(ref), ("triton", "baseline"): _engine(ref),
+               ("flashinfer", "granikv"): _engine(ref, -1.0, {"cascade": 5}, CLEAN_LAYERS),
+               ("flashinfer", "fault"): _engine(fault_tokens, -1.0, {"cascade": 5}, fault_layers)}
+    r = results.rows(engines, ["homogeneous"], ["flashinfer", "triton"])[0]
+    assert r["passed"] and r["granikv_token_passes"] and r["granikv_layer_passes"]
+    assert r["granikv_layer_output_max_rel_dev"] == 0.004 and r["granikv_layer_output_tolerance"] == 0.016
+    assert r["granikv_agreement_ci95"] == [1.0, 1.0] and r["cross_agreement_stderr"] == 0.0
+    assert r["fault_caught_by"] == caught_by
+    assert r["planted_fault_caught"] is (len(caught_by) == 2)
+    assert results.all_ok({"errors": []}, [r], fault=True) is (len(caught_by) == 2)
+    assert ("caught (rejected by: tokens, layer_output)" if len(caught_by) == 2 else "NOT caught") \
+        in results.fault_summary([r])
+    md = results.markdown({"errors": [], "model": {}}, [r])
+    assert "| 0.004 / 0.016 (8) |" in md
+    assert ("| 0.6 / 0.016 (8, 8 over) |" in md) is (fault_layers is FAULT_LAYERS)
+
+
+def test_a_granikv_row_fails_on_each_rule_separately():
+    ref = [[1, 2, 3, 4]] * 8
+    base = {("flashinfer", "baseline"): _engine(ref), ("triton", "baseline"): _engine(ref)}
+
+    def verdict(tokens, layers):
+        engines = {**base, ("flashinfer", "granikv"): _engine(tokens, -1.0, {"cascade": 5}, layers)}
+        r = results.rows(engines, ["homogeneous"], ["flashinfer", "triton"])[0]
+        return r["passed"], r["granikv_token_passes"], r["granikv_layer_passes"]
+
+    assert verdict(ref, CLEAN_LAYERS) == (True, True, True)
+    assert verdict(ref, FAULT_LAYERS) == (False, True, False)  # layer outputs alone
+    assert verdict(ref, (0, 0, 0.0, 0.0)) == (False, True, False)  # nothing compared
+    assert verdict([[1, 9, 9, 9]] * 8, CLEAN_LAYERS) == (False, False, True)  # tokens alone
+    assert verdict(ref, None) == (True, True, None)  # compare off: the tokens decide
 
 
 def test_rows_flag_a_fault_and_a_silent_fast_path():
@@ -149,7 +280,7 @@ def test_rows_flag_a_fault_and_a_silent_fast_path():
     assert results.all_ok(meta, [fi], fault=True)
     assert not results.all_ok(dict(meta, errors=["triton/fault: boom"]), [fi], fault=True)
     md = results.markdown(meta, list(rs.values()))
-    assert "| homogeneous | flashinfer | 4 | 1.000 | 0.750 |" in md and "**no**" in md
+    assert "| homogeneous | flashinfer | 4 | 1.000 ± 0.000 | 0.750 ± 0.000 |" in md and "**no**" in md
 
 
 def test_rows_with_a_missing_engine_leave_columns_empty():
@@ -192,8 +323,15 @@ FAKE_SGLANG = textwrap.dedent('''
         def get_server_info(self):
             st = {}
             if self.kw.get("enable_granikv"):
-                st["granikv"] = {"attention": {"steps_per_path": {"cascade": self.calls},
-                                               "extend_hot_batches": 0, "unplanned_steps": 0}}
+                att = {"steps_per_path": {"cascade": self.calls}, "extend_hot_batches": 0,
+                       "unplanned_steps": 0}
+                if self.kw.get("granikv_debug_compare_every"):
+                    att.update(layer_output_compares=4 * self.calls,
+                               layer_output_over_tolerance=4 * self.calls if self.fault else 0,
+                               layer_output_f64_references=0,
+                               layer_output_max_rel_dev=0.5 if self.fault and self.calls else 0.003,
+                               layer_output_stock_max_rel_dev=0.002, layer_output_tolerance=0.0156)
+                st["granikv"] = {"attention": att}
             return {"internal_states": [st]}
         def shutdown(self): pass
 ''')
@@ -220,6 +358,12 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
         assert r["cross_backend_agreement"] == pytest.approx((n - 2) / n)  # triton: last 2 differ
         assert r["passed"] and r["planted_fault_caught"] and r["granikv_fast_path_ran"]
         assert r["fault_agreement"] == pytest.approx(1 / n)
+        assert r["fault_caught_by"] == ["tokens", "layer_output"]
+        assert r["granikv_layer_output_compares"] > 0 and r["granikv_layer_output_over_tolerance"] == 0
+        assert r["granikv_layer_output_max_rel_dev"] == 0.003 and r["fault_layer_output_max_rel_dev"] == 0.5
+        assert r["granikv_layer_output_tolerance"] == 0.0156 and len(r["cross_agreement_ci95"]) == 2
+    assert doc["meta"]["compare_every"] == 4 and doc["meta"]["bootstrap_resamples"] == 2000
+    assert "planted fault:" in res.stdout and "NOT caught" not in res.stdout
     loop = next(r for r in doc["rows"] if r["workload"] == "agent_loop")
     assert loop["requests"] == 8 * 3  # one entry per agent and turn
     assert (out / "correctness.md").read_text().startswith("# Correctness")

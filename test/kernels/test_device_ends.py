@@ -1,9 +1,10 @@
 """Device ends: the kernels end each request's last suffix item at the batch's own device
 ``seq_lens`` (``SuffixEnds.bind``), so a steady decode step uploads nothing.
 
-The kernel checks compare with the float64 decode reference at the new lengths (fp16
-tolerances of test_cascade.py); a workspace whose device metadata still holds the old ends
-would miss the new tokens, so every check below fails if the kernels ignore the bound ends.
+The kernel checks compare each request, elementwise, with the float64 decode reference at the
+new lengths (fp16 tolerances of test_cascade.py); a workspace whose device metadata still holds
+the old ends would miss the new tokens, so every check below fails if the kernels ignore the
+bound ends, and one wrong end at any batch position fails it (``_assert_per_request``).
 """
 
 import numpy as np
@@ -14,6 +15,7 @@ from conftest import SMALL_CONFIG, make_batch
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.reference import decode_attention_ref
 from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.layers.attention.cascade.reuse_base import last_item_bound, last_suffix_item
 
 PATHS = [cascade_attention, fused_cascade_attention]
 
@@ -38,6 +40,17 @@ def _run(path, ws, b):
     return out
 
 
+def _assert_per_request(out, ref, *, atol=4e-3, rtol=4e-3):
+    """Every request's rows of ``out`` against the float64 ``ref``, elementwise; a failure names
+    the request (batch position) and its mismatch."""
+    for i in range(ref.shape[0]):
+        torch.testing.assert_close(out[i].double(), ref[i], atol=atol, rtol=rtol,
+                                   msg=lambda m, i=i: f"request {i}: {m}")
+
+
+POSITIONS = {"first": lambda bs: 0, "middle": lambda bs: bs // 2, "last": lambda bs: bs - 1}
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_steady_steps_upload_nothing_and_match_the_reference(path):
     b = make_batch(suffix=40, ungrouped_len=70, seed=11)
@@ -51,10 +64,72 @@ def test_steady_steps_upload_nothing_and_match_the_reference(path):
         ends.copy_(torch.as_tensor(seq))
         assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
         assert ws._uploads == uploads0 and torch.equal(ws.meta, meta0)  # nothing copied
-        torch.testing.assert_close(_run(path, ws, b).double(), _ref(b, seq), atol=4e-3, rtol=4e-3)
+        _assert_per_request(_run(path, ws, b), _ref(b, seq))
     assert ws.advances_in_place == 3
     ws.check_integrity()  # the host work list is rebuilt from the ends of the last advance
     assert [int(ws.work_list.sfx_hi[ws.work_list.sfx_req == i].max()) for i in range(b.bs)] == list(b.seq_lens)
+
+
+@pytest.mark.parametrize("where", list(POSITIONS))
+@pytest.mark.parametrize("path", PATHS)
+def test_one_wrong_device_end_at_any_position_fails_the_check(path, where):
+    """The planted fault of the per-request check: after an in-place advance, one request's
+    device end left at the previous step's length (a missed copy). The check names that
+    request; every other request still matches."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=43)
+    ws = _workspace(b)
+    ends = torch.as_tensor(b.seq_lens - 1)
+    _fill(ws, b, b.seq_lens - 1, ends)
+    ends += 1
+    assert ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+    p = POSITIONS[where](b.bs)
+    ws.ends.buffer[p] -= 1  # the fault: request p ends where the previous step did
+    out, ref = _run(path, ws, b), _ref(b, b.seq_lens)
+    with pytest.raises(AssertionError, match=f"^request {p}: "):
+        _assert_per_request(out, ref)
+    others = [i for i in range(b.bs) if i != p]
+    _assert_per_request(out[others], ref[others])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_device_end_past_the_planned_bound_reads_no_further(path):
+    """A device end larger than the work list allows (a wrong length: here 100 tokens past the
+    host one) ends that request's last item at ``t_lo + sfx_max``, the most the build and its
+    steady steps plan for (``last_item_bound``), never further; every other request is exact."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=47, max_ctx=400)  # room in the rows past seq_len
+    ws = _workspace(b)
+    wl = _fill(ws, b, b.seq_lens, torch.as_tensor(b.seq_lens.copy()))
+    bound = int(ws.sfx_max[0])
+    assert bound == last_item_bound(wl.suffix_chunk, SMALL_CONFIG.reuse_chunk_factor) >= wl.suffix_chunk
+    lo = wl.sfx_lo[last_suffix_item(wl)]
+    p = b.bs // 2
+    ws.ends.buffer[p] = int(b.seq_lens[p]) + 100  # past lo + bound, inside the request's row (slot 0 there)
+    assert lo[p] + bound < ws.ends.buffer[p] <= b.req_to_token.shape[1]
+    cut = b.seq_lens.copy()
+    cut[p] = lo[p] + bound  # what the kernels may read of request p
+    _assert_per_request(_run(path, ws, b), _ref(b, cut))
+
+
+def test_a_staging_advance_after_an_in_place_one_reports_its_own_ends():
+    """An in-place advance (ends read from the device), then a staging advance of the same
+    build whose ring buffer already holds that build (only the new ends are written): the host
+    work list (``work_list``, ``check_integrity``) ends each request at the staging step's
+    seq_lens, as the uploaded metadata does, not at the in-place step's device ends."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=37)
+    ws = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4,
+                          staging_buffers=2)
+    ends = torch.as_tensor(b.seq_lens - 3)
+    _fill(ws, b, b.seq_lens - 3, ends)  # staging buffer 0: this build
+    assert ws.advance(b.seq_lens - 2, b.req_pool_indices, bs=b.bs)  # unbound: buffer 1, written whole
+    ends.copy_(torch.as_tensor(b.seq_lens - 1))
+    assert ws.advance(b.seq_lens - 1, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+    assert ws.advances_in_place == 1
+    assert ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs)  # unbound: buffer 0 again, new ends only
+    assert ws._hi_buf == 0 and ws.advances_in_place == 1 and ws.ends.bound is None
+    wl = ws.work_list
+    assert wl.sfx_hi[last_suffix_item(wl)].tolist() == b.seq_lens.tolist()
+    ws.check_integrity()
+    _assert_per_request(_run(cascade_attention, ws, b), _ref(b, b.seq_lens))  # what the metadata holds
 
 
 def test_without_bound_ends_the_metadata_ends_are_used():

@@ -3,9 +3,11 @@ Qwen2.5 40q/8kv/128, a 16K shared prefix with 64 requests plus ungrouped request
 SGLang's own paged Triton decode kernel on the same KV; CUDA-graph replay after a refill.
 
 Tolerance: bf16 operands (8-bit mantissa) and bf16 softmax probabilities put the relative error
-||out - ref|| / ||ref|| between 1e-3 and 1e-2; we require < 1e-2 and no NaN.
+||out - ref|| / ||ref|| between 1e-3 and 1e-2; we require < 1e-2 and no NaN. The device-ends
+replay test compares each request elementwise instead (one wrong end must fail it).
 """
 
+import numpy as np
 import pytest
 import torch
 from conftest import fill, make_batch
@@ -224,30 +226,83 @@ def test_steady_advances_on_the_device_match_a_host_fill():
     assert ws.fills_reused == ref.fills_reused >= 20
 
 
+def _new_tokens_matter(b, seq0, seq):
+    """Each request's tokens ``[seq0, seq)`` get keys along its kv heads' mean query direction,
+    scored about the log-sum-exp of its other tokens: each carries a large share of the softmax,
+    so a replay that misses one fails the per-request check (one ordinary token among 16K would
+    move the output less than bf16 rounds it)."""
+    bs, hq, d = b.q.shape
+    hkv = b.k.shape[1]
+    lse = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, torch.as_tensor(seq0),
+                               b.sm_scale).lse.view(bs, hkv, -1).mean(2)
+    qg = b.q.double().view(bs, hkv, hq // hkv, d)
+    u = qg.mean(2)
+    u = u / u.norm(dim=-1, keepdim=True)
+    alpha = lse / (b.sm_scale * (qg * u[:, :, None]).sum(-1).mean(2))  # [bs, hkv]: score ~ lse
+    assert (alpha > 0).all()
+    rows = torch.as_tensor(b.req_pool_indices, device=b.q.device)
+    for i in range(bs):
+        slots = b.req_to_token[rows[i], int(seq0[i]) : int(seq[i])].long()
+        b.k[slots] = (alpha[i, :, None] * u[i]).to(b.k.dtype)
+
+
+def _assert_per_request(out, ref):
+    """Each request's rows against the float64 reference, elementwise; a failure names the request."""
+    for i in range(ref.shape[0]):
+        tol = 1e-2 * ref[i].abs().max().item()  # bf16 P, V and output (8-bit mantissa): measured errors < tol / 4
+        torch.testing.assert_close(out[i].double(), ref[i], atol=tol, rtol=1e-2,
+                                   msg=lambda m, i=i: f"request {i}: {m}")
+
+
+@pytest.mark.parametrize("wrong", [None, "first", "middle", "last"])
 @pytest.mark.parametrize("path", ["cascade", "fused"])
-def test_device_ends_under_graph_replay_bf16(path):
-    """Serving's steady steps (``SuffixEnds.bind``): the graph is captured over a
-    workspace whose suffix ends come from a device seq_lens buffer; each step SGLang refills
-    that buffer, the workspace advances in place (no upload: ``meta`` unchanged) and copies
-    the ends to ``CascadeWorkspace.ends``; the replay must see the new tokens (16K x 64 + ungrouped, bf16)."""
+def test_device_ends_under_graph_replay_bf16(path, wrong):
+    """Serving's steady steps (``SuffixEnds.bind``): the graph is captured over a padded batch
+    (4 graph padding rows: prefix 0, row 0, device seq_len 0) whose suffix ends come from a
+    device seq_lens buffer; each step refills that buffer, the workspace advances in place (no
+    upload: ``meta`` unchanged) and copies the ends to ``CascadeWorkspace.ends``. Three replays
+    run back to back (no synchronize until the comparison); every request of every step must
+    match the float64 reference elementwise, padding rows their one token. ``wrong``: the
+    planted fault, one request's end left at the previous step's length on the middle replay;
+    the check must name that request (16K x 64 + ungrouped, bf16)."""
     b = _batch(32, seed=5)
+    n, pad = b.bs, 4
+    steps = [b.seq_lens - s for s in (2, 1, 0)]
     seq0 = b.seq_lens - 3
-    sl = torch.as_tensor(seq0, device="cuda")  # stands for SGLang's static seq_lens buffer
-    ws = CascadeWorkspace(b.bs, 32, 8, 128, "cuda")
-    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq0,
-            b.req_pool_indices, seq_lens_dev=sl)  # fmt: skip
-    out = torch.empty_like(b.q)
-    g = capture_graph(lambda: PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out))
+    _new_tokens_matter(b, seq0, b.seq_lens)
+    zeros = np.zeros(pad, np.int64)
+    sl = torch.as_tensor(np.concatenate([seq0, zeros]), device="cuda")  # SGLang's static seq_lens buffer
+    step_lens = [torch.as_tensor(np.concatenate([s, zeros]), device="cuda") for s in steps]  # made before the loop
+    rows = np.concatenate([b.req_pool_indices, zeros])
+    ws = CascadeWorkspace(n + pad, 32, 8, 128, "cuda")
+    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, np.concatenate([b.prefix_len, zeros]),
+            np.concatenate([seq0, np.ones(pad, np.int64)]), rows, seq_lens_dev=sl)  # fmt: skip
+    q = torch.cat([b.q, b.q[:pad]])
+    out = torch.empty_like(q)
+    g = capture_graph(lambda: PATHS[path](q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out))
+    torch.cuda.synchronize()
     meta = ws.meta.clone()
-    for step in (2, 1, 0):
-        seq = b.seq_lens - step
-        sl.copy_(torch.as_tensor(seq, device="cuda"))
-        assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=sl)
+    outs = torch.empty(len(steps), *q.shape, dtype=q.dtype, device="cuda")
+    p = None if wrong is None else {"first": 0, "middle": n // 2, "last": n - 1}[wrong]
+    for s, seq in enumerate(steps):
+        sl.copy_(step_lens[s])
+        assert ws.advance(seq, b.req_pool_indices, bs=n + pad, seq_lens_dev=sl)
+        if p is not None and s == 1:
+            ws.ends.buffer[p : p + 1].sub_(1)  # the fault: request p ends where the previous step did
         out.fill_(float("nan"))
         g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(ws.meta, meta)  # nothing uploaded
+        outs[s].copy_(out)
+    torch.cuda.synchronize()
+    assert torch.equal(ws.meta, meta) and ws.advances_in_place == len(steps)  # nothing uploaded
+    pad_ref = decode_attention_ref(q[n:], b.k, b.v, b.req_to_token, zeros, np.ones(pad, np.int64), b.sm_scale).o
+    for s, seq in enumerate(steps):
         ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, torch.as_tensor(seq),
                                    b.sm_scale).o
-        assert _rel_err(out, ref) < 1e-2, step
-    assert ws.advances_in_place == 3
+        _assert_per_request(outs[s, n:], pad_ref)  # padding rows: their one token (row 0, slot 0)
+        if p is not None and s == 1:
+            with pytest.raises(AssertionError, match=f"^request {p}: "):
+                _assert_per_request(outs[s, :n], ref)
+            others = [i for i in range(n) if i != p]
+            _assert_per_request(outs[s, others], ref[others])
+        else:
+            _assert_per_request(outs[s, :n], ref)

@@ -241,9 +241,15 @@ def test_step_time_adds_the_inner_call_and_eager_launches():
     inner = model.paged_launch_us + w.batch_bytes / (model.paged_gbps * 1e3)
     assert w.batch_bytes == 64 * LLAMA.kv_bytes_per_token
     graph = model.step_time("cascade", w, num_layers=32)
-    assert graph == pytest.approx(model.cascade_time(w, num_layers=32) + 32 * inner)
+    # the kernels, the inner call, the launch floors; the served host planning term replaces plan_us
+    floors = 32 * 3 * model.served.launch_floor_us
+    assert graph == pytest.approx(model.cascade_time(w, num_layers=32) - model.plan_us + 32 * inner + floors
+                                  + model.served.host_plan_us)
     eager = model.step_time("cascade", w, num_layers=32, eager=True)
     assert eager - graph == pytest.approx(32 * 3 * model.served.eager_launch_us)
+    measured = model.step_time("cascade", w, num_layers=32, host_plan_us=40.0)
+    assert graph - measured == pytest.approx(model.served.host_plan_us - 40.0)
+    assert model.step_time("paged", w, num_layers=32, host_plan_us=1e6) == model.paged_time(w, num_layers=32)
 
 
 def test_checked_in_h200_file_has_per_backend_paged_coefficients():

@@ -107,10 +107,14 @@ def test_monotonic_check_fails_for_a_dispatcher_that_never_leaves_paged(monkeypa
 
 
 def test_forest_with_ungrouped_requests():
+    """The calibrated H200 model serves this forest with cascade. The conservative default
+    model's kernels save ~0.3 ms of a 7.8 ms step, less than its per-step overheads (the host
+    planning prior and 32 x 3 launch floors): paged, for that reason."""
     grouping, desc = batch([(16384, 8), (8192, 16), (4096, 24), (2048, 16)], ungrouped=5)
     assert grouping.num_groups == 4
+    assert make(model=CostModel.load(None, "NVIDIA H200")).choose(grouping, desc).path is Path.CASCADE
     d = make().choose(grouping, desc)
-    assert d.path is Path.CASCADE
+    assert d.path is Path.PAGED and d.host_bound and "host_overhead" in d.reason
     assert all(math.isfinite(t) for t in d.times[:2])  # paged, cascade
     assert math.isinf(d.times.fused) and math.isinf(d.times.bgemm)  # graph step: not captured
     eager = make().choose(grouping, desc, graph_safe_only=False)

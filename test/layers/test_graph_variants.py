@@ -15,7 +15,14 @@ from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
 from granikv import plugin
 from granikv.config import GraniKVConfig, parse_graph_bs
-from granikv.layers.attention.cascade.graph_variants import CASCADE_LABEL, GraphVariants, cascade_can_win, cascade_label
+from granikv.layers.attention.cascade.graph_variants import (
+    CASCADE_LABEL,
+    NO_DEVICE_ENDS,
+    UNBOUND_CAPTURE,
+    GraphVariants,
+    cascade_can_win,
+    cascade_label,
+)
 from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _expected, _qkv, _replay_view, _runner  # noqa: E402
 
 
@@ -94,6 +101,94 @@ def test_capture_and_replay_pick_the_graph_the_plan_chose():
     idle.forward_mode = type(fb.forward_mode).IDLE
     plugin._around_load_batch(_load_orig, gr, idle)
     assert gr._replay_graph_key == ShapeKey(8)
+
+
+def _bound_capture_orig(fb_of):
+    """``_capture_orig`` whose graph stand-in also keeps what a captured suffix kernel reads its
+    ends from: the workspace's bound device buffer, or None (the metadata)."""
+
+    def capture_one_shape(runner, size, forward, stream_idx=None, variant_label=None):
+        fb = fb_of(size)
+        be = runner.attn_backend
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+        ends = be.decode.ws.ends.bound if be.decode.path.value == "cascade" else None
+        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = (be.decode.path.value, ends)
+
+    return capture_one_shape
+
+
+def _replay(gr, be, view, seed):
+    """The replay of the key ``load_batch`` left: a cascade graph's kernels read the ends where
+    its capture bound them (a captured launch keeps its arguments), whatever this step bound."""
+    path, ends = gr.graphs[gr._replay_graph_key]
+    if path == "cascade":
+        be.decode.ws.ends.bound = ends
+    q, k, v = _qkv(8, seed)
+    return q, be.forward_decode(q, k, v, LAYER, view)
+
+
+@pytest.mark.parametrize("capture_bound", [True, False])
+def test_a_step_replays_the_cascade_graph_only_with_its_captures_suffix_end_binding(capture_bound):
+    """Each cascade capture records whether its suffix ends were bound (``GraphVariants.ends_bound``).
+    Steady steps whose binding differs (ends bound over a graph captured without, or not bound
+    over one captured with) replay the stock graph with a paged reason, so no replay ends
+    suffixes at stale lengths (an in-place step uploads no metadata ends; an unbound one writes
+    no device ends); steps with the capture's binding replay the cascade graph. Outputs match
+    paged attention every step."""
+    runner_ = _runner()
+    be = _backend(runner_, "cascade")
+    be.graphs = GraphVariants(frozenset({8}), can_win=None)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, rows = _batch(runner_, hot={0, 2, 3})
+    gr = FakeRunner(be, capture_bs=[8])
+
+    def view_of(fb, bound):
+        view = _replay_view(fb, 8)
+        if not bound:  # seq_lens the workspace cannot bind (SuffixEnds.fits): the ends travel in the upload
+            view.seq_lens = view.seq_lens.float()
+        return view
+
+    plugin._around_capture_one_shape(_bound_capture_orig(lambda s: view_of(fb, capture_bound)), gr, 8, forward=None)
+    assert be.graphs.ends_bound == {8: capture_bound}
+    be.graphs.check_integrity()
+    for step in range(4):
+        step_bound = step < 2  # two bound steps, then two unbound ones (each pair: a fill, an advance)
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        view = view_of(fb, step_bound)
+        be.stage_batch(rows)
+        plugin._around_load_batch(_load_orig, gr, view)
+        same = step_bound == capture_bound
+        assert be.graphs.planned_cascade == same and gr._replay_graph_key.variant_label == (
+            CASCADE_LABEL if same else None), step
+        if not same:
+            assert be.stats.last_reason == (UNBOUND_CAPTURE if step_bound else NO_DEVICE_ENDS)
+        q, o = _replay(gr, be, view, 30 + step)
+        torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    assert be.stats.paths["cascade"] == 2 and be.stats.paths["paged"] == 2
+
+
+def test_a_pre_planned_load_never_replays_the_cascade_graph_of_a_previous_step():
+    """SGLang's ``load_batch`` returns before planning a pre-planned batch (it only sets the
+    stock key): the step before chose the cascade graph, but this one never planned, so the
+    hook must give SGLang's stock key."""
+    runner_ = _runner()
+    be = _backend(runner_, "cascade")
+    be.graphs = GraphVariants(frozenset({8}), can_win=None)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, rows = _batch(runner_, hot={0, 2, 3})
+    gr = FakeRunner(be, capture_bs=[8])
+    plugin._around_capture_one_shape(_capture_orig(lambda s: _replay_view(fb, 8)), gr, 8, forward=None)
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, _replay_view(fb, 8))
+    assert gr._replay_graph_key == ShapeKey(8, variant_label=CASCADE_LABEL) and be.graphs.planned_cascade
+
+    def preplanned(runner, fb):  # load_batch's early return: no plan, the stock key
+        runner._replay_graph_key = runner._make_graph_key(fb.batch_size, None, None)
+
+    plugin._around_load_batch(preplanned, gr, _replay_view(fb, 8))
+    assert gr._replay_graph_key == ShapeKey(8) and not be.graphs.planned_cascade
+    assert not be.reads_req_to_token_during_replay()  # the write-after-read barrier sees a stock replay
 
 
 def test_a_failed_cascade_capture_leaves_the_size_stock_only():

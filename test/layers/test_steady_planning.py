@@ -3,6 +3,7 @@ plan while rows and HOT table are unchanged, the staged rows view, and the plann
 percentiles (the partial upload of an advanced work list: test/kernels/test_work_list_reuse.py)."""
 
 import copy
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -408,3 +409,34 @@ def test_a_graph_step_without_usable_device_seq_lens_runs_the_stock_graph(caplog
     assert be.stats.paths["paged"] == paged + 1 and be.stats.steps == steps + 1  # one step, counted once
     assert be.stats.last_reason == "no device seq_lens for the cascade graph"
     assert "cannot be copied to the cascade workspace" in caplog.text  # said once, with the tensor
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_debug_integrity_names_a_device_end_that_is_not_the_host_length(where):
+    """Under ``--granikv-debug-integrity`` each planned step compares the host seq_lens (the
+    work list's items and reuse bound) with the device ends the suffix kernels read: a graph
+    step whose device seq_lens say one token more than the host ones at one request fails,
+    naming that batch position and both lengths; agreeing steps pass."""
+    from test_backend import _replay_view
+
+    runner = _runner()
+    be = _graph_backend(runner)
+    be.cfg = dataclasses.replace(be.cfg, debug_integrity=True)
+    fb, rows = _batch(runner, hot={0, 1, 3})
+    for step in range(2):  # a fill, then an in-place advance: both checked, both agree
+        fb.seq_lens_cpu = fb.seq_lens_cpu + step
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        be.stage_batch(rows)
+        be.init_forward_metadata_out_graph(_replay_view(fb, 8))
+        assert be.decode.path is Path.CASCADE
+    assert be.decode.workspace.advances_in_place == 1
+    p = {"first": 0, "middle": 2, "last": 4}[where]
+    fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+    fb.seq_lens = fb.seq_lens_cpu.clone()
+    view = _replay_view(fb, 8)
+    view.seq_lens = view.seq_lens.clone()
+    view.seq_lens[p] += 1  # the device length disagrees with the host one at request p
+    host = int(fb.seq_lens_cpu[p])
+    be.stage_batch(rows)
+    with pytest.raises(AssertionError, match=f"batch position {p} has host seq_len {host} but device end {host + 1}"):
+        be.init_forward_metadata_out_graph(view)

@@ -67,7 +67,7 @@ def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, n
 
 @triton.jit
 def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, GroupReqIdx, PartIndptr, ReqPoolIdx,
-                  ReqToToken, SeqLens, Counter,
+                  ReqToToken, SeqLens, SfxMax, Counter,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_q_heads, qk_scale,
                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -88,7 +88,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
         b, qh, row_ok = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
-                                     SeqLens, n_sfx,
+                                     SeqLens, SfxMax, n_sfx,
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                                      stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                                      RATIO, SFX_HEADS, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION,
@@ -113,7 +113,8 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     ends = ws.ends.bound  # see suffix_attention: device ends of each request's last suffix item
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
-        ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.counters,
+        ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.sfx_max,
+        ws.counters,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
         out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,

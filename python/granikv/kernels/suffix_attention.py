@@ -13,7 +13,10 @@ Device ends (``CascadeWorkspace.ends`` bound, ``DEVICE_ENDS``): a request's last
 (the next item belongs to another request) ends at ``seq_lens[req]``, read from the batch's
 own device tensor, not at its ``t_hi`` in the workspace. A steady decode step (same grouping,
 each request one token longer) then needs no upload at all. Graph padding rows, whose
-``seq_lens`` hold the wrapped backend's fill value, keep at least one token (``t_lo + 1``).
+``seq_lens`` hold the wrapped backend's fill value, keep at least one token (``t_lo + 1``); an
+end past what the work list was planned for is cut at ``t_lo + sfx_max`` (the workspace's
+``sfx_max``: the most tokens a last item holds in the build and its steady steps), so a wrong
+device length never reads further than the host plan allows.
 """
 
 import torch
@@ -26,7 +29,7 @@ __all__ = ["suffix_attention"]
 
 
 @triton.jit
-def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, n_items,
+def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax, n_items,
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                  stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -44,6 +47,7 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
     if DEVICE_ENDS:  # items are in request order: the last one of b is followed by another request's
         nxt = tl.load(SfxItems + w + 1, mask=w + 1 < n_items, other=-1)
         dev_hi = tl.maximum(tl.load(SeqLens + b).to(tl.int32), t_lo + 1)
+        dev_hi = tl.minimum(dev_hi, t_lo + tl.load(SfxMax))  # never past the host-planned bound
         t_hi = tl.where(nxt != b, dev_hi, t_hi)
     row = tl.load(SfxItems + 3 * sfx_cap + w).to(tl.int64)
     b64 = b.to(tl.int64)
@@ -81,7 +85,7 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
 
 
 @triton.jit
-def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken, SeqLens,
+def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                    stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -90,7 +94,7 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
     n_items = tl.load(Counts + 2)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
     if w < n_items:
-        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, n_items,
+        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax, n_items,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                      stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                      RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS)
@@ -104,7 +108,8 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     k_buffer:     [slots, Hkv, D] one layer (page size 1); v_buffer likewise
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
     workspace:    CascadeWorkspace after ``fill`` (its ``req_pool_indices`` select the rows;
-                  its ``ends``, when bound, ends each request's last item);
+                  its ``ends``, when bound, ends each request's last item, within
+                  ``t_lo + sfx_max``);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
     Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per workspace (CUDA-graph safe).
     """
@@ -118,7 +123,7 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ends = ws.ends.bound
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
-        ws.counts if ends is None else ends,
+        ws.counts if ends is None else ends, ws.sfx_max,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.suffix_cap,
         sm_scale * LOG2E,

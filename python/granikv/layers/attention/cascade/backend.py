@@ -139,13 +139,16 @@ class GraniKVAttnBackend(ForwardingBackend):
     def init_forward_metadata(self, forward_batch):
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
             staged, self._staged, self.decode.path = self._staged, None, Path.PAGED
+            self.compare.no_decode_compare()
             self.inner.init_forward_metadata(forward_batch)
             self.extend.plan(forward_batch, staged)
             return
-        self.inner.init_forward_metadata(self._plan_decode(forward_batch, graph=False))
+        view = self._plan_decode(forward_batch, graph=False)
+        self.inner.init_forward_metadata(self.compare.plan_decode(forward_batch, view))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self.graphs.planned_cascade = False
+        self.compare.no_decode_compare()  # a replay runs no Python
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
             self.decode.path = Path.PAGED
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
@@ -184,9 +187,11 @@ class GraniKVAttnBackend(ForwardingBackend):
                                       save_kv_cache=save_kv_cache, **kwargs)
         if self.decode.path is not Path.PAGED:  # paged: the stock work only
             self._unscanned_decode_feature(layer, self.eligibility.reason(layer, k, v, kwargs))
+            due = self.compare.decode_due(layer)
+            stock = self.compare.stock_output(o) if due else None  # before the kernels overwrite o
             self.decode.run(q, layer, o)
-            if self.compare.decode_due(layer):
-                self.compare.compare_decode(q, layer, forward_batch, o, self.decode.path)
+            if due:
+                self.compare.compare_decode(q, layer, forward_batch, o, self.decode.path, stock)
         return o
 
     def _unscanned_decode_feature(self, layer, reason) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from granikv.kernels.kernel_config import KernelConfig, tile_config
-from granikv.layers.attention.cascade.reuse_base import ReuseBase
+from granikv.layers.attention.cascade.reuse_base import ReuseBase, last_item_bound
 from granikv.layers.attention.cascade.staging_ring import StagingRing
 from granikv.layers.attention.cascade.suffix_ends import SuffixEnds
 from granikv.layers.attention.cascade.work_list import (
@@ -44,8 +44,10 @@ class CascadeWorkspace(StagingRing):
     Host staging: ``StagingRing``; suffix ends once bound: ``SuffixEnds``.
 
     Device buffers (int32 unless noted):
-      ``meta``: [3 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
-      n_suffix_items) | prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
+      ``meta``: [3 + 1 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
+      n_suffix_items) | sfx_max (the most tokens a request's last suffix item may hold: the
+      kernels clamp a device end to ``t_lo + sfx_max``, ``reuse_base.last_item_bound``) |
+      prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
       req_pool_indices (the view ``req_pool_indices``; host rows travel in the one copy);
       ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
       [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches).
@@ -91,12 +93,13 @@ class CascadeWorkspace(StagingRing):
         # meta layout
         P, S = self.prefix_cap, self.suffix_cap
         offs, o = {}, 0
-        for name, n in (("counts", 3), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs), ("pptr", max_bs + 1),
-                        ("rpi", max_bs)):
+        for name, n in (("counts", 3), ("sfx_max", 1), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs),
+                        ("pptr", max_bs + 1), ("rpi", max_bs)):
             offs[name], o = o, o + n
         self._offs, self._meta_len = offs, o
         self._init_ring(o, offs["rpi"], max_bs, self.device, staging_buffers)
         self.counts = self.meta[0:3]
+        self.sfx_max = self.meta[offs["sfx_max"] : offs["sfx_max"] + 1]
         self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
         self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
         self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
@@ -274,7 +277,7 @@ class CascadeWorkspace(StagingRing):
         h = self._host_np[k]
         if self._host_base[k] is base:  # the buffer holds a work list of this build: new ends only
             h[st[2]] = seq_lens
-            self._hi_buf = k
+            self._hi_buf, self._dev_ends = k, None  # work_list: these ends, not an in-place step's
         else:
             bs = base.wl.bs
             hi = base.wl.sfx_hi.copy()
@@ -334,6 +337,7 @@ class CascadeWorkspace(StagingRing):
     def _write_all(self, h, wl: WorkList) -> None:
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
+        h[o["sfx_max"]] = last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor)
         n = wl.num_prefix_items
         for j, a in enumerate((wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
             h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a

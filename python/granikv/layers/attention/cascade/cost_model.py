@@ -28,13 +28,23 @@ under-estimates)::
 member); they are mostly served from L2, hence their own (higher) bandwidth. Units: ``*_us``
 microseconds, ``*_gbps`` 1e9 bytes/s, ``*_tflops`` 1e12 FLOP/s.
 
-Those are the KERNEL times (what calibrate.py fits). A served decode step runs more, and
-``step_time`` (what the dispatcher compares) adds it, from ``ServedTerms``::
+Those are the KERNEL times (what calibrate.py fits; ``plan_us`` is its bench measurement of
+the host planning). A served decode step runs more, and ``step_time`` (what the dispatcher
+compares) adds it, from ``ServedTerms``::
 
     step(paged)  = paged                                       (the stock work, nothing else)
-    step(path)   = path + layers * inner_call                  (the wrapped backend still runs,
+    step(path)   = path - plan_us                              (the kernels of every layer)
+                 + layers * inner_call                         (the wrapped backend still runs,
                    inner_call = paged_launch_us + bs * kv_bytes_per_token / paged_gbps   seq_len 1)
+                 + layers * launches(path) * launch_floor_us   (GPU-side floor of each launch)
                  + layers * launches(path) * eager_launch_us   (eager steps only: host launch cost)
+                 + host_plan                                   (once per step, on the critical path)
+
+``host_plan`` is the planner's measured planning time of the steps that planned a GraniKV path
+(``dispatcher.HostPlanTime``) when the caller passes it, else the prior ``served.host_plan_us``.
+So a GraniKV path wins only where ``layers * kernel_saving > host_plan + layers * (inner_call +
+launches * launch_floor_us)``: on a short model (few layers) the per-step host term is not paid
+back by the per-layer saving (``docs/operations.md``, "When it helps").
 
 The paged coefficients are the wrapped backend's: ``ServedTerms.paged_by_backend`` holds them
 per backend (``for_backend``; the top-level ones are those calibrate.py measured, FlashInfer's
@@ -64,7 +74,7 @@ def _coef(help: str):
     return dataclasses.field(metadata={"help": help})
 
 
-LAUNCHES = {"cascade": 3, "fused": 1, "bgemm": 2}  # GraniKV kernel launches per layer
+LAUNCHES = {"cascade": 3, "fused": 1, "bgemm": 2}  # GraniKV kernel launches per layer (beyond the wrapped call)
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,9 @@ class CostModel:
     bgemm_tflops: float = _coef("tensor-core throughput of the batched-GEMM prefix path")
     bgemm_group_us: float = _coef("per group host and launch overhead of the eager bgemm path")
     suffix_gbps: float = _coef("bandwidth of GraniKV's paged suffix and merge kernels")
-    plan_us: float = _coef("host planning and metadata upload per decode step (all layers)")
+    plan_us: float = _coef("host planning and metadata upload per decode step (all layers), "
+                           "calibrate.py's bench; served steps charge served.host_plan_us or the "
+                           "planner's measurement instead (step_time)")
     disabled_paths: Tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "paths calibration never measured fastest on any case: the "
@@ -98,14 +110,29 @@ class CostModel:
 
     # ---- a served decode step (what the dispatcher compares) ---------------------------------
 
-    def step_time(self, path: str, w: Workload, *, num_layers: int = 1, eager: bool = False) -> float:
-        """Microseconds of a served decode step of ``path`` (see the module docstring)."""
+    def step_time(self, path: str, w: Workload, *, num_layers: int = 1, eager: bool = False,
+                  host_plan_us: Optional[float] = None) -> float:
+        """Microseconds of a served decode step of ``path`` (see the module docstring).
+
+        ``host_plan_us``: the host planning term of a non-paged step (>= 0; the planner's
+        measurement); None: the prior ``served.host_plan_us``. Ignored for ``paged``."""
         kernels = getattr(self, f"{path}_time")(w, num_layers=num_layers)
         if path == "paged":
             return kernels
+        return kernels - self.plan_us + num_layers * self.served_layer_us(path, w, eager=eager) + (
+            self.served.host_plan_us if host_plan_us is None else host_plan_us)
+
+    def served_layer_us(self, path: str, w: Workload, *, eager: bool = False) -> float:
+        """Per layer, what a served step of the non-paged ``path`` runs beyond its kernels: the
+        wrapped backend's ``seq_len = 1`` call and each launch's floor (+ its host cost, eager)."""
         inner = self.paged_launch_us + w.batch_bytes / (self.paged_gbps * 1e3)
-        host = LAUNCHES[path] * self.served.eager_launch_us if eager else 0.0
-        return kernels + num_layers * (inner + host)
+        per_launch = self.served.launch_floor_us + (self.served.eager_launch_us if eager else 0.0)
+        return inner + LAUNCHES[path] * per_launch
+
+    def launch_floors_us(self, path: str, *, num_layers: int = 1) -> float:
+        """The launch floors of a served step of ``path`` (0 for paged: the stock launch is in
+        its coefficients), all layers."""
+        return 0.0 if path == "paged" else num_layers * LAUNCHES[path] * self.served.launch_floor_us
 
     def for_backend(self, backend: Optional[str]) -> "CostModel":
         """This model with ``backend``'s own paged coefficients, when the file has them."""

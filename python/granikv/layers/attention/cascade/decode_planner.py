@@ -69,8 +69,16 @@ class DecodePlanner:
                 "work_list_in_place": sum(w.advances_in_place for w in wss),
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
+                **self._host_plan_counts(),
                 "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss),
                 "upload_us_total": 1e6 * sum(w.upload_seconds for w in wss)}
+
+    def _host_plan_counts(self) -> dict:
+        """The dispatcher's host planning term (HostPlanTime); empty without a dispatcher."""
+        d = self.chooser.dispatcher
+        if d is None:
+            return {}
+        return {"dispatch_host_us_mean": d.host_plan.us, "dispatch_host_samples": d.host_plan.samples}
 
     def cascade_can_win(self, bs: int) -> bool:
         host = self.host
@@ -123,6 +131,8 @@ class DecodePlanner:
         upload = 0.0
         if plan is not None:
             upload = self._fill_workspace(plan, fb)
+            if self.host.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
+                self.ws.ends.check_integrity(plan[1].seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
         t2 = time.perf_counter()
         view = fb if plan is None else self._inner_view(fb)
@@ -130,6 +140,8 @@ class DecodePlanner:
         self.host.stats.record_plan_time(
             t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
             sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload, upload, t3 - t2))
+        if plan is not None:  # a step that planned a GraniKV path: the dispatcher's host term
+            self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
         return view
 
     def _plan(self, fb, staged, graph: bool):
@@ -188,9 +200,12 @@ class DecodePlanner:
         decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
         if decision.path is not Path.PAGED:
             self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
-            if graph and self._ends is None:  # the cascade graph ends each suffix at them
-                self._warn_ends(fb)
-                stats.record_paged(bs, "no device seq_lens for the cascade graph")
+            # the cascade graph ends each suffix where its capture bound the ends (or did not)
+            reason = self.graphs.ends_mismatch(fb.batch_size, self._ends is not None) if graph else None
+            if reason is not None:
+                if self._ends is None:
+                    self._warn_ends(fb)
+                stats.record_paged(bs, reason)
                 return None
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
@@ -277,6 +292,7 @@ class DecodePlanner:
     def init_graph_state(self, max_bs: int) -> None:
         """After the wrapped backend's ``init_cuda_graph_state``: the fixed graph workspace."""
         self.graphs.captured.clear()
+        self.graphs.ends_bound.clear()
         self._capture_metadata.clear()
         fill = getattr(self.host.inner, "get_cuda_graph_seq_len_fill_value", None)
         try:
@@ -306,6 +322,7 @@ class DecodePlanner:
         self.path = Path.CASCADE
         self.ws = self.workspace_for(bs)
         self.ws.fill_empty(_device_ends(fb, self.ws))  # the graph reads the runner's static seq_lens
+        self.graphs.record_capture_ends(self.ws.ends.bound is not None)  # what its kernels read, per replay
         view = self._inner_view(fb)
         if bs in self._capture_metadata:
             inner.init_forward_metadata_out_graph(view)

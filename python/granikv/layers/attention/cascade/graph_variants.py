@@ -39,6 +39,9 @@ logger = logging.getLogger("granikv")
 CASCADE_LABEL = "granikv-cascade"
 AUTO_PREFIX_TOKENS = 32768  # longest shared prefix ``auto`` assumes (design range 4K-32K)
 AUTO_SUFFIX_TOKENS = 256
+# paged reasons of a graph step whose suffix-end binding is not its cascade graph's (``ends_mismatch``)
+NO_DEVICE_ENDS = "no device seq_lens for the cascade graph"
+UNBOUND_CAPTURE = "cascade graph captured without device seq_lens"
 
 
 def cascade_label(variant_label: Optional[str]) -> str:
@@ -67,7 +70,9 @@ class GraphVariants:
     ``capturing_cascade`` around the second capture of a size, ``replay_label`` after the
     step's plan. State: ``captured`` (sizes with a cascade graph), ``capturing`` (the size whose
     cascade graph is being captured, else None), ``planned_cascade`` (the step just planned
-    replays the cascade graph).
+    replays the cascade graph), ``ends_bound`` (per captured size: whether its capture bound the
+    suffix ends, ``SuffixEnds.bind``; the graph's kernels read the ends where the capture had them,
+    the bound device buffer or the workspace's metadata, whatever a later step binds).
     """
 
     def __init__(self, sizes: Optional[frozenset], *, can_win):
@@ -79,6 +84,8 @@ class GraphVariants:
         self.stock_only = set()
         self.capturing: Optional[int] = None
         self.planned_cascade = False
+        self.ends_bound = {}  # bs -> the cascade capture of bs bound its suffix ends (None: not recorded)
+        self._capture_ends = None  # the binding recorded during the capture in progress
         self.memory_bytes = 0  # device memory the cascade captures took (CUDA; 0 elsewhere)
 
     def wants_cascade(self, bs: int) -> bool:
@@ -91,13 +98,33 @@ class GraphVariants:
         if self.capturing is not None:
             raise RuntimeError(f"cascade graph capture of bs {bs} inside that of bs {self.capturing}")
         self.capturing = bs
+        self._capture_ends = None
         self._free_before = _free_device_bytes()
+
+    def record_capture_ends(self, bound: bool) -> None:
+        """The cascade graph being captured has its suffix ends bound (True) or reads them from
+        the workspace's metadata (False); kept for its size once the capture succeeds."""
+        self._capture_ends = bound
 
     def end_capture(self, ok: bool) -> None:
         bs, self.capturing = self.capturing, None
         if ok:
             self.captured.add(bs)
+            self.ends_bound[bs] = self._capture_ends
             self.memory_bytes += max(0, self._free_before - _free_device_bytes())
+        else:
+            self.ends_bound.pop(bs, None)
+
+    def ends_mismatch(self, bs: int, bound: bool) -> Optional[str]:
+        """Why a step of padded size ``bs`` whose suffix ends are ``bound`` (or not) cannot replay
+        the cascade graph of ``bs`` (a paged reason), or None when its capture had the same
+        binding. A graph captured with bound ends reads the device buffer, which an unbound step
+        never writes; one captured without reads the metadata, which an in-place step never
+        uploads: either way the replay would end suffixes at stale lengths."""
+        captured = self.ends_bound.get(bs)
+        if captured is bound:
+            return None
+        return UNBOUND_CAPTURE if bound else NO_DEVICE_ENDS
 
     def has_cascade_graph(self, bs: int) -> bool:
         return bs in self.captured
@@ -120,6 +147,8 @@ class GraphVariants:
 
     def check_integrity(self) -> None:
         assert self.capturing is None, f"a cascade capture of bs {self.capturing} never ended"
+        stray = sorted(set(self.ends_bound) - self.captured)
+        assert not stray, f"suffix-end bindings recorded for sizes without a cascade graph: {stray}"
         assert self.captured.isdisjoint(self.stock_only), (
             f"sizes both stock-only and with a cascade graph: {sorted(self.captured & self.stock_only)}")
 

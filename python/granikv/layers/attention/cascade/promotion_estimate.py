@@ -24,8 +24,14 @@ batch when the groups ``X`` are HOT::
            kernel's L2 reuse does not depend on which groups are HOT
     T([]) = paged (no group: the stock step)
 
+``step_time`` is the dispatcher's end-to-end step (``dispatcher`` module docstring): the same net
+saving, with the host planning term at the cost model's prior ``served.host_plan_us`` and the
+launch floors, so a prefix is not promoted where no step would pay them (e.g. a forest on a
+model of few layers). The prior, not ``Dispatcher.host_plan``'s measurement: that is wall time,
+different on every TP rank, and promotions must be decided alike on all of them.
+
 So a cascade step's fixed costs (the wrapped backend's ``seq_len = 1`` call, the launches,
-the merge) are charged once per step, not once per group: in a forest of small groups each
+the merge, the host planning) are charged once per step, not once per group: in a forest of small groups each
 member's marginal is positive once the others count, while a lone group that cannot beat the
 paged step alone saves 0. Every input is an integer token count summed in any order, so the
 answer does not depend on the context's order.
@@ -118,4 +124,5 @@ class PromotionEstimate:
 
     def _cascade_us(self, batch: Sequence[Group], grouped: Sequence[Group]) -> float:
         d = self.dispatcher
-        return d.cost_model.step_time("cascade", self._workload(batch, grouped), num_layers=d.num_layers)
+        return d.cost_model.step_time("cascade", self._workload(batch, grouped), num_layers=d.num_layers,
+                                      host_plan_us=d.cost_model.served.host_plan_us)  # the prior (TP ranks alike)

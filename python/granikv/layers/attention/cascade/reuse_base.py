@@ -21,6 +21,13 @@ def last_suffix_item(wl: WorkList) -> np.ndarray:
     return last
 
 
+def last_item_bound(suffix_chunk: int, factor: float) -> int:
+    """The most tokens a request's last suffix item holds in a build (``suffix_chunk``) and in
+    every steady step advanced from it (``ReuseBase.limit``, ``floor(factor * suffix_chunk)``):
+    a kernel ending that item at a device end never reads past ``t_lo + last_item_bound``."""
+    return max(suffix_chunk, int(factor * suffix_chunk))
+
+
 class ReuseBase(NamedTuple):
     """What a full build leaves for the steady steps after it (``CascadeWorkspace.advance``).
 

@@ -1,6 +1,7 @@
 """What a served step runs beyond GraniKV's kernels, as cost-model terms.
 
-``ServedTerms``: the host launch cost of eager steps and the paged coefficients of each wrapped
+``ServedTerms``: the host launch cost of eager steps, the GPU-side floor of each GraniKV launch in
+a served step, the prior of the host planning term and the paged coefficients of each wrapped
 backend (``cost_model.CostModel.step_time`` and ``for_backend`` use them). ``ExtendTerms``:
 the prefill prefix part (stock paged call vs dense calls over HOT extents) for the extend gate.
 Both are read from the ``served`` field of the cost-model JSON.
@@ -44,14 +45,31 @@ class ExtendTerms:
 
 @dataclass(frozen=True)
 class ServedTerms:
-    """What a served step runs beyond the kernels (see the module docstring)."""
+    """What a served step runs beyond the kernels (see the module docstring).
+
+    - ``eager_launch_us``: host cost of one GraniKV launch on an eager step (per layer).
+    - ``launch_floor_us``: GPU-side fixed cost of one GraniKV launch in a served step, per layer
+      (``cost_model.LAUNCHES`` of them per path), beyond what calibrate.py's per-case graphs
+      measure: the served cascade graph's launches are sized for the graph workspace and read
+      live counts, and each follows the model's previous kernel. Default 3 us: the H200's floor
+      of a dependent kernel launch inside a CUDA graph (2-4 us); not yet measured in serving.
+    - ``host_plan_us``: prior of the host planning term of a step that plans a GraniKV path
+      (staging, grouping, choice, work-list fill, upload, the wrapped backend's view), until
+      the planner has measured its own (``dispatcher.HostPlanTime``). Default 250 us: above
+      every p50 of the cascade steps measured in serving on the H200 host (117-212 us,
+      docs/results/regimes.md), below their p99 (250-582 us): conservative.
+    """
 
     eager_launch_us: float = 15.0
     paged_by_backend: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     extend: ExtendTerms = dataclasses.field(default_factory=ExtendTerms)
+    launch_floor_us: float = 3.0
+    host_plan_us: float = 250.0
 
     def to_mapping(self) -> dict:
         return {"eager_launch_us": self.eager_launch_us,
+                "launch_floor_us": self.launch_floor_us,
+                "host_plan_us": self.host_plan_us,
                 "paged_by_backend": {k: dict(v) for k, v in self.paged_by_backend.items()},
                 "extend": dataclasses.asdict(self.extend)}
 
@@ -61,10 +79,13 @@ class ServedTerms:
             return cls()
         if not isinstance(values, Mapping):
             raise ValueError(f"{source}: field 'served' must be an object, got {values!r}")
-        unknown = sorted(set(values) - {"eager_launch_us", "paged_by_backend", "extend", "note"})
+        unknown = sorted(set(values) - {"eager_launch_us", "launch_floor_us", "host_plan_us",
+                                        "paged_by_backend", "extend", "note"})
         if unknown:
             raise ValueError(f"{source}: unknown field 'served.{unknown[0]}'")
         eager = _positive(values.get("eager_launch_us", cls.eager_launch_us), f"{source}: field 'served.eager_launch_us'")
+        floor = _positive(values.get("launch_floor_us", cls.launch_floor_us), f"{source}: field 'served.launch_floor_us'")
+        host = _positive(values.get("host_plan_us", cls.host_plan_us), f"{source}: field 'served.host_plan_us'")
         by_backend = {}
         for name, coefs in (values.get("paged_by_backend") or {}).items():
             if not isinstance(coefs, Mapping) or set(coefs) != set(PAGED_NAMES):
@@ -77,7 +98,7 @@ class ServedTerms:
         if not isinstance(ext, Mapping) or not set(ext) <= set(names):
             raise ValueError(f"{source}: field 'served.extend' must be an object with keys from {', '.join(names)}")
         extend = ExtendTerms(**{k: _positive(v, f"{source}: field 'served.extend.{k}'") for k, v in ext.items()})
-        return cls(eager, by_backend, extend)
+        return cls(eager, by_backend, extend, floor, host)
 
 
 def _positive(v, what: str) -> float:

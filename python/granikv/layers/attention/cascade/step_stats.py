@@ -20,6 +20,10 @@ PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most
 #   view    the wrapped backend's ``seq_len = 1`` view of the batch
 PLAN_SECTIONS = ("stage", "lookup", "choose", "fill", "upload", "view")
 
+# Snapshot keys that are maxima over the backend's life (merged across backends by max, never
+# summed or differenced): the debug compare's per-layer output deviations (debug_compare.py).
+MAXIMA = ("layer_output_max_rel_dev", "layer_output_stock_max_rel_dev", "layer_output_tolerance")
+
 
 class RecentTimes:
     """The last ``capacity`` samples (seconds) in a ring buffer; percentiles in microseconds.
@@ -100,6 +104,8 @@ class StepStats:
     requests: int = 0
     groups: int = 0
     unplanned: int = 0  # decode steps with no staged batch (fell back to paged)
+    host_overhead_steps: int = 0  # paged steps whose kernels alone would have lost to a GraniKV path
+    #   (Decision.host_bound: the host planning term and launch floors decided, reason host_overhead)
     last_reason: str = ""
     max_compare_diff: float = 0.0  # debug compare mode: worst |chosen - paged| seen
     plan_seconds: float = 0.0  # host time of decode-step planning (group, choose, workspace fill)
@@ -116,6 +122,13 @@ class StepStats:
     extend_hot_tokens: int = 0  # new tokens served that way
     extend_fallbacks: Counter = field(default_factory=Counter)  # reason -> extend batches left stock
     max_extend_compare_diff: float = 0.0  # debug compare mode: worst |dense - paged| prefix output
+    # debug compare mode, every layer of a compared decode step (DebugCompare.compare_decode):
+    layer_output_compares: int = 0  # layer-steps compared
+    layer_output_over_tolerance: int = 0  # ... whose deviation exceeded their own tolerance
+    layer_output_f64_references: int = 0  # ... compared with the float64 reference (no stock output)
+    layer_output_max_rel_dev: float = 0.0  # worst GraniKV output vs its reference (debug_compare.rel_dev)
+    layer_output_stock_max_rel_dev: float = 0.0  # worst stock output vs float64, same layer-steps
+    layer_output_tolerance: float = 0.0  # largest per-layer-step tolerance (debug_compare.layer_tolerance)
 
     def record(self, decision, grouping) -> None:
         self.steps += 1
@@ -124,6 +137,8 @@ class StepStats:
         if decision.path._value_ != "paged":
             self.grouped_requests += grouping.num_grouped
             self.groups += grouping.num_groups
+        elif decision.host_bound:
+            self.host_overhead_steps += 1
         self.last_reason = decision.reason
 
     def record_paged(self, batch_size: int, reason: str) -> None:
@@ -164,6 +179,19 @@ class StepStats:
             self.extend_hot_batches += 1
             self.extend_hot_tokens += plan.hot_tokens
 
+    def record_layer_compare(self, dev: float, stock_dev: Optional[float], tolerance: float) -> None:
+        """One compared layer of a decode step: GraniKV's deviation from its reference, the
+        stock output's from the float64 one (None: no stock output, the reference was float64)
+        and that layer-step's tolerance. Every layer-step within its own tolerance implies
+        ``layer_output_max_rel_dev <= layer_output_tolerance`` (maxima over the same steps)."""
+        self.layer_output_compares += 1
+        self.layer_output_over_tolerance += dev > tolerance
+        self.layer_output_f64_references += stock_dev is None
+        self.layer_output_max_rel_dev = max(self.layer_output_max_rel_dev, dev)
+        if stock_dev is not None:
+            self.layer_output_stock_max_rel_dev = max(self.layer_output_stock_max_rel_dev, stock_dev)
+        self.layer_output_tolerance = max(self.layer_output_tolerance, tolerance)
+
     @property
     def planned(self) -> int:
         """Decode steps planned (and timed): each either recorded a path or went unplanned."""
@@ -176,6 +204,7 @@ class StepStats:
             "hot_hit_rate": self.grouped_requests / self.requests if self.requests else 0.0,
             "groups_per_step": self.groups / self.steps if self.steps else 0.0,
             "unplanned_steps": self.unplanned,
+            "host_overhead_steps": self.host_overhead_steps,  # paged for the host term (dispatcher.py)
             "last_reason": self.last_reason,
             "max_compare_diff": self.max_compare_diff,
             "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
@@ -195,4 +224,10 @@ class StepStats:
             "extend_hot_tokens": self.extend_hot_tokens,
             "extend_fallbacks": dict(self.extend_fallbacks),
             "max_extend_compare_diff": self.max_extend_compare_diff,
+            "layer_output_compares": self.layer_output_compares,
+            "layer_output_over_tolerance": self.layer_output_over_tolerance,
+            "layer_output_f64_references": self.layer_output_f64_references,
+            "layer_output_max_rel_dev": self.layer_output_max_rel_dev,
+            "layer_output_stock_max_rel_dev": self.layer_output_stock_max_rel_dev,
+            "layer_output_tolerance": self.layer_output_tolerance,
         }

@@ -48,3 +48,19 @@ class SuffixEnds:
     def host(self, n: int) -> np.ndarray:
         """The first ``n`` bound ends on the host (a device read: debug and tests only)."""
         return self.buffer[:n].cpu().numpy()
+
+    def check_integrity(self, seq_lens: np.ndarray) -> None:
+        """Assert the bound ends hold the host ``seq_lens`` the step was planned from (its first
+        ``len(seq_lens)`` positions; graph padding rows after them are not compared): the work
+        list's items and reuse bound come from the host lengths, the kernels end each request's
+        last item at the device ones. A device read (debug mode only); nothing when unbound."""
+        if self.bound is None:
+            return
+        n = len(seq_lens)
+        dev = self.host(n).astype(np.int64)
+        bad = np.flatnonzero(dev != seq_lens)
+        if len(bad):
+            i = int(bad[0])
+            raise AssertionError(
+                f"suffix ends: request at batch position {i} has host seq_len {int(seq_lens[i])} but device "
+                f"end {int(dev[i])} ({len(bad)} of {n} positions differ)")
