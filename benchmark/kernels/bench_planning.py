@@ -177,7 +177,8 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     cfg = GraniKVConfig(enable=True, log_interval=0)
     be = GraniKVAttnBackend(_NoopBackend(), model_runner=runner, cfg=cfg, backend_name="noop")
     be.init_cuda_graph_state(bs, bs)
-    be.graphs.captured.add(bs)
+    be.graphs.captured.add(bs)  # as a capture of bs would leave it (graph_variants.end_capture) ...
+    be.graphs.ends_bound[bs] = True  # ... with its suffix ends bound to the step's device seq_lens
     rows = rng.permutation(bs) + 1
     groups = {"paged": 0, "homog": 1}[batch] if batch in ("paged", "homog") else int(batch[len("forest"):])
     hot_len = PREFIX - rng.integers(0, 64, bs)
