@@ -139,6 +139,7 @@ class GraniKVAttnBackend(ForwardingBackend):
     def init_forward_metadata(self, forward_batch):
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
             staged, self._staged, self.decode.path = self._staged, None, Path.PAGED
+            self.decode.clock.interrupt()
             self.compare.no_decode_compare()
             self.inner.init_forward_metadata(forward_batch)
             self.extend.plan(forward_batch, staged)
@@ -151,6 +152,8 @@ class GraniKVAttnBackend(ForwardingBackend):
         self.compare.no_decode_compare()  # a replay runs no Python
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
             self.decode.path = Path.PAGED
+            if not forward_batch.forward_mode.is_decode():
+                self.decode.clock.interrupt()
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if in_capture:
             return self.decode.capture_metadata_for(forward_batch)

@@ -29,6 +29,7 @@ from granikv.layers.attention.cascade import planted_fault
 from granikv.layers.attention.cascade.dispatcher import Path, SteadyChooser
 from granikv.layers.attention.cascade.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, verify_same_slots
+from granikv.layers.attention.cascade.step_clock import StepClock
 
 logger = logging.getLogger("granikv")
 
@@ -37,6 +38,8 @@ class DecodePlanner:
     def __init__(self, host):
         self.host = host
         self.chooser = SteadyChooser(host.dispatcher)  # steady steps: O(1) path choice
+        self.clock = StepClock()  # measured end-to-end step time per path (overrules the model to paged)
+        self._clock_key = None  # (batch size, groups) of the step being planned
         self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self.path = Path.PAGED  # path of the current step
         self.workspace = None  # CascadeWorkspace (the graph one once graphs exist)
@@ -70,6 +73,7 @@ class DecodePlanner:
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
                 **self._host_plan_counts(),
+                **self.clock.snapshot(),
                 "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss),
                 "upload_us_total": 1e6 * sum(w.upload_seconds for w in wss)}
 
@@ -123,7 +127,8 @@ class DecodePlanner:
         graph). The time of both parts is recorded, with ``stage_seconds`` (the host time the
         scheduler hook spent staging this step)."""
         c0, t0 = time.thread_time(), time.perf_counter()
-        self._t_choose = None
+        self.clock.tick()
+        self._t_choose = self._clock_key = None
         plan = self._plan(fb, staged, graph=graph)
         t1 = time.perf_counter()
         tc = self._t_choose or t1
@@ -134,6 +139,7 @@ class DecodePlanner:
             if self.host.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
                 self.ws.ends.check_integrity(plan[1].seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
+        self.clock.record(self.path, self._clock_key or (fb.batch_size, 0))
         t2 = time.perf_counter()
         view = fb if plan is None else self._inner_view(fb)
         t3 = time.perf_counter()
@@ -198,6 +204,9 @@ class DecodePlanner:
             return None
         self._t_choose = time.perf_counter()
         decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
+        self._clock_key = (fb.batch_size, grouping.num_groups)  # one measurement per batch shape
+        if self.chooser.dispatcher.forced is None:  # a forced path is never overruled
+            decision = self.clock.adjust(decision, self._clock_key)
         if decision.path is not Path.PAGED:
             self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
             # the cascade graph ends each suffix where its capture bound the ends (or did not)
