@@ -22,12 +22,15 @@ nothing more can be compared. So every measure stops at each request's first dif
 Token rule (``token_passes``): a comparison ``c`` passes against the two stock backends'
 comparison ``ref`` on the same prompts when
 
-    c.agreement >= ref.agreement - max(AGREEMENT_MARGIN, 2 * diff_stderr)
+    c.agreement >= ref.agreement - max(AGREEMENT_MARGIN, AGREEMENT_Z * diff_stderr)
 
 with ``diff_stderr`` the paired bootstrap standard error of ``c.agreement - ref.agreement``
 (both recomputed on the same resampled requests: ``difference_stderr``), i.e. agreement not
-significantly (~2 sigma) below stock-vs-stock and never more than the margin below it when the
-noise is smaller; and its first-token agreement is within ``AGREEMENT_MARGIN`` of ``ref``'s
+significantly (``AGREEMENT_Z`` = 3 sigma, one-sided) below stock-vs-stock and never more than
+the margin below it when the noise is smaller. Why 3 and not 2: the check judges 6 rows (3
+workloads x 2 backends) at once; at 2 sigma a correct engine fails at least one of them about
+13% of the time (1 - 0.977^6), at 3 sigma about 0.8%; the planted fault's agreement (~0.02
+against ~0.5) sits far below either bar, and the layer-output rule is the sharp one; and its first-token agreement is within ``AGREEMENT_MARGIN`` of ``ref``'s
 and its logprob deviation within ``LOGPROB_FACTOR`` x theirs + ``LOGPROB_SLACK``. A wrong
 prefix drives agreement toward 0. The check's other rule (the layer outputs) is
 ``layer_passes``; results.py combines them.
@@ -41,6 +44,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 AGREEMENT_MARGIN = 0.05
+AGREEMENT_Z = 3.0  # one-sided sigmas of the token rule (module docstring: why 3)
 LOGPROB_FACTOR = 3.0
 LOGPROB_SLACK = 0.02
 BOOTSTRAP_RESAMPLES = 2000
@@ -155,9 +159,9 @@ def difference_stderr(c: Comparison, ref: Comparison, *, resamples: int = BOOTST
 
 def agreement_threshold(c: Comparison, reference: Comparison) -> float:
     """The least agreement the token rule accepts: ``reference.agreement - max(AGREEMENT_MARGIN,
-    2 * difference_stderr)`` (the margin alone when the stderr is unknown)."""
+    AGREEMENT_Z * difference_stderr)`` (the margin alone when the stderr is unknown)."""
     se = difference_stderr(c, reference)
-    return reference.agreement - max(AGREEMENT_MARGIN, 2.0 * (se or 0.0))
+    return reference.agreement - max(AGREEMENT_MARGIN, AGREEMENT_Z * (se or 0.0))
 
 
 def token_passes(c: Comparison, reference: Comparison) -> bool:

@@ -240,7 +240,7 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
         f"{meta.get('tolerance_factor')}x the stock output's own deviation from float64, at least "
         f"{meta.get('floor_eps')}x the dtype's eps. A row passes when no compared layer-step "
         "exceeds its tolerance AND GraniKV's agreement >= cross-backend agreement - max("
-        f"{meta.get('margin')}, 2 x the paired bootstrap stderr of the difference) (first token "
+        f"{meta.get('margin')}, {meta.get('agreement_z', 2.0):g} x the paired bootstrap stderr of the difference) (first token "
         f"within {meta.get('margin')}, logprob dev within {meta.get('logprob_factor')}x theirs + "
         f"{meta.get('logprob_slack')}); the fault is caught when EACH rule rejects the fault "
         "engine (caught by: the rules that did).",

@@ -255,6 +255,22 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     return True
 
 
+def warm_up(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Model, row: grid.Regime) -> bool:
+    """The model's first row once on each engine, untimed (the first rows after a start paid
+    first-use costs on the H200: 21K against 33K tok/s). False when an engine is gone."""
+    timeout = REQUEST_TIMEOUT_FACTOR * grid.estimate_s(row, model) + START_GRACE_S
+    for config in CONFIGS:
+        try:
+            rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(regime=row.name, variant="warm_up")),
+                                          timeout)
+        except EngineGone as e:
+            run.error(model.name, config, f"{row.name} (warm-up): {e}")
+            return False
+        if rec["kind"] == "error":
+            print(f"warm-up {model.name}/{config}: {rec.get('error')}", flush=True)
+    return True
+
+
 def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline: float,
               extra: Dict[str, Any]) -> None:
     """Both engines of one model up side by side, every row in turn, then both shut down. A
@@ -266,6 +282,9 @@ def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline
         run.skip(rows, "an engine did not start")
         return
     try:
+        if rows and not warm_up(run, engines, model, rows[0]):
+            run.skip(rows, "an engine is gone")
+            return
         for i, row in enumerate(rows):
             if time.time() + grid.estimate_s(row, model, run.args.repeats) > deadline:
                 run.skip(rows[i:i + 1], "its estimate no longer fits the time budget")

@@ -98,12 +98,13 @@ def test_paired_difference_stderr():
     assert metrics.difference_stderr(legacy, metrics.Comparison(0.5, 1.0, 0.01, 10)) is None
 
 
-def test_token_rule_widens_the_margin_to_two_stderrs():
+def test_token_rule_widens_the_margin_to_z_stderrs():
     ref = _cmp([1.0, 0.0] * 32)  # cross-backend 0.5, stderr ~0.0625
     assert metrics.agreement_threshold(ref, ref) == pytest.approx(0.5 - 0.05)  # no noise: the margin
     noisy = _cmp([1.0, 0.0, 0.0, 1.0] * 15 + [0.0] * 4)  # 0.469, its requests independent of ref's
     bar = metrics.agreement_threshold(noisy, ref)
-    assert bar == pytest.approx(0.5 - 2 * metrics.difference_stderr(noisy, ref)) and bar < 0.45
+    assert metrics.AGREEMENT_Z == 3.0  # one-sided, over the check's 6 rows (metrics' docstring)
+    assert bar == pytest.approx(0.5 - 3 * metrics.difference_stderr(noisy, ref)) and bar < 0.45
     assert metrics.token_passes(noisy, ref)  # within the noise
     assert not metrics.token_passes(_cmp([0.1] * 64), ref)  # far below it
     assert not metrics.token_passes(_cmp([1.0, 0.0] * 32, first=0.9), ref)  # first token

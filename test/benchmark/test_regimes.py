@@ -325,7 +325,10 @@ def test_parent_interleaves_engines_per_repeat_and_writes_after_every_record(reg
     argv = ["--models", "qwen2.5-7b", "--rows", "forest16,short1k_3sharers", "--out", str(tmp_path),
             "--time-budget-s", "0"]
     assert regimes.main(argv) == 1  # an error record was sent
-    log = [x for x in fake_resident.log if x[1] == "short1k_3sharers"]
+    # the first row once on each engine, untimed, before anything is measured
+    assert fake_resident.log[:2] == [("baseline", "short1k_3sharers", "warm_up"),
+                                     ("granikv", "short1k_3sharers", "warm_up")]
+    log = [x for x in fake_resident.log if x[1] == "short1k_3sharers" and x[2] != "warm_up"]
     # taking turns: stock first on even repeats, GraniKV first on odd ones, the ceiling once at the end
     assert [c for c, _, v in log] == ["baseline", "granikv", "granikv", "baseline", "baseline", "granikv",
                                       "baseline"]
