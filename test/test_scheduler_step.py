@@ -20,6 +20,7 @@ def _scheduler(sim):
     from granikv.layers.attention.cascade.decode_planner import DecodePlanner
     from granikv.layers.attention.cascade.dispatcher import SteadyChooser
     from granikv.layers.attention.cascade.plan import GroupingMemo
+    from granikv.layers.attention.cascade.step_clock import StepClock
     from granikv.layers.attention.cascade.step_stats import StepStats
 
     backend.stats = StepStats()
@@ -27,6 +28,7 @@ def _scheduler(sim):
     backend.decode.workspace = backend.decode.eager_workspace = None
     backend.decode.grouping_memo = GroupingMemo()
     backend.decode.chooser = SteadyChooser(None)
+    backend.decode.clock = StepClock()
     runner = SimpleNamespace(attn_backend=backend)
     return SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
                            tp_worker=SimpleNamespace(model_runner=runner),

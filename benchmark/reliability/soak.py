@@ -251,8 +251,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--abort-frac", type=float, default=0.10,
                    help="Share of the requests aborted by the client (default 0.10).")
     p.add_argument("--max-total-tokens", type=int, default=98304,
-                   help="KV slots of the GraniKV server (default 98304 = HOT 24,576 + COLD 73,728 "
-                        "with GraniKV's default hot fraction); the baseline gets the COLD part.")
+                   help="KV slots of the GraniKV server (default 98304 = HOT {hot:,} + COLD {cold:,} "
+                        "with GraniKV's default hot fraction); the baseline gets the COLD part."
+                        .format(**kv_budget(98304, GRANIKV_DEFAULT_HOT_FRACTION)))
     p.add_argument("--hot-fraction", type=float, default=None,
                    help=f"--granikv-hot-fraction (default: GraniKV's, {GRANIKV_DEFAULT_HOT_FRACTION}).")
     p.add_argument("--budget-s", type=float, default=270.0,
