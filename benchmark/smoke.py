@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -43,13 +42,9 @@ SHUTDOWN_GRACE_S = 60.0
 def metric_values(text: str, name: str) -> Dict[str, float]:
     """Prometheus text -> {label string: value} of one metric (``""`` for no labels)."""
     out: Dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line.strip())
-        if m and m[1] == name:
-            try:
-                out[m[2] or ""] = out.get(m[2] or "", 0.0) + float(m[3])
-            except ValueError:
-                continue
+    for n, labels, value in server_proc.metric_samples(text):
+        if n == name:
+            out[labels] = out.get(labels, 0.0) + value
     return out
 
 

@@ -30,8 +30,9 @@ significantly (``AGREEMENT_Z`` = 3 sigma, one-sided) below stock-vs-stock and ne
 the margin below it when the noise is smaller. Why 3 and not 2: the check judges 6 rows (3
 workloads x 2 backends) at once; at 2 sigma a correct engine fails at least one of them about
 13% of the time (1 - 0.977^6), at 3 sigma about 0.8%; the planted fault's agreement (~0.02
-against ~0.5) sits far below either bar, and the layer-output rule is the sharp one; and its first-token agreement is within ``AGREEMENT_MARGIN`` of ``ref``'s
-and its logprob deviation within ``LOGPROB_FACTOR`` x theirs + ``LOGPROB_SLACK``. A wrong
+against ~0.5) sits far below either bar, and the layer-output rule is the sharp one. The
+rule also needs ``c``'s first-token agreement within ``AGREEMENT_MARGIN`` of ``ref``'s and its
+logprob deviation within ``LOGPROB_FACTOR`` x theirs + ``LOGPROB_SLACK``. A wrong
 prefix drives agreement toward 0. The check's other rule (the layer outputs) is
 ``layer_passes``; results.py combines them.
 """

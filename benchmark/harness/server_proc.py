@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from harness import engine_proc
 
@@ -165,9 +165,8 @@ def log_size(path: Path) -> int:
         return 0
 
 
-def parse_metrics(text: str) -> Dict[str, float]:
-    """Prometheus text format -> {metric name: sum over its label sets}."""
-    out: Dict[str, float] = {}
+def metric_samples(text: str) -> Iterator[Tuple[str, str, float]]:
+    """Prometheus text format -> (metric name, label string or "", value) per sample line."""
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -179,5 +178,12 @@ def parse_metrics(text: str) -> Dict[str, float]:
             value = float(m[3])
         except ValueError:
             continue
-        out[m[1]] = out.get(m[1], 0.0) + value
+        yield m[1], m[2] or "", value
+
+
+def parse_metrics(text: str) -> Dict[str, float]:
+    """Prometheus text format -> {metric name: sum over its label sets}."""
+    out: Dict[str, float] = {}
+    for name, _, value in metric_samples(text):
+        out[name] = out.get(name, 0.0) + value
     return out

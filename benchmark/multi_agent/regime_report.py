@@ -23,6 +23,7 @@ batches left stock and the skipped promotions, each with its reason and count.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -163,10 +164,8 @@ def spread(rec: Optional[Mapping[str, Any]]) -> Optional[float]:
     reps = [x for x in ((rec or {}).get("repeats_out_tok_s") or []) if _num(x)]
     if len(reps) < 2:
         return None
-    s = sorted(reps)
-    m = len(s) // 2
-    median = s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
-    return round((s[-1] - s[0]) / median, 4) if median else None
+    median = statistics.median(reps)
+    return round((max(reps) - min(reps)) / median, 4) if median else None
 
 
 def gpu_waits_not(row: Mapping[str, Any]) -> bool:

@@ -214,7 +214,7 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     False when an engine is gone (the model's remaining rows are skipped)."""
     args = run.args
     tags = dict(regime=row.name, priority=row.priority, has_ceiling=row.has_ceiling)
-    timeout = REQUEST_TIMEOUT_FACTOR * grid.estimate_s(row, model) + START_GRACE_S
+    timeout = row_timeout_s(model, row)
     reps: Dict[str, List[Dict[str, Any]]] = {c: [] for c in CONFIGS}
     failed: Dict[str, str] = {}
     plan = [("main", c, row.spec_json()) for k in range(args.repeats)
@@ -255,10 +255,15 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     return True
 
 
+def row_timeout_s(model: grid.Model, row: grid.Regime) -> float:
+    """How long one engine may take for one run of ``row`` before it counts as gone."""
+    return REQUEST_TIMEOUT_FACTOR * grid.estimate_s(row, model) + START_GRACE_S
+
+
 def warm_up(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Model, row: grid.Regime) -> bool:
     """The model's first row once on each engine, untimed (the first rows after a start paid
     first-use costs on the H200: 21K against 33K tok/s). False when an engine is gone."""
-    timeout = REQUEST_TIMEOUT_FACTOR * grid.estimate_s(row, model) + START_GRACE_S
+    timeout = row_timeout_s(model, row)
     for config in CONFIGS:
         try:
             rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(regime=row.name, variant="warm_up")),

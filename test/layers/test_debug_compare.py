@@ -3,7 +3,6 @@ wrapped backend planned with the real batch on a compared step (its output is th
 SGLang's real ``TritonAttnBackend`` around two layers (small deviation; large under the planted
 fault ``GRANIKV_DEBUG_FAULT=half_prefix``), the float64 fallback, and the server-info merge."""
 
-import json
 
 import pytest
 import torch
@@ -99,29 +98,16 @@ def test_graph_metadata_cancels_the_compare():
 
 @pytest.fixture
 def two_layer_runner(tmp_path, monkeypatch):
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.server_args import ServerArgs
-    from sglang_context import published_server_args
+    def two_layer_pool(runner):
+        runner.token_to_kv_pool = pool = MHATokenToKVPool(
+            tb.SLOTS, page_size=1, dtype=tb.DTYPE, head_num=tb.HKV, head_dim=tb.D,
+            layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        g = torch.Generator().manual_seed(7)
+        for buf in pool.k_buffer + pool.v_buffer:
+            buf.copy_(torch.randn(buf.shape, generator=g).to(tb.DTYPE))
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(rtb.LLAMA, num_hidden_layers=LAYERS)))
-    sa = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, attention_backend="triton",
-                    device="cpu", load_format="dummy")
-    with published_server_args(sa):
-        with get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0,
-                                     tp_size=1):
-            runner = tb._runner()
-            runner.token_to_kv_pool = pool = MHATokenToKVPool(
-                tb.SLOTS, page_size=1, dtype=tb.DTYPE, head_num=tb.HKV, head_dim=tb.D,
-                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-            g = torch.Generator().manual_seed(7)
-            for buf in pool.k_buffer + pool.v_buffer:
-                buf.copy_(torch.randn(buf.shape, generator=g).to(tb.DTYPE))
-            runner.model_config = ModelConfig.from_server_args(sa)
-            runner.server_args = sa
-            runner.gpu_id, runner.is_draft_worker, runner.sliding_window_size, runner.page_size = 0, False, None, 1
-            rtb._add_newer_runner_fields(runner)
-            yield runner
+    with rtb.triton_runner(tmp_path, dict(rtb.LLAMA, num_hidden_layers=LAYERS), prepare=two_layer_pool) as runner:
+        yield runner
 
 
 def _layers():

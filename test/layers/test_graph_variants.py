@@ -66,13 +66,19 @@ def test_hooks_match_sglangs_signatures():
         assert plugin._TARGETS[key].startswith(plugin._DGR)
 
 
-def test_capture_and_replay_pick_the_graph_the_plan_chose():
+def _bs8_cascade(capture_bs=(8,)):
+    """A cascade-path backend with a cascade graph for batch size 8 only, its graph state, the
+    5-request batch (requests 0, 2, 3 share the HOT run) and a fake graph runner."""
     runner_ = _runner()
     be = _backend(runner_, "cascade")
-    be.graphs = GraphVariants(frozenset({8}), can_win=None)  # a cascade graph for bs 8 only
+    be.graphs = GraphVariants(frozenset({8}), can_win=None)
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     fb, rows = _batch(runner_, hot={0, 2, 3})
-    gr = FakeRunner(be, capture_bs=[8, 5])
+    return runner_, be, fb, rows, FakeRunner(be, capture_bs=list(capture_bs))
+
+
+def test_capture_and_replay_pick_the_graph_the_plan_chose():
+    runner_, be, fb, rows, gr = _bs8_cascade(capture_bs=(8, 5))
     cap = _capture_orig(lambda size: _replay_view(fb, 8) if size == 8 else fb)
     for size in reversed(gr.capture_bs):  # SGLang captures the largest first
         plugin._around_capture_one_shape(cap, gr, size, forward=None)
@@ -135,12 +141,7 @@ def test_a_step_replays_the_cascade_graph_only_with_its_captures_suffix_end_bind
     suffixes at stale lengths (an in-place step uploads no metadata ends; an unbound one writes
     no device ends); steps with the capture's binding replay the cascade graph. Outputs match
     paged attention every step."""
-    runner_ = _runner()
-    be = _backend(runner_, "cascade")
-    be.graphs = GraphVariants(frozenset({8}), can_win=None)
-    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    fb, rows = _batch(runner_, hot={0, 2, 3})
-    gr = FakeRunner(be, capture_bs=[8])
+    runner_, be, fb, rows, gr = _bs8_cascade()
 
     def view_of(fb, bound):
         view = _replay_view(fb, 8)
@@ -172,12 +173,7 @@ def test_a_pre_planned_load_never_replays_the_cascade_graph_of_a_previous_step()
     """SGLang's ``load_batch`` returns before planning a pre-planned batch (it only sets the
     stock key): the step before chose the cascade graph, but this one never planned, so the
     hook must give SGLang's stock key."""
-    runner_ = _runner()
-    be = _backend(runner_, "cascade")
-    be.graphs = GraphVariants(frozenset({8}), can_win=None)
-    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    fb, rows = _batch(runner_, hot={0, 2, 3})
-    gr = FakeRunner(be, capture_bs=[8])
+    runner_, be, fb, rows, gr = _bs8_cascade()
     plugin._around_capture_one_shape(_capture_orig(lambda s: _replay_view(fb, 8)), gr, 8, forward=None)
     be.stage_batch(rows)
     plugin._around_load_batch(_load_orig, gr, _replay_view(fb, 8))
@@ -192,12 +188,7 @@ def test_a_pre_planned_load_never_replays_the_cascade_graph_of_a_previous_step()
 
 
 def test_a_failed_cascade_capture_leaves_the_size_stock_only():
-    runner_ = _runner()
-    be = _backend(runner_, "cascade")
-    be.graphs = GraphVariants(frozenset({8}), can_win=None)
-    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    fb, _ = _batch(runner_, hot={0, 2, 3})
-    gr = FakeRunner(be, capture_bs=[8])
+    runner_, be, fb, _, gr = _bs8_cascade()
 
     def cap(runner, size, forward, stream_idx=None, variant_label=None):
         if variant_label is not None:

@@ -11,12 +11,10 @@ import math
 import sys
 from pathlib import Path as FsPath
 
-import numpy as np
 import pytest
 
 from granikv.layers.attention.cascade.cost_model import CostModel
 from granikv.layers.attention.cascade.dispatcher import HOST_OVERHEAD, Dispatcher, HostPlanTime, Path, SteadyChooser
-from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo
 from granikv.layers.attention.cascade.promotion_estimate import PromotionEstimate
 from granikv.layers.attention.cascade.step_stats import StepStats
 from test_dispatcher import batch  # noqa: E402

@@ -4,6 +4,7 @@ prefix gives the stock backend's output on the same KV, so the wrapper's contrac
 real class, not only for stand-ins. The GPU versions (flashinfer too, eager and graph replay)
 are in test/kernels/test_gpu_real_backends.py."""
 
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -22,25 +23,36 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size
              rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="float16", bos_token_id=1, eos_token_id=2)
 
 
-@pytest.fixture
-def real_runner(tmp_path):
+@contextlib.contextmanager
+def triton_runner(tmp_path, config, *, prepare=None):
+    """test_backend's CPU runner with the real ServerArgs / ModelConfig of ``config`` (an HF
+    config dict written into ``tmp_path``) published for SGLang's triton backend, under a
+    TP-1 parallel state; ``prepare(runner)`` runs first (e.g. a pool with more layers)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs
     from sglang_context import published_server_args
 
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "config.json").write_text(json.dumps(config))
     sa = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, attention_backend="triton",
                     device="cpu", load_format="dummy")
     with published_server_args(sa):
         with get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0,
                                      tp_size=1):
             runner = tb._runner()
+            if prepare is not None:
+                prepare(runner)
             runner.model_config = ModelConfig.from_server_args(sa)
             runner.server_args = sa
             runner.gpu_id, runner.is_draft_worker, runner.sliding_window_size, runner.page_size = 0, False, None, 1
             _add_newer_runner_fields(runner)
             yield runner
+
+
+@pytest.fixture
+def real_runner(tmp_path):
+    with triton_runner(tmp_path, LLAMA) as runner:
+        yield runner
 
 
 def _add_newer_runner_fields(runner) -> None:

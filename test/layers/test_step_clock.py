@@ -100,6 +100,22 @@ def test_a_planted_blind_clock_fails_the_host_bound_case(monkeypatch):
         assert Path.PAGED in drive(StepClock(clock=ft), ft, 60)
 
 
+def planner_steps(be, fb, rows, ft, steps):
+    """``steps`` eager decode steps of the batch ``fb`` through the backend's real planner, one
+    token longer each, the fake clock advancing by the previous step's path; their paths."""
+    paths = []
+    for step in range(steps):
+        if step:
+            fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+            fb.seq_lens = fb.seq_lens_cpu.clone()
+        ft.advance()
+        be.stage_batch(rows)
+        be.init_forward_metadata(fb)
+        ft.last = be.decode.path
+        paths.append(be.decode.path)
+    return paths
+
+
 def test_through_the_decode_planner_a_measured_slower_cascade_goes_paged(monkeypatch):
     """The real backend and planner on CPU: the model says cascade (a small saving), the clock
     measures cascade steps longer than paged ones, and the planner runs paged from then on with
@@ -112,16 +128,7 @@ def test_through_the_decode_planner_a_measured_slower_cascade_goes_paged(monkeyp
     ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
     be.decode.clock = StepClock(clock=ft)
     monkeypatch.setattr(be.decode.chooser, "choose", lambda *a, **k: model_choice())
-    paths = []
-    for step in range(40):
-        if step:
-            fb.seq_lens_cpu = fb.seq_lens_cpu + 1
-            fb.seq_lens = fb.seq_lens_cpu.clone()
-        ft.advance()
-        be.stage_batch(rows)
-        be.init_forward_metadata(fb)
-        ft.last = be.decode.path
-        paths.append(be.decode.path)
+    paths = planner_steps(be, fb, rows, ft, 40)
     assert paths[0] is Path.CASCADE and paths[-1] is Path.PAGED
     assert be.stats.last_reason.startswith(MEASURED_SLOWER)
     snap = be.stats_snapshot()
@@ -136,12 +143,4 @@ def test_through_the_decode_planner_a_forced_path_is_never_overruled(monkeypatch
     fb, rows = _batch(runner, hot={0, 2, 3})
     ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
     be.decode.clock = StepClock(clock=ft)
-    for step in range(30):
-        if step:
-            fb.seq_lens_cpu = fb.seq_lens_cpu + 1
-            fb.seq_lens = fb.seq_lens_cpu.clone()
-        ft.advance()
-        be.stage_batch(rows)
-        be.init_forward_metadata(fb)
-        ft.last = be.decode.path
-        assert be.decode.path is Path.CASCADE
+    assert set(planner_steps(be, fb, rows, ft, 30)) == {Path.CASCADE}

@@ -27,6 +27,7 @@ is lost where the clock decides.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, Optional
@@ -96,11 +97,13 @@ class StepClock:
         if decision.path is Path.PAGED:
             return decision
         times = decision.times
-        saving_s = (times.paged - times[_index(decision.path)]) * 1e-6
+        saving_s = (times.paged - times.of(decision.path)) * 1e-6
         step = step_s if step_s is not None else self._interval
         if step is None or step <= 0 or saving_s >= self.TRUST * step:
             return decision
-        st = self._sizes.setdefault(bs, _SizeState())
+        st = self._sizes.get(bs)
+        if st is None:
+            st = self._sizes[bs] = _SizeState()
         self._sample(st, bs, decision.path)
         if st.phase == "hold":
             st.hold_left -= 1
@@ -136,7 +139,7 @@ class StepClock:
         if st.phase == "A":
             st.phase = "B"
             return
-        a, b = _median(st.samples["A"]), _median(st.samples["B"])
+        a, b = statistics.median(st.samples["A"]), statistics.median(st.samples["B"])
         st.paged_wins = b < a * (1.0 - self.MARGIN)
         st.phase, st.hold_left, st.verdicts = "hold", self.HOLD, st.verdicts + 1
         st.last_a, st.last_b = a, b
@@ -158,13 +161,3 @@ class StepClock:
         """Counters for server info: overruled steps and verdicts (paged faster / model kept)."""
         return {"clock_overruled_steps": self.overruled_steps, "clock_verdicts_paged": self.verdicts_paged,
                 "clock_verdicts_model": self.verdicts_model}
-
-
-def _index(path: Path) -> int:
-    return {Path.PAGED: 0, Path.CASCADE: 1, Path.FUSED: 2, Path.BGEMM: 3}[path]
-
-
-def _median(xs: List[float]) -> float:
-    s = sorted(xs)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
