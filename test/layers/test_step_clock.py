@@ -31,7 +31,7 @@ def model_choice(saving_us=200.0):
 
 
 def drive(clock, ft, steps, *, bs=64, saving_us=200.0, interrupt_at=()):
-    """``steps`` decode steps; returns the final paths."""
+    """``steps`` decode steps (the clock's integrity checked after each); returns the final paths."""
     paths = []
     for k in range(steps):
         if k in interrupt_at:
@@ -41,6 +41,7 @@ def drive(clock, ft, steps, *, bs=64, saving_us=200.0, interrupt_at=()):
         clock.tick()
         d = clock.adjust(model_choice(saving_us), bs)
         clock.record(d.path, bs)
+        clock.check_integrity()
         ft.last = d.path
         paths.append(d.path)
     return paths
@@ -111,6 +112,7 @@ def planner_steps(be, fb, rows, ft, steps):
         ft.advance()
         be.stage_batch(rows)
         be.init_forward_metadata(fb)
+        be.decode.clock.check_integrity()
         ft.last = be.decode.path
         paths.append(be.decode.path)
     return paths
@@ -144,3 +146,17 @@ def test_through_the_decode_planner_a_forced_path_is_never_overruled(monkeypatch
     ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
     be.decode.clock = StepClock(clock=ft)
     assert set(planner_steps(be, fb, rows, ft, 30)) == {Path.CASCADE}
+
+
+def test_check_integrity_sees_a_corrupted_measurement():
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    drive(clock, ft, 60)
+    clock.check_integrity()
+    st = next(iter(clock._sizes.values()))
+    st.hold_left = StepClock.HOLD + 1  # planted: a verdict that would hold too long
+    with pytest.raises(AssertionError, match="held with"):
+        clock.check_integrity()
+    st.hold_left, clock.verdicts_model = 5, clock.verdicts_model + 1  # planted: a verdict counted twice
+    with pytest.raises(AssertionError, match="verdicts per shape"):
+        clock.check_integrity()

@@ -157,6 +157,24 @@ class StepClock:
                    f"{decision.path.value} {1e6 * st.last_a:.0f}us per step, measured")
         return Decision(Path.PAGED, decision.times, why)
 
+    def check_integrity(self) -> None:
+        """Every measured batch shape is in a known phase with at most a window of samples per
+        path, a held verdict has steps left within ``HOLD``, and the counters add up."""
+        need = self.WINDOW - self.SETTLE
+        for key, st in self._sizes.items():
+            if st.phase not in ("A", "B", "hold"):
+                raise AssertionError(f"step clock {key}: unknown phase {st.phase!r}")
+            for ph, xs in st.samples.items():
+                if len(xs) > need or any(x <= 0 for x in xs):
+                    raise AssertionError(f"step clock {key}: {len(xs)} samples of phase {ph} (at most {need}, "
+                                         "each > 0)")
+            if st.phase == "hold" and not 0 < st.hold_left <= self.HOLD:
+                raise AssertionError(f"step clock {key}: held with {st.hold_left} steps left (1..{self.HOLD})")
+        verdicts = sum(st.verdicts for st in self._sizes.values())
+        if verdicts != self.verdicts_paged + self.verdicts_model:
+            raise AssertionError(f"step clock: {verdicts} verdicts per shape != {self.verdicts_paged} paged + "
+                                 f"{self.verdicts_model} kept")
+
     def snapshot(self) -> dict:
         """Counters for server info: overruled steps and verdicts (paged faster / model kept)."""
         return {"clock_overruled_steps": self.overruled_steps, "clock_verdicts_paged": self.verdicts_paged,
