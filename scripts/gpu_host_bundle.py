@@ -269,7 +269,7 @@ IMPORTS = [
     "sglang.srt.models.qwen3_moe", "sglang.srt.layers.attention.flashinfer_backend",
     "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.layernorm",
     "sglang.srt.layers.sampler", "sglang.srt.mem_cache.radix_cache",
-    "granikv.plugin", "granikv.layers.attention.cascade.backend", "granikv.kernels.cascade",
+    "granikv.plugin", "granikv.attention.backend", "granikv.kernels.cascade",
     "granikv.kernels.fused_cascade", "granikv.kernels.suffix_attention",
 ]
 FLASHINFER_NAMES = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",

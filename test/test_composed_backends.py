@@ -11,8 +11,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from granikv import plugin
 from granikv.config import GraniKVConfig
-from granikv.layers.attention.cascade import backend_registry
-from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.attention import backend_registry
+from granikv.attention.backend import GraniKVAttnBackend
 from granikv.mem_cache.policy import NeverPromote
 from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch

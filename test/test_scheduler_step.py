@@ -6,8 +6,8 @@ import numpy as np
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from granikv.config import GraniKVConfig
-from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
-from granikv.layers.attention.cascade.extend_plan import plan_extend
+from granikv.attention.backend import GraniKVAttnBackend
+from granikv.attention.extend.plan import plan_extend
 from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch
 
@@ -17,11 +17,11 @@ CFG = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, log_in
 def _scheduler(sim):
     backend = object.__new__(GraniKVAttnBackend)  # only stage_batch / stats_snapshot are used here
     backend._staged = None
-    from granikv.layers.attention.cascade.decode_planner import DecodePlanner
-    from granikv.layers.attention.cascade.dispatcher import SteadyChooser
-    from granikv.layers.attention.cascade.plan import GroupingMemo
-    from granikv.layers.attention.cascade.step_clock import StepClock
-    from granikv.layers.attention.cascade.step_stats import StepStats
+    from granikv.attention.decode.planner import DecodePlanner
+    from granikv.attention.dispatcher import SteadyChooser
+    from granikv.attention.grouping import GroupingMemo
+    from granikv.attention.decode.step_clock import StepClock
+    from granikv.attention.step_stats import StepStats
 
     backend.stats = StepStats()
     backend.decode = object.__new__(DecodePlanner)

@@ -13,7 +13,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from granikv import plugin
 from granikv import sglang_compat as compat
 from granikv.config import GraniKVConfig
-from granikv.layers.attention.cascade import backend_registry
+from granikv.attention import backend_registry
 
 sys.path.insert(0, str(Path(__file__).parent / "layers"))
 

@@ -47,7 +47,7 @@ from granikv.kernels.merge_state import merge_state
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.suffix_attention import suffix_attention
 from granikv.kernels.kernel_config import tile_config
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 DEV = "cuda"
 DT = torch.bfloat16

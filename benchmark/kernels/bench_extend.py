@@ -116,7 +116,7 @@ def granikv_prefix(q, k, v, start: int, prefix: int, scale: float):
     import numpy as np
 
     from granikv.kernels.prefix_attention import prefix_attention
-    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+    from granikv.attention.decode.workspace import CascadeWorkspace
 
     n = q.shape[0]
     ws = CascadeWorkspace(n, HQ, HKV, D, DEV)
@@ -332,8 +332,8 @@ def run_forest(ws_bytes) -> dict:
     import flashinfer
     import numpy as np
 
-    from granikv.layers.attention.cascade.extend_plan import plan_extend
-    from granikv.layers.attention.cascade.hot_extend import FlashInferDense, HotExtendAttention
+    from granikv.attention.extend.plan import plan_extend
+    from granikv.attention.extend.hot_extend import FlashInferDense, HotExtendAttention
 
     k, v, rows, prefix, start, length, new, r2t, q = forest_batch()
     scale = D**-0.5

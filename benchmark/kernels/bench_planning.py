@@ -37,9 +37,9 @@ import time
 
 import numpy as np
 
-from granikv.layers.attention.cascade.cost_model import CostModel
-from granikv.layers.attention.cascade.dispatcher import Dispatcher
-from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, group_requests
+from granikv.attention.cost.cost_model import CostModel
+from granikv.attention.dispatcher import Dispatcher
+from granikv.attention.grouping import BatchDescription, GroupingMemo, group_requests
 
 BATCH_SIZES = (1, 2, 8, 17, 64, 128, 256)
 GROUPS = (1, 2, 4, 16)
@@ -72,7 +72,7 @@ def per_call_us(fn, iters: int, repeats: int) -> float:
 def work_list_fn(desc: BatchDescription):
     """A closure building the cascade kernels' work list, or None if that module is missing."""
     try:
-        from granikv.layers.attention.cascade.work_list import build_work_list, default_config
+        from granikv.attention.decode.work_list import build_work_list, default_config
     except Exception as e:  # noqa: BLE001 - optional column
         print(f"# work_list column skipped: {type(e).__name__}: {e}")
         return None
@@ -89,8 +89,8 @@ def work_list_fn(desc: BatchDescription):
 
 def step_fn(desc: BatchDescription, dispatcher, *, steady: bool):
     """One decode step's host work in the backend, for successive steps of the same batch."""
-    from granikv.layers.attention.cascade.work_list import default_config
-    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+    from granikv.attention.decode.work_list import default_config
+    from granikv.attention.decode.workspace import CascadeWorkspace
 
     cfg = default_config(128)
     if not steady:
@@ -164,7 +164,7 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from granikv.config import GraniKVConfig
-    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+    from granikv.attention.backend import GraniKVAttnBackend
     from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=HD, num_hidden_layers=LAYERS, context_len=32768,

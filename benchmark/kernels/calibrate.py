@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from granikv.kernels.graph_capture import capture_graph
-from granikv.layers.attention.cascade.cost_model import (
+from granikv.attention.cost.cost_model import (
     DISABLEABLE_PATHS,
     LAUNCHES,
     PAGED_NAMES,
@@ -50,8 +50,8 @@ from granikv.layers.attention.cascade.cost_model import (
     calibrated_path,
     never_fastest,
 )
-from granikv.layers.attention.cascade.dispatcher import Dispatcher
-from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+from granikv.attention.dispatcher import Dispatcher
+from granikv.attention.grouping import BatchDescription, group_requests
 
 # (groups as [(prefix_len, requests)], suffix tokens per request, ungrouped requests)
 CASES = [([(p, n)], 256, 0) for p in (1024, 4096, 16384) for n in (2, 8, 32, 128)] + [
@@ -202,7 +202,7 @@ def paged_triton(case: Case):
 def granikv_paths(case: Case):
     """{path: us per call} for cascade, fused (graph) and bgemm (eager)."""
     from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
-    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+    from granikv.attention.decode.workspace import CascadeWorkspace
 
     hq, hkv, d = case.heads
     g = case.grouping
@@ -228,7 +228,7 @@ def granikv_paths(case: Case):
 
 def plan_us(case: Case, dispatcher: Dispatcher, iters: int = 200) -> float:
     """Host wall time of one step's planning: group + choose + workspace fill."""
-    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+    from granikv.attention.decode.workspace import CascadeWorkspace
 
     hq, hkv, d = case.heads
     ws = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=case.bs)

@@ -10,7 +10,7 @@ issue-3 target is a ratio >= 0.97 everywhere. Runs on CPU (no kernels run here).
 
     python benchmark/kernels/dispatch_grid.py docs/results/kernels.json [--eager] [--md OUT.md]
 
-The dispatcher is built as serving builds it (``support.build_dispatcher``): per-layer times
+The dispatcher is built as serving builds it (``dispatcher.build_dispatcher``): per-layer times
 plus the host planning cost amortised over ``--num-layers`` layers (32: Llama-3.1-8B, the
 grid's head shapes).
 
@@ -23,9 +23,9 @@ import json
 
 import numpy as np
 
-from granikv.layers.attention.cascade.cost_model import CostModel
-from granikv.layers.attention.cascade.dispatcher import Dispatcher
-from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+from granikv.attention.cost.cost_model import CostModel
+from granikv.attention.dispatcher import Dispatcher
+from granikv.attention.grouping import BatchDescription, group_requests
 
 MEASURED = {"paged": "fi_decode_tc_ms", "cascade": "gkv_cascade_ms", "fused": "gkv_fused_ms",
             "bgemm": "gkv_bgemm_ms"}

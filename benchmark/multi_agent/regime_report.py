@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import bounds
-from granikv.layers.attention.cascade.step_stats import PlanTimeHistogram
+from granikv.attention.step_stats import PlanTimeHistogram
 
 quantile_us = PlanTimeHistogram.quantile_us
 

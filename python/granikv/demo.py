@@ -155,7 +155,7 @@ def _scheduler_sim():
 
 
 def run_cpu_walkthrough(args: argparse.Namespace) -> int:
-    from granikv.layers.attention.cascade.plan import BatchDescription, group_requests
+    from granikv.attention.grouping import BatchDescription, group_requests
     Sim, SimConfig = _scheduler_sim()
 
     rng = random.Random(args.seed)

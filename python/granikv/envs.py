@@ -2,7 +2,7 @@
 
 ``GRANIKV_DEBUG_FAULT``: debug only, never for serving. Plants a known error in the decode
 attention so that an end-to-end correctness check (benchmark/correctness/check.py) can show it
-detects one; see ``layers/attention/cascade/planted_fault.py`` for the values. Unset or empty:
+detects one; see ``attention/debug/planted_fault.py`` for the values. Unset or empty:
 no fault.
 """
 

@@ -242,7 +242,7 @@ def _after_profile_available_bytes(result, configurator, *args, **kw):
     model = getattr(configurator, "model", None)  # holds the reservation (the configurator is slotted)
     if cfg is None or configurator.is_draft_worker or configurator.device != "cuda" or model is None:
         return None
-    from granikv.layers.attention.cascade import extend_workspace
+    from granikv.attention.extend import workspace as extend_workspace
 
     if not extend_workspace.needs_own_workspace(configurator.server_args, cfg):
         return None
@@ -279,7 +279,7 @@ def _promotion_policy(ctx, cfg):
             logger.warning("GraniKV: no GraniKV attention backend found; promotion policy "
                            "falls back to the length / sharers thresholds")
         return SharedLongPrefixPolicy.from_config(cfg)
-    from granikv.layers.attention.cascade.promotion_estimate import PromotionEstimate
+    from granikv.attention.promotion_estimate import PromotionEstimate
 
     policy = PaysOffPolicy.from_config(cfg, PromotionEstimate.from_config(dispatcher, cfg))
     logger.info("GraniKV promotion policy: %r", policy)
@@ -295,8 +295,8 @@ def _around_build_attn_backend(orig, *, model_runner, backend_str, init_new_work
     cfg = config_of(model_runner.server_args)
     if cfg is None or getattr(model_runner, "is_draft_worker", False):
         return inner
-    from granikv.layers.attention.cascade import backend_registry
-    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+    from granikv.attention import backend_registry
+    from granikv.attention.backend import GraniKVAttnBackend
 
     backend = GraniKVAttnBackend.wrap(inner, model_runner=model_runner, cfg=cfg,
                                       backend_name=backend_str)
@@ -313,7 +313,7 @@ def _graph_backend(runner):
     backend = getattr(runner, "attn_backend", None)
     if backend is None or getattr(runner, "enable_pdmux", False):
         return None
-    from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+    from granikv.attention.backend import GraniKVAttnBackend
 
     return backend if isinstance(backend, GraniKVAttnBackend) else None
 
@@ -325,7 +325,7 @@ def _around_capture_one_shape(orig, runner, size, forward, stream_idx=None, vari
     backend = _graph_backend(runner)
     if backend is None or getattr(runner, "ragged_verify_mode", False) or not backend.graphs.wants_cascade(size):
         return out
-    from granikv.layers.attention.cascade.graph_variants import cascade_label
+    from granikv.attention.decode.graph_variants import cascade_label
 
     backend.graphs.begin_capture(size)
     ok = False

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from granikv import sglang_compat as compat
-from granikv.layers.attention.cascade.step_stats import MAXIMA
+from granikv.attention.step_stats import MAXIMA
 
 logger = logging.getLogger("granikv")
 
@@ -99,8 +99,8 @@ def granikv_backends(scheduler, cache=None) -> list:
     ``attn_backend`` if that is one. None found: GraniKV's attention cannot run, so the first
     lookup says so and turns promotions off (a HOT prefix would only cost copies)."""
     if not hasattr(scheduler, "_granikv_backends"):
-        from granikv.layers.attention.cascade import backend_registry
-        from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+        from granikv.attention import backend_registry
+        from granikv.attention.backend import GraniKVAttnBackend
 
         runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
         found = backend_registry.backends_of(runner)

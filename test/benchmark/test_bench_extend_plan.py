@@ -76,8 +76,8 @@ def test_packed_gqa_split_attention_equals_gqa_attention():
 def test_forest_batch_plans_into_two_calls(monkeypatch):
     """--forest: the batch (built on CPU here) is a forest of 16 extents whose plan is one call
     for the disjoint extents plus one for the head-only matches."""
-    from granikv.layers.attention.cascade.extend_plan import plan_extend
-    from granikv.layers.attention.cascade.hot_extend import check_call
+    from granikv.attention.extend.plan import plan_extend
+    from granikv.attention.extend.hot_extend import check_call
 
     mod = _load()
     monkeypatch.setattr(mod, "DEV", "cpu")

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmark" / "kernels"))
 
 import calibrate as cal  # noqa: E402
 
-from granikv.layers.attention.cascade.cost_model import CostModel  # noqa: E402
+from granikv.attention.cost.cost_model import CostModel  # noqa: E402
 
 H200 = ROOT / "python" / "granikv" / "data" / "cost_model_nvidia-h200.json"
 

@@ -119,7 +119,7 @@ def test_layer_rule():
 
 
 def test_check_tolerance_constants_are_the_compare_modules():
-    from granikv.layers.attention.cascade import debug_compare
+    from granikv.attention.debug import compare as debug_compare
 
     assert (check.TOLERANCE_FACTOR, check.FLOOR_EPS) == (debug_compare.TOLERANCE_FACTOR,
                                                          debug_compare.FLOOR_EPS)

@@ -2,8 +2,8 @@
 
 from bench_scripts import load  # noqa: E402  (test/benchmark, on the path)
 
-from granikv.layers.attention.cascade.cost_model import CostModel
-from granikv.layers.attention.cascade.dispatcher import Dispatcher
+from granikv.attention.cost.cost_model import CostModel
+from granikv.attention.dispatcher import Dispatcher
 
 
 def _mod():

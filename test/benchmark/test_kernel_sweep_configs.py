@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from bench_scripts import load  # noqa: E402  (test/benchmark, on the path)
 
-from granikv.layers.attention.cascade.work_list import default_config
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.work_list import default_config
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 bench = load("kernels", "bench_attention.py")
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from granikv.layers.attention.cascade.work_list import KernelConfig
+from granikv.attention.decode.work_list import KernelConfig
 
 # Small tiles so the interpreter stays fast and every path (several tiles per group, several
 # kv chunks per group, several suffix chunks per request, masked tails) is exercised.

@@ -16,7 +16,7 @@ from granikv.kernels.merge_state import merge_rows
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.reference import merge_state_ref, partials_ref
 from granikv.kernels.suffix_attention import suffix_attention
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 O_TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 LSE_TOL = {torch.float32: 2e-5, torch.float16: 1e-4}

@@ -17,7 +17,7 @@ from granikv.kernels.cascade import (
     fused_cascade_attention,
 )
 from granikv.kernels.reference import decode_attention_ref, prefix_attention_ref
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}

@@ -14,8 +14,8 @@ from conftest import SMALL_CONFIG, make_batch
 
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.reference import decode_attention_ref
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
-from granikv.layers.attention.cascade.reuse_base import last_item_bound, last_suffix_item
+from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.attention.decode.reuse_base import last_item_bound, last_suffix_item
 
 PATHS = [cascade_attention, fused_cascade_attention]
 

@@ -15,8 +15,8 @@ from conftest import fill, make_batch
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.reference import decode_attention_ref
-from granikv.layers.attention.cascade.work_list import KernelConfig
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.work_list import KernelConfig
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 pytestmark = pytest.mark.gpu
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from granikv.layers.attention.cascade.extend_plan import plan_extend
-from granikv.layers.attention.cascade.hot_extend import FlashInferDense, HotExtendAttention
+from granikv.attention.extend.plan import plan_extend
+from granikv.attention.extend.hot_extend import FlashInferDense, HotExtendAttention
 
 pytestmark = pytest.mark.gpu
 HQ, HKV, D = 32, 8, 128
@@ -102,7 +102,7 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     import flashinfer
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from granikv.layers.attention.cascade.full_extend import FullExtend
+    from granikv.attention.extend.full_extend import FullExtend
 
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from granikv.config import GraniKVConfig
-from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.attention.backend import GraniKVAttnBackend
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
 pytestmark = pytest.mark.gpu

@@ -17,8 +17,8 @@ from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.kernel_config import KernelConfig, tile_config
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.reference import decode_attention_ref, partials_ref
-from granikv.layers.attention.cascade.work_list import build_prefix_items
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.work_list import build_prefix_items
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 MODELS = {  # (q heads, kv heads): the model shapes the kernels are tuned for

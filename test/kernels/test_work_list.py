@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import SMALL_CONFIG, fill, make_batch
 
-from granikv.layers.attention.cascade.work_list import KernelConfig, build_work_list, suffix_heads
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+from granikv.attention.decode.work_list import KernelConfig, build_work_list, suffix_heads
+from granikv.attention.decode.workspace import CascadeWorkspace
 
 
 def _cdiv(a, b):
@@ -143,8 +143,8 @@ def test_fill_reuses_the_prefix_half_only_while_the_grouping_is_unchanged():
     give exactly the work list a fresh build gives, and a new grouping must not reuse them."""
     import numpy as np
 
-    from granikv.layers.attention.cascade.work_list import build_work_list
-    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+    from granikv.attention.decode.work_list import build_work_list
+    from granikv.attention.decode.workspace import CascadeWorkspace
 
     ws = CascadeWorkspace(16, 8, 2, 64, "cpu", sm_count=4)
     g = (np.array([100, 300]), np.array([37, 90]), np.array([0, 2, 5]), np.array([0, 3, 1, 4, 6]))

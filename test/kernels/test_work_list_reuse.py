@@ -14,9 +14,9 @@ from conftest import SMALL_CONFIG, fill, make_batch
 
 from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.reference import decode_attention_ref
-from granikv.layers.attention.cascade.work_list import build_work_list
-from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
-from granikv.layers.attention.cascade.plan import BatchDescription, GroupingMemo, group_requests
+from granikv.attention.decode.work_list import build_work_list
+from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.attention.grouping import BatchDescription, GroupingMemo, group_requests
 
 
 def _workspace(b, config=SMALL_CONFIG, extra=4):

@@ -151,9 +151,9 @@ def test_the_regime_grids_forest_is_promoted_through_the_cache():
     import torch
 
     from granikv.config import GraniKVConfig
-    from granikv.layers.attention.cascade.cost_model import CostModel
-    from granikv.layers.attention.cascade.dispatcher import Dispatcher
-    from granikv.layers.attention.cascade.promotion_estimate import PromotionEstimate
+    from granikv.attention.cost.cost_model import CostModel
+    from granikv.attention.dispatcher import Dispatcher
+    from granikv.attention.promotion_estimate import PromotionEstimate
     from scheduler_sim import SimConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "multi_agent"))

@@ -97,8 +97,8 @@ def test_registered_cache_factory_builds_the_granikv_cache():
 
 
 def test_cache_factory_wires_the_pays_off_policy_to_the_backends_cost_model():
-    from granikv.layers.attention.cascade.cost_model import CostModel
-    from granikv.layers.attention.cascade.dispatcher import Dispatcher
+    from granikv.attention.cost.cost_model import CostModel
+    from granikv.attention.dispatcher import Dispatcher
     from granikv.mem_cache.policy import PaysOffPolicy, SharedLongPrefixPolicy
 
     dispatcher = Dispatcher(CostModel.load(None, "NVIDIA H200"), num_q_heads=32, num_kv_heads=8,

@@ -19,8 +19,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 from granikv.config import GraniKVConfig
-from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
-from granikv.layers.attention.cascade.support import unsupported_reason
+from granikv.attention.backend import GraniKVAttnBackend
+from granikv.attention.eligibility import unsupported_reason
 from granikv.mem_cache.allocator import GraniKVAllocator
 from granikv.mem_cache.radix_cache import GraniKVRadixCache
 
@@ -194,7 +194,7 @@ def test_plugin_rejects_pools_it_cannot_manage(kv_pool):
 def test_unreadable_cost_model_names_the_path(tmp_path):
     """--granikv-cost-model is read when the attention backend is built (model start-up, before
     serving), not when the flags are parsed: a missing or broken file fails there, by name."""
-    from granikv.layers.attention.cascade.cost_model import CostModel
+    from granikv.attention.cost.cost_model import CostModel
 
     with pytest.raises(ValueError, match="missing.json: cannot read the cost model"):
         CostModel.load(str(tmp_path / "missing.json"))

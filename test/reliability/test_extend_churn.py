@@ -5,7 +5,7 @@ Seeded random extend batches mix: agents joining shared prefixes (which get prom
 the hook in the same step), agents whose prompt extends their own earlier turn (HOT head + COLD
 tail), chunked prefills of unshared prompts, fresh prompts, aborts and COLD eviction between
 batches. For every batch, layer 0's extend output through ``GraniKVAttnBackend`` (around the
-stand-in of SGLang's flashinfer extend, test/layers/extend_standin.py) must equal full causal
+stand-in of SGLang's flashinfer extend, test/attention/extend_standin.py) must equal full causal
 attention over the ORACLE KV of each request's tokens (``Sim.expected_kv``), so a HOT extent
 holding the wrong KV, a wrong token grouping or a wrong COLD remainder all fail. Tolerance:
 float32 KV and math, atol = rtol = 1e-4.
@@ -21,7 +21,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from granikv.config import GraniKVConfig
-from granikv.layers.attention.cascade.backend import GraniKVAttnBackend
+from granikv.attention.backend import GraniKVAttnBackend
 from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import on_run_batch
 

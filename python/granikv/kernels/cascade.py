@@ -26,7 +26,7 @@ from .prefix_attention import prefix_attention
 from .suffix_attention import suffix_attention
 
 if TYPE_CHECKING:  # the launchers read a filled workspace; the plan layer owns it (no runtime import upward)
-    from granikv.layers.attention.cascade.cascade_workspace import CascadeWorkspace
+    from granikv.attention.decode.workspace import CascadeWorkspace
 
 __all__ = [
     "PrefixState",

@@ -1,0 +1,211 @@
+"""``GraniKVAttnBackend``: wraps the attention backend SGLang built (flashinfer, triton, ...).
+
+Idle batches, and extend batches without a HOT prefix, go to the wrapped backend untouched
+(extend batches over HOT prefixes: below). For a decode batch, the plan
+(``plan.group_requests`` + ``dispatcher.Dispatcher``) picks a path once per step, on the host:
+
+- ``paged``: the wrapped backend with the batch's real metadata; GraniKV adds no device work
+  (eager steps run no GraniKV kernel; graph steps replay the stock graph, see below).
+- ``cascade`` / ``fused`` / ``bgemm``: the wrapped backend still runs (it writes the step's K/V
+  into the pool exactly as stock SGLang does) but plans every request with ``seq_len = 1``, so
+  its attention costs next to nothing; GraniKV's kernels then compute every request's
+  attention (HOT prefix once per group + COLD suffix + LSE merge) and overwrite the wrapped
+  backend's output rows in place.
+
+CUDA graphs (``decode_planner``, ``graph_variants``): every captured batch size has the stock
+graph (the wrapped backend alone) and, where the cost model says cascade can win at that size, a cascade graph
+(``wrapped decode with seq_len = 1 -> cascade kernels``). The plan, made in
+``init_forward_metadata_out_graph`` before the replay, picks the graph: paged steps replay the
+stock graph (exactly the stock work), cascade steps the cascade graph. All plan-dependent data
+lives in the fixed-capacity ``CascadeWorkspace`` and the wrapped backend's per-size metadata
+buffers, shared by both graphs of a size and refilled before every replay. Fused and bgemm run
+on eager steps only.
+
+Extend batches with a cached prefix (``extend_paths``, ``extend_plan``, ``hot_extend``): when
+some cached prefix in the batch starts with a HOT run and the wrapped backend is flashinfer (ragged + paged
+prefill), the paged prefill wrapper in the batch's metadata is replaced by a
+``PrefixPartProxy``: the prefix part runs as one dense call per HOT extent, plus one paged call
+for the COLD remainder; SGLang's code does the rest of the extend. Under other backends
+(triton: one kernel per row, no LSE), ``full_extend`` computes the batch's whole extend.
+
+The per-step host input is staged by the scheduler hook (``stage_batch``: the batch's
+``req_pool_idx`` values, known on the host without a device sync); HOT runs come from the
+``HotPrefixTable`` numpy mirror.
+"""
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from granikv.attention.debug.compare import DebugCompare
+from granikv.attention.decode.planner import DecodePlanner
+from granikv.attention.dispatcher import Path
+from granikv.attention.extend.paths import ExtendPaths
+from granikv.attention.forwarding import ForwardingBackend
+from granikv.attention.eligibility import LayerEligibility, unsupported_reason
+from granikv.attention.step_stats import StepStats
+from granikv.attention.dispatcher import build_dispatcher
+
+logger = logging.getLogger("granikv")
+
+
+class GraniKVAttnBackend(ForwardingBackend):
+    """Decode through the shared-prefix kernels when the plan says so; everything else as-is.
+
+    The class SGLang sees: it keeps SGLang's ``AttentionBackend`` contract and composes the
+    concerns, each in its own module: ``LayerEligibility`` (which layers GraniKV computes, for
+    decode and extend alike), ``DecodePlanner`` (decode plan / run, workspaces, graph state),
+    ``ExtendPaths`` (extend over HOT prefixes), ``DebugCompare`` (debug compare mode);
+    ``ForwardingBackend`` hands the wrapped backend the rest.
+    """
+
+    @classmethod
+    def wrap(cls, inner, *, model_runner, cfg, backend_name: str):
+        """Wraps ``inner``, or returns it unchanged (with a log line) when GraniKV cannot serve."""
+        reason = unsupported_reason(model_runner, cfg)
+        if reason is not None:
+            logger.warning("GraniKV attention off (%s): decode uses the stock %s backend",
+                           reason, backend_name)
+            return inner
+        return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name)
+
+    def __init__(self, inner, *, model_runner, cfg, backend_name: str):
+        super().__init__(inner)
+        self.cfg = cfg
+        self.backend_name = backend_name
+        self.model_runner = model_runner
+        self.dispatcher = build_dispatcher(model_runner, cfg, backend_name)
+        geo = self.dispatcher.geometry
+        self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
+        self.device = torch.device(model_runner.device)
+        self.stats = StepStats()
+        self.eligibility = LayerEligibility(num_q_heads=geo.num_q_heads, head_dim=geo.head_dim,
+                                            backend_name=backend_name)
+        # Any ineligible layer keeps decode stock (the wrapped backend is planned once per step
+        # for every layer, so one layer cannot opt out of the ``seq_len = 1`` plan); extend
+        # batches fall back layer by layer.
+        if self.eligibility.scan(getattr(model_runner, "model", None)):
+            self.dispatcher = self._paged_dispatcher()
+        self.decode = DecodePlanner(self)
+        self.compare = DebugCompare(self)
+        self.extend = ExtendPaths(self, self.eligibility, self.compare)
+        self._staged: Optional[np.ndarray] = None
+        self._stage_seconds = 0.0
+
+    def _paged_dispatcher(self):
+        return build_dispatcher(self.model_runner, self.cfg, self.backend_name, forced_path="paged")
+
+    # ---- shared state ------------------------------------------------------------------
+
+    @property
+    def hot_prefix_table(self):
+        return self.model_runner.token_to_kv_pool_allocator.hot_prefix_table
+
+    @property
+    def graphs(self):
+        """The decode CUDA-graph variants (``graph_variants.GraphVariants``), used by the hooks."""
+        return self.decode.graphs
+
+    @graphs.setter
+    def graphs(self, value):
+        self.decode.graphs = value
+
+    def stats_snapshot(self) -> dict:
+        """``StepStats.snapshot()`` plus how often steady steps reused the previous plan."""
+        out = self.stats.snapshot()
+        out.update(self.decode.reuse_counts())
+        return out
+
+    def stage_batch(self, req_pool_indices: np.ndarray, *, seconds: float = 0.0) -> None:
+        """The next decode or extend batch's ``req_pool_idx`` per request, in batch order
+        (host ints); ``seconds``: the host time the caller spent building it (counted in the
+        step's planning time)."""
+        self._staged = req_pool_indices
+        self._stage_seconds = seconds
+
+    def _take_staged(self):
+        staged, self._staged = self._staged, None
+        seconds, self._stage_seconds = self._stage_seconds, 0.0
+        return staged, seconds
+
+    def _plan_decode(self, fb, *, graph: bool):
+        staged, seconds = self._take_staged()
+        return self.decode.plan_step(fb, staged, stage_seconds=seconds, graph=graph)
+
+    # ---- AttentionBackend metadata contract ---------------------------------------------
+
+    def init_forward_metadata(self, forward_batch):
+        if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
+            staged, self._staged, self.decode.path = self._staged, None, Path.PAGED
+            self.decode.clock.interrupt()
+            self.compare.no_decode_compare()
+            self.inner.init_forward_metadata(forward_batch)
+            self.extend.plan(forward_batch, staged)
+            return
+        view = self._plan_decode(forward_batch, graph=False)
+        self.inner.init_forward_metadata(self.compare.plan_decode(forward_batch, view))
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        self.graphs.planned_cascade = False
+        self.compare.no_decode_compare()  # a replay runs no Python
+        if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
+            self.decode.path = Path.PAGED
+            if not forward_batch.forward_mode.is_decode():
+                self.decode.clock.interrupt()
+            return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if in_capture:
+            return self.decode.capture_metadata_for(forward_batch)
+        view = self._plan_decode(forward_batch, graph=True)
+        self.inner.init_forward_metadata_out_graph(view)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self.inner.init_forward_metadata_in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        self.decode.init_graph_state(max_bs)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.inner.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self):
+        return self.inner.on_after_cuda_graph_warmup()
+
+    def reads_req_to_token_during_replay(self) -> bool:
+        """Whether this step's decode-graph replay runs GraniKV's kernels, which read
+        ``req_to_token`` during the replay (so SGLang's pre-replay read-done event is too early:
+        war_barrier.py): the step planned its size's cascade graph. Stock graphs read it only
+        in the pre-replay metadata copy."""
+        return self.decode.replay_runs_kernels()
+
+    # ---- compute --------------------------------------------------------------------------
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.extend.forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        o = self.inner.forward_decode(q, k, v, layer, forward_batch,
+                                      save_kv_cache=save_kv_cache, **kwargs)
+        if self.decode.path is not Path.PAGED:  # paged: the stock work only
+            self._unscanned_decode_feature(layer, self.eligibility.reason(layer, k, v, kwargs))
+            due = self.compare.decode_due(layer)
+            stock = self.compare.stock_output(o) if due else None  # before the kernels overwrite o
+            self.decode.run(q, layer, o)
+            if due:
+                self.compare.compare_decode(q, layer, forward_batch, o, self.decode.path, stock)
+        return o
+
+    def _unscanned_decode_feature(self, layer, reason) -> None:
+        """A decode call carries a feature the wrap-time scan did not see (an argument only
+        the call shows, or a layer outside the scanned model). This step's wrapped backend was
+        planned with ``seq_len = 1``: the output cannot be repaired here, so decode stays stock
+        from the next step on (error logged once)."""
+        if reason is None:
+            return
+        logger.error("GraniKV: decode of layer %d carries %s, which the layer scan did not "
+                     "find; decode attention is stock from the next step on", layer.layer_id, reason)
+        self.eligibility.record(layer.layer_id, reason)
+        self.dispatcher = self._paged_dispatcher()
+        self.decode.use_dispatcher(self.dispatcher)

@@ -1,0 +1,386 @@
+"""``DecodePlanner``: a decode step's plan (host side, once per step) and run (per layer), its
+workspaces and its CUDA-graph state.
+
+Plan: ``plan.group_requests`` (through ``GroupingMemo``) and the dispatcher's ``SteadyChooser``
+pick a path; for a non-paged path the step's ``CascadeWorkspace`` is filled and the wrapped
+backend is planned with a ``seq_len = 1`` view of the batch (it still writes the step's K/V,
+and reads one token). Run: GraniKV's kernels compute every request's attention and overwrite
+the wrapped backend's output rows in place.
+
+Graphs (``graph_variants``): every captured batch size has the stock graph and, where the cost
+model says cascade can win, a cascade graph. Both graphs of a size read the fixed graph
+workspace (sized at ``init_graph_state``, never reallocated) and the wrapped backend's per-size
+metadata buffers, refilled before every replay. Eager steps larger than the graph workspace use
+a separate eager workspace, grown on demand.
+
+``host``: the ``GraniKVAttnBackend`` served; ``inner``, ``cfg``, ``stats``, ``dispatcher`` and
+``model_runner`` are read from it at each call (they may be replaced after construction).
+"""
+
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from granikv.config import parse_graph_bs
+from granikv.attention.debug import planted_fault
+from granikv.attention.dispatcher import Path, SteadyChooser
+from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
+from granikv.attention.grouping import BatchDescription, GroupingMemo, verify_same_slots
+from granikv.attention.decode.step_clock import StepClock
+
+logger = logging.getLogger("granikv")
+
+
+class DecodePlanner:
+    def __init__(self, host):
+        self.host = host
+        self.chooser = SteadyChooser(host.dispatcher)  # steady steps: O(1) path choice
+        self.clock = StepClock()  # measured end-to-end step time per path (overrules the model to paged)
+        self._clock_key = None  # (batch size, groups) of the step being planned
+        self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
+        self.path = Path.PAGED  # path of the current step
+        self.workspace = None  # CascadeWorkspace (the graph one once graphs exist)
+        self.eager_workspace = None  # eager steps larger than the graph workspace
+        self.ws = None  # the workspace of the current step
+        self.graph_mode = False  # True once CUDA-graph state exists
+        self.graphs = GraphVariants(parse_graph_bs(host.cfg.cascade_graph_bs), can_win=self.cascade_can_win)
+        self._last_rows = None  # (rows array, table version, hot_start, hot_len, grouping) of the last plan
+        self.last_desc = None  # BatchDescription of the last plan (reused while its arrays are)
+        self._seq_view = None  # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
+        self._capture_metadata = {}  # bs -> the wrapped backend's forward_metadata of its stock capture
+        self._ones = None
+        self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
+        self.filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
+        self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
+        self._pad_fill = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
+        self._ends = None  # the step's device seq_lens, if the workspace can bind them (_plan)
+        self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
+        self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
+
+    def use_dispatcher(self, dispatcher) -> None:
+        """Later steps choose with ``dispatcher`` (e.g. one forced to paged)."""
+        self.chooser = SteadyChooser(dispatcher)
+
+    def reuse_counts(self) -> dict:
+        """How often steady steps reused the previous plan (for ``stats_snapshot``)."""
+        wss = [w for w in (self.workspace, self.eager_workspace) if w is not None]
+        return {"work_list_builds": sum(w.fills_built for w in wss),
+                "work_list_reuses": sum(w.fills_reused for w in wss),
+                "work_list_in_place": sum(w.advances_in_place for w in wss),
+                "grouping_reuses": self.grouping_memo.hits,
+                "choice_reuses": self.chooser.hits,
+                **self._host_plan_counts(),
+                **self.clock.snapshot(),
+                "upload_wait_us_total": 1e6 * sum(w.upload_wait_seconds for w in wss),
+                "upload_us_total": 1e6 * sum(w.upload_seconds for w in wss)}
+
+    def _host_plan_counts(self) -> dict:
+        """The dispatcher's host planning term (HostPlanTime); empty without a dispatcher."""
+        d = self.chooser.dispatcher
+        if d is None:
+            return {}
+        return {"dispatch_host_us_mean": d.host_plan.us, "dispatch_host_samples": d.host_plan.samples}
+
+    def cascade_can_win(self, bs: int) -> bool:
+        host = self.host
+        context = getattr(host.model_runner.model_config, "context_len", None) or AUTO_PREFIX_TOKENS
+        return cascade_can_win(host.dispatcher, bs, prefix_tokens=min(context, AUTO_PREFIX_TOKENS),
+                               min_group_size=host.cfg.min_group_size)
+
+    # ---- workspaces ----------------------------------------------------------------------
+
+    def _new_workspace(self, max_bs: int):
+        from granikv.attention.decode.workspace import CascadeWorkspace
+
+        geo = self.host.dispatcher.geometry
+        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.host.device)
+
+    def workspace_for(self, bs: int):
+        """The workspace a step of ``bs`` requests uses.
+
+        The graph workspace (sized at ``init_graph_state``) is never reallocated: captured
+        graphs read its buffers. Eager steps larger than it (more running requests than the
+        largest captured graph) get a separate eager workspace, grown on demand.
+        """
+        if self.graph_mode and bs <= self.workspace.max_bs:
+            return self.workspace
+        attr = "eager_workspace" if self.graph_mode else "workspace"
+        ws = getattr(self, attr)
+        if ws is None or ws.max_bs < bs:
+            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
+            setattr(self, attr, ws)
+        if self._ones is None or self._ones.numel() < bs:
+            self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.host.device)
+            self._ones_views = {}
+        return ws
+
+    # ---- planning (host side, once per step) -----------------------------------------
+
+    def plan_step(self, fb, staged, *, stage_seconds: float, graph: bool):
+        """A decode step's host work: plan, fill the workspace; returns the batch the wrapped
+        backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view).
+        ``staged``: the batch's ``req_pool_idx`` values (None: not staged). ``graph``: the step
+        replays a graph of ``fb.batch_size`` (paged, or cascade where that size has a cascade
+        graph). The time of both parts is recorded, with ``stage_seconds`` (the host time the
+        scheduler hook spent staging this step)."""
+        c0, t0 = time.thread_time(), time.perf_counter()
+        self.clock.tick()
+        self._t_choose = self._clock_key = None
+        plan = self._plan(fb, staged, graph=graph)
+        t1 = time.perf_counter()
+        tc = self._t_choose or t1
+        self.path = Path.PAGED if plan is None else plan[2].path  # graph steps: paged or cascade
+        upload = 0.0
+        if plan is not None:
+            upload = self._fill_workspace(plan, fb)
+            if self.host.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
+                self.ws.ends.check_integrity(plan[1].seq_lens)
+        self.graphs.planned_cascade = graph and plan is not None
+        self.clock.record(self.path, self._clock_key or (fb.batch_size, 0))
+        t2 = time.perf_counter()
+        view = fb if plan is None else self._inner_view(fb)
+        t3 = time.perf_counter()
+        self.host.stats.record_plan_time(
+            t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
+            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload, upload, t3 - t2))
+        if plan is not None:  # a step that planned a GraniKV path: the dispatcher's host term
+            self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
+        return view
+
+    def _plan(self, fb, staged, graph: bool):
+        """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
+        host, stats = self.host, self.host.stats
+        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
+            stats.unplanned += 1
+            return None
+        if graph and not self.graphs.has_cascade_graph(fb.batch_size):
+            stats.record_paged(bs, "no cascade graph of this batch size")
+            return None
+        table = host.hot_prefix_table
+        version = getattr(table, "version", None)
+        last = self._last_rows
+        if (last is not None and last[1] == version and version is not None
+                and (last[0] is staged or _same_rows(staged, last[0]))):
+            hot_start, hot_len, grouping = last[2:]  # same rows, same table: same HOT runs
+            if last[0] is not staged:  # equal rows in a new array: held from now on (identity)
+                self._last_rows = (staged,) + last[1:]
+        else:
+            hot_len = table.length_np[staged]
+            hot_start = table.start_np[staged] if hot_len.any() else None
+            grouping = None
+            self._last_rows = (staged, version, hot_start, hot_len, None)
+        if hot_start is None:  # no request starts with a HOT run: nothing to group
+            stats.record_paged(bs, "no HOT prefix in the batch")
+            return None
+        seq_lens = self._seq_lens_view(fb.seq_lens_cpu, bs)
+        if seq_lens is None:  # fewer host lengths than requests: not a batch to plan
+            stats.unplanned += 1
+            return None
+        if grouping is None:
+            desc = BatchDescription(staged, seq_lens, hot_start, hot_len)
+            grouping = self.grouping_memo.group(desc, min_group_size=host.cfg.min_group_size)
+            if (hot_len <= seq_lens).all():  # then the grouping does not depend on seq_lens
+                self._last_rows = self._last_rows[:4] + (grouping,)
+        else:  # the arrays of the step that made this grouping: known to match
+            desc = self.last_desc
+            if (desc is None or desc.seq_lens is not seq_lens or desc.hot_len is not hot_len
+                    or desc.req_pool_indices is not staged):
+                desc = BatchDescription.unchecked(staged, seq_lens, hot_start, hot_len)
+            self.grouping_memo.hits += 1
+        self.last_desc = desc
+        if grouping.num_groups == 0:
+            stats.record_paged(bs, "no group")
+            return None
+        if host.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(
+            grouping, desc, host.model_runner.req_to_token_pool.req_to_token
+        ):
+            logger.error("GraniKV: grouped requests do not all hold their group's HOT slots "
+                         "(stale HotPrefixTable); this step runs paged")
+            stats.unplanned += 1
+            return None
+        self._t_choose = time.perf_counter()
+        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
+        self._clock_key = (fb.batch_size, grouping.num_groups)  # one measurement per batch shape
+        if self.chooser.dispatcher.forced is None:  # a forced path is never overruled
+            decision = self.clock.adjust(decision, self._clock_key)
+        if decision.path is not Path.PAGED:
+            self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
+            # the cascade graph ends each suffix where its capture bound the ends (or did not)
+            reason = self.graphs.ends_mismatch(fb.batch_size, self._ends is not None) if graph else None
+            if reason is not None:
+                if self._ends is None:
+                    self._warn_ends(fb)
+                stats.record_paged(bs, reason)
+                return None
+        stats.record(decision, grouping)
+        if decision.path is Path.PAGED:
+            return None
+        return grouping, desc, decision
+
+    def _warn_ends(self, fb) -> None:
+        if self._warned_ends:
+            return
+        t = getattr(fb, "seq_lens", None)
+        logger.warning("GraniKV: a decode graph step's seq_lens (%s) cannot be copied to the cascade workspace on "
+                       "%s; such steps replay the stock graph",
+                       None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.workspace.device)
+        self._warned_ends = True
+
+    def _seq_total(self, fb):
+        """``sum(seq_lens)`` of the real requests from SGLang's ``seq_lens_sum`` (no array work):
+        a replay view's total includes its padding rows at the wrapped backend's fill value.
+        None when unknown (the chooser then sums the array; it also checks this one)."""
+        total = getattr(fb, "seq_lens_sum", None)
+        pad = getattr(fb, "num_padding", 0)
+        if total is None or (pad and self._pad_fill is None):
+            return None
+        return total - pad * self._pad_fill if pad else total
+
+    def _seq_lens_view(self, seq_lens_cpu, bs: int):
+        """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
+        SGLang hands over the same memory (graph replays slice one persistent host buffer): a
+        zero-copy view holds the tensor, so its address cannot be reused while cached."""
+        key = (seq_lens_cpu.data_ptr(), bs)
+        cached = self._seq_view
+        if cached is not None and cached[0] == key and cached[1] is seq_lens_cpu.dtype:
+            return cached[2]
+        view = seq_lens_cpu.numpy()[:bs]
+        if view.shape[0] != bs:
+            return None
+        if view.dtype != np.int64:
+            view = view.astype(np.int64)  # a copy: not cached
+            self._seq_view = None
+            return view
+        self._seq_view = (key, seq_lens_cpu.dtype, view)
+        return view
+
+    def _fill_workspace(self, plan, fb) -> float:
+        """Advances or fills the step's workspace; returns the seconds its upload took."""
+        ws = self.ws = self.workspace_for(fb.batch_size)
+        up0 = ws.upload_seconds
+        grouping, desc, decision = plan
+        same = grouping is self.filled_grouping and ws is self._filled_ws
+        ends = self._ends  # checked against this workspace in _plan
+        if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
+                               single_prefix_chunk=decision.path is Path.BGEMM, seq_lens_dev=ends,
+                               ends_checked=True):
+            return ws.upload_seconds - up0  # a steady step: only the suffix ends changed
+        prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens, desc.req_pool_indices,
+                                         fb.batch_size)
+        ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
+                grouping.group_req_idx, prefix_len, seq_lens, rpi,
+                single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same, seq_lens_dev=ends)
+        self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
+        return ws.upload_seconds - up0
+
+    def _inner_view(self, fb):
+        """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
+        bs = fb.batch_size
+        # SGLang's replay view is a SimpleNamespace (a plain attribute copy is the cheap copy);
+        # an eager step's ForwardBatch is a dataclass
+        if type(fb) is SimpleNamespace:
+            view = SimpleNamespace(**vars(fb))
+        else:  # what copy.copy does for a dataclass, without its generic protocol
+            view = object.__new__(type(fb))
+            view.__dict__.update(fb.__dict__)
+        key = (bs, fb.seq_lens.dtype, fb.seq_lens_cpu.dtype)
+        ones = self._ones_views.get(key)
+        if ones is None:  # per batch size, made once (read-only for the wrapped backend)
+            ones = self._ones_views[key] = (self._ones[:bs].to(fb.seq_lens.dtype),
+                                            torch.ones(bs, dtype=fb.seq_lens_cpu.dtype))
+        view.seq_lens, view.seq_lens_cpu = ones
+        view.seq_lens_sum = bs
+        return view
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int) -> None:
+        """After the wrapped backend's ``init_cuda_graph_state``: the fixed graph workspace."""
+        self.graphs.captured.clear()
+        self.graphs.ends_bound.clear()
+        self._capture_metadata.clear()
+        fill = getattr(self.host.inner, "get_cuda_graph_seq_len_fill_value", None)
+        try:
+            self._pad_fill = int(fill()) if fill is not None else None
+        except Exception:  # noqa: BLE001 - an unknown fill value only costs the array sum
+            self._pad_fill = None
+        self.graph_mode = False
+        self.workspace = None
+        self.workspace_for(max_bs)
+        self.graph_mode = True
+
+    def capture_metadata_for(self, fb) -> None:
+        """Metadata of a decode graph capture. The stock graph of a size (``graphs.capturing``
+        is not this size): the wrapped backend alone, as stock SGLang captures it. The cascade
+        graph of a size (captured right after its stock graph): GraniKV's kernels over an empty
+        work list (they read the live counts at replay), and the wrapped backend with ``seq_len =
+        1`` through the buffers of the stock capture, refilled as a replay refills them (a
+        second ``in_capture`` would make the wrapped backend allocate new per-size buffers, and
+        the stock graph would then read stale ones)."""
+        inner = self.host.inner
+        bs = fb.batch_size
+        if self.graphs.capturing != bs:
+            self.path = Path.PAGED
+            inner.init_forward_metadata_out_graph(fb, in_capture=True)
+            self._capture_metadata[bs] = getattr(inner, "forward_metadata", None)
+            return
+        self.path = Path.CASCADE
+        self.ws = self.workspace_for(bs)
+        self.ws.fill_empty(_device_ends(fb, self.ws))  # the graph reads the runner's static seq_lens
+        self.graphs.record_capture_ends(self.ws.ends.bound is not None)  # what its kernels read, per replay
+        view = self._inner_view(fb)
+        if bs in self._capture_metadata:
+            inner.init_forward_metadata_out_graph(view)
+            inner.forward_metadata = self._capture_metadata[bs]
+        else:  # no stock capture of this size before (not SGLang's order): a fresh one
+            inner.init_forward_metadata_out_graph(view, in_capture=True)
+
+    def replay_runs_kernels(self) -> bool:
+        """This step's decode-graph replay runs GraniKV's kernels (its size's cascade graph)."""
+        return self.graph_mode and self.graphs.planned_cascade
+
+    # ---- compute (per layer) -----------------------------------------------------------------
+
+    def run(self, q, layer, o) -> None:
+        """The planned path's kernels over layer ``layer``: every request's attention into ``o``."""
+        from granikv.kernels import cascade as kernels
+
+        host = self.host
+        pool = host.model_runner.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        q3 = q.view(-1, host.num_q_heads, host.head_dim)
+        out = o.view(-1, host.num_q_heads, host.head_dim)
+        req_to_token = host.model_runner.req_to_token_pool.req_to_token
+        run = {Path.FUSED: kernels.fused_cascade_attention,
+               Path.BGEMM: kernels.bgemm_cascade_attention}.get(self.path, kernels.cascade_attention)
+        run(q3, k_buf, v_buf, req_to_token, self.ws, sm_scale=layer.scaling, out=out)
+
+
+def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
+    """The staged rows equal the held ones (a new array with the same rows: e.g. a batch rebuilt
+    on the host without a change); compared only when the array is not the held one."""
+    return staged.shape == held.shape and bool((staged == held).all())
+
+
+def _device_ends(fb, ws):
+    """The step's device ``seq_lens``, which the kernels end each request's last suffix item at
+    (``SuffixEnds.bind``): steady steps then upload nothing. None (the ends travel in
+    the workspace's upload) where the tensor does not cover the padded batch on its device."""
+    t = getattr(fb, "seq_lens", None)
+    return t if t is not None and ws.ends.fits(t, fb.batch_size) else None
+
+
+def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):
+    """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1)."""
+    bs = len(seq_lens)
+    if padded == bs:
+        return prefix_len, seq_lens, req_pool_indices
+    extra = padded - bs
+    return (np.concatenate([prefix_len, np.zeros(extra, np.int64)]),
+            np.concatenate([seq_lens, np.ones(extra, np.int64)]),
+            np.concatenate([req_pool_indices, np.zeros(extra, np.int64)]))

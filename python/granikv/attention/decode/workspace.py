@@ -1,0 +1,373 @@
+"""The fixed-capacity device workspace of the cascade kernels, filled once per decode step.
+
+``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
+states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
+it in place with one non-blocking copy from pinned memory (``staging_ring``), so a captured
+CUDA graph stays valid and replays a different batch correctly: grids are fixed at capacity and programs read the
+live item counts from ``meta`` (device memory).
+
+Work items and their layout: ``work_list``; what a steady step reuses: ``reuse_base``.
+"""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from granikv.kernels.kernel_config import KernelConfig, tile_config
+from granikv.attention.decode.reuse_base import ReuseBase, last_item_bound
+from granikv.attention.decode.staging_ring import StagingRing
+from granikv.attention.decode.suffix_ends import SuffixEnds
+from granikv.attention.decode.work_list import (
+    PrefixItems,
+    WorkList,
+    build_prefix_items,
+    build_work_list,
+    capacity,
+    suffix_heads,
+    suffix_tile_rows,
+)
+
+# fill() arguments of a step with no request (group_req_indptr holds its single 0)
+_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
+               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+               np.zeros(0, np.int64))
+
+
+class CascadeWorkspace(StagingRing):
+    """Fixed-capacity device metadata + partial states for the cascade kernels.
+
+    Allocate once per (max batch size, head shape); call ``fill`` once per decode step (before
+    the layers run, outside any CUDA graph), then run the kernels of every layer against it.
+
+    Capacities: ``work_list.capacity`` (from the constructor arguments, never from a batch).
+    Host staging: ``StagingRing``; suffix ends once bound: ``SuffixEnds``.
+
+    Device buffers (int32 unless noted):
+      ``meta``: [3 + 1 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
+      n_suffix_items) | sfx_max (the most tokens a request's last suffix item may hold: the
+      kernels clamp a device end to ``t_lo + sfx_max``, ``reuse_base.last_item_bound``) |
+      prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
+      req_pool_indices (the view ``req_pool_indices``; host rows travel in the one copy);
+      ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
+      [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches).
+    """
+
+    def __init__(
+        self,
+        max_bs: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device,
+        *,
+        max_groups: Optional[int] = None,
+        max_splits: int = 32,
+        sm_count: Optional[int] = None,
+        config: Optional[KernelConfig] = None,
+        staging_buffers: int = 8,
+    ):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # one spelling, for SuffixEnds.fits
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.ratio = num_q_heads // num_kv_heads
+        self.config = config or tile_config(self.ratio, head_dim)
+        if sm_count is None:
+            sm_count = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else 132
+            )
+        self.max_bs, self.num_q_heads, self.num_kv_heads, self.head_dim = max_bs, num_q_heads, num_kv_heads, head_dim
+        self.max_groups = max_bs if max_groups is None else max_groups
+        self.max_splits, self.sm_count = max_splits, sm_count
+        cfg = self.config
+        self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
+        self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
+        self.suffix_block_h = suffix_tile_rows(self.ratio)
+        self.prefix_cap, self.suffix_cap, self.partial_cap = capacity(
+            cfg, max_bs, self.max_groups, self.ratio, num_kv_heads, sm_count)
+
+        # meta layout
+        P, S = self.prefix_cap, self.suffix_cap
+        offs, o = {}, 0
+        for name, n in (("counts", 3), ("sfx_max", 1), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs),
+                        ("pptr", max_bs + 1), ("rpi", max_bs)):
+            offs[name], o = o, o + n
+        self._offs, self._meta_len = offs, o
+        self._init_ring(o, offs["rpi"], max_bs, self.device, staging_buffers)
+        self.counts = self.meta[0:3]
+        self.sfx_max = self.meta[offs["sfx_max"] : offs["sfx_max"] + 1]
+        self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
+        self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
+        self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
+        self.part_indptr = self.meta[offs["pptr"] : offs["pptr"] + max_bs + 1]
+        self.part_o = torch.empty(self.partial_cap, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
+        self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
+        self._work_list: Optional[WorkList] = None
+        self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
+        self.ends = SuffixEnds(max_bs, self.device)  # the suffix ends the kernels read once bound
+        self._dev_ends = None  # n of the last in-place advance: its ends are ends.host(n) (work_list)
+        self.advances_in_place = 0  # steady steps with device ends: no upload at all
+        self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
+        self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
+        self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
+        self._prefix_shape = None  # (bs, single chunk) of the last lookup
+        self._reuse_base = None  # ReuseBase of the last full build (None: nothing to advance)
+        self._adv = None  # (n, last_lo1[:n], hi_pos[:n], scratch [n]) of the current build
+        self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
+        self.fills_skipped = 0  # empty fills with the empty work list already on the device
+        # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
+        self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
+                            else None)
+
+    # ------------------------------------------------------------------ fill
+    @property
+    def work_list(self) -> Optional[WorkList]:
+        """The work list of the last fill. After a steady ``advance`` it is built here on first
+        read, from the build it advanced and the suffix ends in the staging buffer just copied,
+        or, after an in-place advance, in ``ends`` (the step itself only writes those ends)."""
+        k, ends = self._hi_buf, self._dev_ends
+        if k is not None or ends is not None:
+            base = self._reuse_base
+            hi = base.wl.sfx_hi.copy()
+            if ends is None:
+                hi[base.last] = self._host_np[k][base.hi_pos]
+            else:  # a device read (debug and tests only: serving never reads the host list)
+                hi[base.last[:ends]] = self.ends.host(ends)
+            self.work_list = base.wl._replace(sfx_hi=hi)
+        return self._work_list
+
+    @work_list.setter
+    def work_list(self, wl: Optional[WorkList]) -> None:
+        self._work_list, self._hi_buf, self._dev_ends = wl, None, None
+
+    def fill(
+        self,
+        group_start,
+        group_len,
+        group_req_indptr,
+        group_req_idx,
+        prefix_len,
+        seq_lens,
+        req_pool_indices,
+        *,
+        single_prefix_chunk: bool = False,
+        same_grouping: bool = False,
+        seq_lens_dev: Optional[torch.Tensor] = None,
+    ) -> WorkList:
+        """Plan one decode step and copy its metadata into the fixed device buffers (async).
+
+        Grouping arrays as in docs/contracts.md (numpy); ``seq_lens`` numpy [bs];
+        ``req_pool_indices`` [bs] device tensor (copied device-to-device) or numpy.
+        ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``. ``same_grouping=True``:
+        the caller guarantees the four grouping arrays hold what they held in the previous
+        ``fill`` (the planner's unchanged ``Grouping``), which skips comparing them.
+        ``seq_lens_dev``: see ``SuffixEnds.bind`` (must hold ``seq_lens`` on the device).
+        Raises ValueError when the batch exceeds the workspace's capacity.
+        """
+        bs = len(seq_lens)
+        if bs > self.max_bs:
+            raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
+        if len(group_len) > self.max_groups:
+            raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
+        self.ends.bind(seq_lens_dev, bs)
+        items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
+                                   same_grouping)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        base = self._reuse_base
+        if base is not None and base.items is items and base.wl.bs == bs and self._advance(seq_lens, req_pool_indices):
+            return self.work_list
+        wl = build_work_list(
+            group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
+            ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
+            sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
+            prefix_items=items,
+        )  # fmt: skip
+        np_, ns = wl.num_prefix_items, wl.num_suffix_items
+        if np_ > self.prefix_cap or ns > self.suffix_cap or wl.num_partials > self.partial_cap:
+            raise ValueError(
+                f"work list ({np_} prefix items, {ns} suffix items, {wl.num_partials} partial rows) exceeds "
+                f"the workspace ({self.prefix_cap}, {self.suffix_cap}, {self.partial_cap})"
+            )
+        base = ReuseBase.of(items, wl, req_pool_indices, single=single_prefix_chunk,
+                             factor=self.config.reuse_chunk_factor,
+                             sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
+        self._upload(wl, req_pool_indices, base)
+        self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
+        self._adv = None
+        self.fills_built += 1
+        self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
+        if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
+            gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
+            self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
+        return wl
+
+    def fill_empty(self, seq_lens_dev: Optional[torch.Tensor] = None) -> WorkList:
+        """``fill`` with no request: the kernels then exit at once (a captured graph still runs
+        them on a paged step). While the device metadata already holds an empty work list
+        (paged steps in a row: no shared prefix in the batch) nothing is built or copied.
+        ``seq_lens_dev``: what a graph captured over this fill reads its ends from (``SuffixEnds.bind``)."""
+        wl = self._work_list
+        if self._hi_buf is None and self._dev_ends is None and wl is not None and wl.bs == 0:
+            self.ends.bind(seq_lens_dev, 0)
+            self.fills_skipped += 1
+            return wl
+        return self.fill(*_EMPTY_FILL, seq_lens_dev=seq_lens_dev)
+
+    def advance(self, seq_lens: np.ndarray, req_pool_indices: np.ndarray, *, bs: int,
+                single_prefix_chunk: bool = False, seq_lens_dev: Optional[torch.Tensor] = None,
+                ends_checked: bool = False) -> bool:
+        """A steady decode step, without a ``fill``: the last fill's work list with each request's
+        last suffix chunk ending at its new ``seq_len``, uploaded. Returns False, having done
+        nothing, when a ``fill`` is needed (no build to advance, a different batch size, or a
+        last chunk that would outgrow ``KernelConfig.reuse_chunk_factor``).
+
+        The caller guarantees that the grouping is the one of the last ``fill`` (the planner's
+        unchanged ``Grouping``, as ``same_grouping``). ``seq_lens`` (int64) and
+        ``req_pool_indices`` (numpy, never written in place once passed: an array seen again
+        is not copied again) cover the first ``n = len(seq_lens)`` of the ``bs`` batch positions
+        of that fill; positions ``n..bs`` (graph padding) keep what that fill gave them.
+        Cost: a handful of numpy calls and one copy, whatever the batch (no per-request loop);
+        with ``seq_lens_dev`` (``SuffixEnds.bind``) and the rows already on the device, only the
+        device-to-device copy of the ends: the kernels read the new ends there, nothing is uploaded.
+        """
+        base = self._reuse_base
+        if (base is None or base.wl.bs != bs or base.single is not single_prefix_chunk
+                or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
+                or (base.rows is None and len(seq_lens) < bs)):
+            return False
+        return self._advance(seq_lens, req_pool_indices, ends=(seq_lens_dev, bs, ends_checked))
+
+    def _advance(self, seq_lens: np.ndarray, req_pool_indices, ends=None) -> bool:
+        """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
+        and uploads it; False when a last chunk would hold no token or more than ``limit``.
+
+        Correct for any batch with the same prefix items (same grouping and batch size, hence
+        the same ``prefix_len`` per position): every chunk but a request's last is full and
+        starts at ``prefix_len + k * suffix_chunk``, so ``[lo_last, seq_len)`` completes an exact
+        cover of ``[prefix_len, seq_len)`` whenever ``seq_len > lo_last``. ``ends``: the
+        ``SuffixEnds.bind`` arguments (``advance``), bound once the step is known to advance;
+        with ends bound and the rows on the device the very rows given, nothing is uploaded.
+        None (``fill``, which binds first): the binding stays and the step uploads.
+        """
+        base, n = self._reuse_base, len(seq_lens)
+        st = self._adv
+        if st is None or st[0] != n:  # per build and n: views and a scratch row, made once
+            st = self._adv = (n, base.last_lo1[:n], base.hi_pos[:n], np.empty(n, np.int64))
+        grow1 = st[3]
+        np.subtract(seq_lens, st[1], out=grow1)
+        if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
+            return False
+        if ends is not None:
+            self.ends.bind(ends[0], ends[1], checked=ends[2])
+        if ends is not None and self.ends.bound is not None and self._rows_on_device(req_pool_indices, n):
+            # the kernels end each last item at seq_lens_dev: nothing to upload
+            self._work_list, self._hi_buf, self._dev_ends = None, None, n
+            self.fills_reused += 1
+            self.advances_in_place += 1
+            return True
+        k = self._flip  # _next_buffer, inlined
+        self._flip = k + 1 if k + 1 < self.staging_buffers else 0
+        if self._buf_upload[k] > self._done_upto:
+            self._claim(k)
+        h = self._host_np[k]
+        if self._host_base[k] is base:  # the buffer holds a work list of this build: new ends only
+            h[st[2]] = seq_lens
+            self._hi_buf, self._dev_ends = k, None  # work_list: these ends, not an in-place step's
+        else:
+            bs = base.wl.bs
+            hi = base.wl.sfx_hi.copy()
+            hi[base.last[:n]] = seq_lens
+            wl = base.wl._replace(sfx_hi=hi)
+            self._write_all(h, wl)
+            if base.rows is not None:  # positions n.. keep the build's rows
+                h[self._offs["rpi"] : self._offs["rpi"] + bs] = base.rows
+                self._host_rows[k] = None
+            self._host_base[k] = base
+            self.work_list = wl
+        self._copy_up(k, n, req_pool_indices)
+        self.fills_reused += 1
+        return True
+
+    def _rows_on_device(self, req_pool_indices, n: int) -> bool:
+        """The last upload's first ``n`` rows are ``req_pool_indices[:n]`` (host rows only: the
+        same array, or an equal one; the build's padding rows after them stay)."""
+        held = self._rows_up
+        if held is None or held[1] < n or isinstance(req_pool_indices, torch.Tensor):
+            return False
+        return (held[0] is req_pool_indices and held[1] == n) or bool(
+            np.array_equal(held[0][:n], req_pool_indices[:n]))
+
+    def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
+                      single_prefix_chunk: bool, same_grouping: bool = False) -> PrefixItems:
+        """``build_prefix_items``, reused while the grouping is unchanged (successive decode
+        steps of the same requests), which halves the host work of a step."""
+        arrays = (group_start, group_len, group_req_indptr, group_req_idx)
+        if same_grouping and self._prefix_shape == (bs, single_prefix_chunk):
+            return self._prefix_memo[1]
+        self._prefix_shape = (bs, single_prefix_chunk)
+        key = (bs, single_prefix_chunk) + tuple(np.asarray(a, dtype=np.int64).tobytes() for a in arrays)
+        if self._prefix_memo[0] != key:
+            items = build_prefix_items(*arrays, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
+                                       config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
+                                       single_prefix_chunk=single_prefix_chunk)  # fmt: skip
+            self._prefix_memo = (key, items)
+        return self._prefix_memo[1]
+
+    def fill_grouping(self, grouping, seq_lens, req_pool_indices, **kw) -> WorkList:
+        """``fill`` from any object with the planner's Grouping attribute names."""
+        g = grouping
+        return self.fill(
+            g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len,
+            seq_lens, req_pool_indices, **kw,
+        )  # fmt: skip
+
+    def _upload(self, wl: WorkList, req_pool_indices, base: Optional[ReuseBase] = None) -> None:
+        """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
+        the build ``wl`` is (what later advances may rewrite in part)."""
+        k = self._next_buffer()
+        self._write_all(self._host_np[k], wl)
+        self._host_base[k] = base
+        self._copy_up(k, wl.bs, req_pool_indices)
+
+    def _write_all(self, h, wl: WorkList) -> None:
+        P, S, o = self.prefix_cap, self.suffix_cap, self._offs
+        h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
+        h[o["sfx_max"]] = last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor)
+        n = wl.num_prefix_items
+        for j, a in enumerate((wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
+            h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a
+        n = wl.num_suffix_items
+        for j, a in enumerate((wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row)):
+            h[o["sfx"] + j * S : o["sfx"] + j * S + n] = a
+        h[o["gidx"] : o["gidx"] + len(wl.group_req_idx)] = wl.group_req_idx
+        h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
+
+    # -------------------------------------------------------------- helpers
+    def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
+        """Raise ValueError if q / k_buffer do not match this workspace."""
+        if q.dim() != 3 or q.shape[1:] != (self.num_q_heads, self.head_dim):
+            raise ValueError(f"q {tuple(q.shape)} does not match [bs, {self.num_q_heads}, {self.head_dim}]")
+        if k_buffer.dim() != 3 or k_buffer.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"k_buffer {tuple(k_buffer.shape)} does not match [slots, {self.num_kv_heads}, {self.head_dim}]"
+            )
+        if q.shape[0] > self.max_bs:
+            raise ValueError(f"q batch {q.shape[0]} exceeds max_bs={self.max_bs}")
+
+    def grid_items(self, kind: str) -> int:
+        """Programs along axis 0 for a launch ('prefix', 'suffix', 'fused'): the workspace's
+        capacity, fixed per workspace (programs past the live count exit at once; measured at
+        serving capacity, sweep 7 in docs/results/kernels.md, they cost ~2 us per layer)."""
+        return {"prefix": self.prefix_cap, "suffix": self.suffix_cap, "fused": self.prefix_cap + self.suffix_cap}[kind]
+
+    def check_integrity(self) -> None:
+        """Assert the last work list is self-consistent (debug aid, host-side only)."""
+        wl = self.work_list
+        assert wl is not None, "workspace was never filled"
+        assert wl.num_partials <= self.partial_cap, f"{wl.num_partials} partial rows > cap {self.partial_cap}"
+        wl.check(self.ratio)

@@ -1,0 +1,220 @@
+"""What GraniKV's attention can serve: the model runner, each layer, each call.
+
+Two levels of eligibility:
+
+- ``unsupported_reason``: the model runner as a whole (MLA, window, KV dtype, head_dim, ...):
+  GraniKV's attention stays off and SGLang's backend is returned unwrapped;
+- ``layer_reason`` / ``call_reason``: one attention layer (``RadixAttention``) and one call of
+  it. The one function decode and extend share: ``scan_layers`` runs it on every attention
+  layer of the loaded model at wrap time, and the extend path again on each call (a feature
+  that only shows in the call's arguments, such as ``sinks``).
+"""
+
+import logging
+from typing import Dict, Mapping, Optional
+
+import torch
+
+logger = logging.getLogger("granikv")
+_UNSEEN = object()
+
+SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def unsupported_reason(model_runner, cfg) -> Optional[str]:
+    """Why the shared-prefix attention cannot serve this model runner (None = it can)."""
+    if cfg.attention_path == "paged":
+        return "--granikv-attention-path=paged"
+    mc = model_runner.model_config
+    if getattr(model_runner, "use_mla_backend", False):
+        return "MLA attention"
+    if getattr(model_runner, "sliding_window_size", None):
+        return f"sliding-window attention (window {model_runner.sliding_window_size})"
+    if model_runner.kv_cache_dtype not in SUPPORTED_KV_DTYPES:
+        return f"KV cache dtype {model_runner.kv_cache_dtype} (supported: fp16, bf16)"
+    if mc.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={mc.head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+    spec = getattr(model_runner.server_args, "speculative_algorithm", None)
+    if spec:
+        return f"speculative decoding ({spec})"
+    if getattr(mc.hf_config, "final_logit_softcapping", None) or getattr(
+        mc.hf_config, "attn_logit_softcapping", None
+    ):
+        return "attention logit soft-capping"
+    return None
+
+
+def attention_tp_size(model_runner) -> int:
+    """Attention tensor-parallel size (heads per rank = total / this)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_tp_size)
+    except Exception:  # no runtime context (tests, other SGLang versions)
+        ps = getattr(model_runner, "ps", None)
+        return int(getattr(ps, "attn_tp_size", None) or getattr(ps, "tp_size", None) or 1)
+
+
+# ---- per-layer eligibility -----------------------------------------------------------------
+
+_SINK_HINT = "sink"  # model-side attention-sink tensors (gpt-oss ``sinks``, MiMo ``attention_sink_bias``)
+
+
+def layer_reason(layer, *, num_q_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None) -> Optional[str]:
+    """Why GraniKV's kernels cannot compute this attention layer exactly (None: they can).
+
+    ``layer``: SGLang's ``RadixAttention`` (attributes read with SGLang's defaults, so a stand-in
+    with only the core fields is plain causal self-attention). ``num_q_heads`` / ``head_dim``:
+    the geometry GraniKV's kernels were built for (per TP rank), checked when given. The
+    kernels implement exactly: causal decoder self-attention, one softmax scale, no soft cap, no
+    window, no KV scales, equal q/k and v head dims, the model's head counts.
+    """
+    if getattr(layer, "is_cross_attention", False):
+        return "cross attention"
+    attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
+    if attn_type != "DECODER":
+        return f"attention type {attn_type}"
+    window = getattr(layer, "sliding_window_size", -1)
+    if window not in (-1, None, 0):
+        return f"sliding window {window}"
+    if getattr(layer, "logit_cap", 0.0) or 0.0:
+        return f"logit cap {layer.logit_cap}"
+    if (getattr(layer, "xai_temperature_len", -1) or -1) > 0:
+        return f"xai temperature scaling (len {layer.xai_temperature_len})"
+    if getattr(layer, "use_irope", False):
+        return "chunked local attention (irope)"
+    if getattr(layer, "pos_encoding_mode", "NONE") not in ("NONE", None):
+        return f"in-kernel position encoding {layer.pos_encoding_mode}"
+    for name in ("k_scale", "v_scale", "k_scale_float", "v_scale_float"):
+        if getattr(layer, name, None) is not None:
+            return f"KV scales ({name})"
+    hd = getattr(layer, "head_dim", None)
+    if getattr(layer, "qk_head_dim", hd) != getattr(layer, "v_head_dim", hd):
+        return f"qk head dim {layer.qk_head_dim} != v head dim {layer.v_head_dim}"
+    if head_dim is not None and hd is not None and hd != head_dim:
+        return f"head_dim {hd} (kernels built for {head_dim})"
+    q_heads = getattr(layer, "tp_q_head_num", None)
+    if num_q_heads is not None and q_heads is not None and q_heads != num_q_heads:
+        return f"{q_heads} query heads (kernels built for {num_q_heads})"
+    return None
+
+
+def call_reason(k, v, kwargs: Mapping[str, object]) -> Optional[str]:
+    """Why this call of an attention layer cannot be served (None: it can): no new K/V, or
+    extra keyword arguments the kernels do not implement (``sinks``, descales, ...)."""
+    if k is None or v is None:
+        return "no new K/V given"
+    extra = sorted(key for key, val in kwargs.items() if val is not None)
+    if extra:
+        return f"extra arguments {extra}"
+    return None
+
+
+def layer_ranges(ids) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (for log lines)."""
+    ids, parts = sorted(ids), []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _is_attention_layer(module) -> bool:
+    return all(hasattr(module, a) for a in ("layer_id", "tp_q_head_num", "scaling", "head_dim"))
+
+
+def scan_layers(model, *, num_q_heads: Optional[int] = None,
+                head_dim: Optional[int] = None) -> Dict[int, str]:
+    """``layer_id -> reason`` for every attention layer of ``model`` GraniKV cannot serve.
+
+    Walks ``model.named_modules()`` (nothing if it has none, e.g. before a model is loaded);
+    also marks the attention layers of a module that holds attention-sink tensors (they reach
+    the backend as a ``sinks=`` argument at call time).
+    """
+    out: Dict[int, str] = {}
+    named = getattr(model, "named_modules", None)
+    if named is None:
+        return out
+    for _, module in named():
+        children = [c for c in vars(module).get("_modules", {}).values() if c is not None]
+        names = list(vars(module).get("_parameters", {})) + list(vars(module).get("_buffers", {}))
+        names += list(vars(module))
+        sinks = any(_SINK_HINT in name.lower() and isinstance(getattr(module, name, None), torch.Tensor)
+                    for name in names)
+        for child in children:
+            if _is_attention_layer(child):
+                reason = layer_reason(child, num_q_heads=num_q_heads, head_dim=head_dim)
+                if reason is None and sinks:
+                    reason = "attention sinks"
+                if reason is not None:
+                    out.setdefault(int(child.layer_id), reason)
+        if _is_attention_layer(module) and int(module.layer_id) not in out:
+            reason = layer_reason(module, num_q_heads=num_q_heads, head_dim=head_dim)
+            if reason is not None:
+                out[int(module.layer_id)] = reason
+    return out
+
+
+# ---- LayerEligibility ---------------------------------------------------------------------
+# ``LayerEligibility``: the one verdict decode and extend share on whether GraniKV computes a
+# layer's attention call.
+#
+# ``reason(layer, k, v, kwargs)`` is what both paths ask: the wrap-time scan of the loaded model
+# (``scan_layers``), else ``layer_reason`` of this layer object (checked once per
+# object), else ``call_reason`` of the call's own arguments. What each path does with a
+# reason differs only because of when it can still act:
+#
+# - decode: the wrapped backend is planned once per step for every layer, so one layer cannot
+#   opt out of the ``seq_len = 1`` plan. Any ineligible layer found by the scan keeps decode
+#   stock for the whole model; one found only at call time (``record``) makes decode stock from
+#   the next step on;
+# - extend: the layer's call goes to the wrapped backend (logged once per reason).
+
+
+class LayerEligibility:
+    """Per-layer verdicts for one model: ``layer_id -> reason`` from the scan, plus a memo per
+    layer object. ``num_q_heads`` / ``head_dim``: the geometry the kernels were built for."""
+
+    def __init__(self, *, num_q_heads: int, head_dim: int, backend_name: str):
+        self.num_q_heads, self.head_dim = num_q_heads, head_dim
+        self.backend_name = backend_name
+        self.scanned: Dict[int, str] = {}  # layer_id -> why it runs stock (scan and ``record``)
+        self._memo = {}  # id(layer) -> its layer_reason (None: served)
+        self._logged = set()
+
+    def scan(self, model) -> Dict[int, str]:
+        """Scans ``model``'s attention layers (logged once per reason); returns the verdicts."""
+        self.scanned = scan_layers(model, num_q_heads=self.num_q_heads, head_dim=self.head_dim)
+        by_reason = {}
+        for layer_id, reason in sorted(self.scanned.items()):
+            by_reason.setdefault(reason, []).append(layer_id)
+        for reason, ids in by_reason.items():
+            logger.warning("GraniKV: attention layers %s run the stock %s backend (%s); decode "
+                           "stays stock for the whole model", layer_ranges(ids), self.backend_name, reason)
+        return self.scanned
+
+    def reason(self, layer, k, v, kwargs) -> Optional[str]:
+        """Why this call runs the wrapped backend's attention (None: GraniKV serves it)."""
+        reason = self._memo.get(id(layer), _UNSEEN)
+        if reason is _UNSEEN:
+            reason = self.scanned.get(layer.layer_id) or layer_reason(
+                layer, num_q_heads=self.num_q_heads, head_dim=self.head_dim)
+            self._memo[id(layer)] = reason
+        return reason or call_reason(k, v, kwargs)
+
+    def record(self, layer_id: int, reason: str) -> None:
+        """A decode call showed a feature the scan did not see (kept beside the scan's verdicts)."""
+        self.scanned.setdefault(layer_id, reason)
+
+    def log_stock_extend(self, layer, reason: str) -> None:
+        """One info line per reason: this extend call goes to the wrapped backend."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("GraniKV: extend of layer %d goes to the %s backend (%s)", layer.layer_id,
+                        self.backend_name, reason)

@@ -1,0 +1,122 @@
+"""Extend attention computed by GraniKV itself, for wrapped backends without a ragged + paged split.
+
+SGLang's flashinfer backend computes an extend batch with a cached prefix as two calls merged by
+LSE, so GraniKV swaps only the prefix call (``hot_extend.PrefixPartProxy``). SGLang's triton
+backend computes it in ONE kernel over each request's whole ``req_to_token`` row and returns no
+LSE: there is no prefix part to swap. For an extend batch with HOT prefixes under such a backend,
+GraniKV computes each layer's whole extend attention instead, the way the flashinfer backend
+does::
+
+    K/V of the new tokens -> pool        pool.set_kv_buffer (SGLang's pool API, as every backend)
+    causal part   (new tokens)           runner.run_causal: one ragged causal call, base-2 LSE
+    prefix part   (cached prefix)        HotExtendAttention.prefix_part: one dense call per HOT
+                                         extent + one paged call for the COLD remainder
+    out = merge(causal, prefix)          runner.merge (tokens without a cached prefix: lse -inf)
+
+On the GPU the runner is ``FlashInferDense`` (FlashInfer ships with SGLang; ``backend="auto"``
+is FA3 on Hopper). A layer this module does not serve (``eligibility.layer_reason`` / ``call_reason``) goes to the wrapped
+backend's ``forward_extend``, which SGLang planned for the same batch, so falling back is
+always possible.
+"""
+
+from typing import Optional
+
+import torch
+
+from granikv import sglang_compat as compat
+from granikv.attention.extend.hot_extend import HotExtendAttention
+
+__all__ = ["FullExtend", "backend_reason", "graph_reason"]
+
+
+try:  # SGLang's flag for torch.compile's piecewise prefill graph (looked up once, not per layer)
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+        is_in_tc_piecewise_cuda_graph,
+    )
+except ImportError:  # pragma: no cover - no SGLang, or another layout: nothing to detect
+    def is_in_tc_piecewise_cuda_graph() -> bool:
+        return False
+
+
+def graph_reason() -> Optional[str]:
+    """Why this call goes to the wrapped backend because of a prefill CUDA graph (None: it is
+    served). SGLang's breakable graph (its CUDA default) runs attention eagerly between graph
+    segments, on inputs padded to its bucket: served (``FullExtend.forward`` handles the
+    padding). Under torch.compile's piecewise graph the call may be traced: left to the backend."""
+    return "torch.compile piecewise prefill graph" if is_in_tc_piecewise_cuda_graph() else None
+
+
+def backend_reason(inner, pool) -> Optional[str]:
+    """Why a wrapped backend's extend batches cannot be computed here (None: they can)."""
+    if getattr(inner, "enable_deterministic", False):
+        return "deterministic inference (the wrapped backend's own kernel)"
+    if getattr(inner, "dcp_size", 1) > 1:
+        return "decode context parallelism"
+    if compat.backend_translates_kv_slots(inner) or not hasattr(pool, "set_kv_buffer"):
+        return "KV pool with translated slots"
+    if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "store_dtype", None) != getattr(
+            pool, "dtype", None):
+        return "quantised KV cache"
+    return None
+
+
+class FullExtend:
+    """One extend batch's whole attention: ``begin`` per batch (after ``attn.begin(plan, ...)``),
+    ``forward`` per layer. The causal part's request boundaries are the plan's ``token_indptr``."""
+
+    def __init__(self, attn: HotExtendAttention):
+        self.attn = attn
+        self._begun = False
+        self._planned_key = None
+
+    @property
+    def active(self) -> bool:
+        return self._begun and self.attn.plan is not None
+
+    def begin(self) -> None:
+        self._begun = True
+        self._planned_key = None
+
+    def end(self) -> None:
+        self._begun = False
+        self._planned_key = None
+
+    def check_integrity(self) -> None:
+        """Debug mode and tests: a begun batch has a plan, and its device state matches it."""
+        assert not self._begun or self.attn.plan is not None, "full extend begun without a plan"
+        self.attn.check_integrity()
+
+    def forward(self, q, k, v, layer, fb, pool, save_kv_cache: bool) -> torch.Tensor:
+        """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write).
+
+        ``T`` may exceed the batch's token count: SGLang's breakable prefill CUDA graph pads
+        the model's inputs to its bucket and plans the metadata from the real batch. The K/V of
+        every row is written as the stock backend writes it (padding rows go where SGLang's
+        padded ``out_cache_loc`` points); attention covers the real tokens, padding rows get 0.
+        """
+        hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        plan = self.attn.plan
+        n, rows = plan.num_tokens, q3.shape[0]
+        if rows < n:
+            raise RuntimeError(f"GraniKV extend: {rows} query tokens, the batch has {n}")
+        key = (layer.scaling, q.dtype, hq, hkv, d)
+        runner = self.attn.runner
+        if key != self._planned_key:  # once per batch: every layer has the same shapes
+            runner.plan_causal(plan.token_indptr.tolist(), hq, hkv, d, q.dtype, layer.scaling, 0.0)
+            self._planned_key = key
+        if save_kv_cache:  # before the prefix part: it may read the new tokens' slots (it does not today)
+            pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
+        o1, s1 = runner.run_causal(q3[:n], k3[:n], v3[:n])
+        o2, s2 = self.attn.prefix_part(q3[:n], pool.get_key_buffer(layer.layer_id),
+                                       pool.get_value_buffer(layer.layer_id), layer.scaling)
+        o, _ = runner.merge(o1, s1, o2, s2)
+        out = getattr(fb, "_attn_output", None)
+        if out is not None:  # some models hand the backend the output buffer
+            out3 = out.view(-1, hq, d)
+            out3[:n].copy_(o)
+            out3[n:].zero_()
+            return out
+        if rows > n:
+            o = torch.cat([o, o.new_zeros(rows - n, hq, d)])
+        return o.reshape(-1, hq * d)

@@ -1,0 +1,244 @@
+"""Stock and cascade decode CUDA graphs per batch size: capture and replay selection on CPU.
+
+SGLang's real ``DecodeCudaGraphRunner`` class (its ``_make_graph_key`` and ``ShapeKey``) with
+the plugin's hooks around ``capture_one_shape`` / ``load_batch``; only the CUDA graph object is
+a stand-in (a dict of captured keys, as ``FullCudaGraphBackend._graphs``). The backend is the
+real GraniKVAttnBackend over test_backend's paged stand-in.
+"""
+
+import inspect
+
+import pytest
+import torch
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+from granikv import plugin
+from granikv.config import GraniKVConfig, parse_graph_bs
+from granikv.attention.decode.graph_variants import (
+    CASCADE_LABEL,
+    NO_DEVICE_ENDS,
+    UNBOUND_CAPTURE,
+    GraphVariants,
+    cascade_can_win,
+    cascade_label,
+)
+from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _expected, _qkv, _replay_view, _runner  # noqa: E402
+
+
+class FakeRunner(DecodeCudaGraphRunner):
+    """The real class without its CUDA-only ``__init__``: the attributes the hooks and SGLang's
+    key helpers read."""
+
+    def __init__(self, backend, capture_bs):
+        self.attn_backend = backend
+        self.enable_pdmux = False
+        self.ragged_verify_mode = False
+        self.capture_bs = capture_bs
+        self.graphs = {}  # ShapeKey -> recorded path of the capture (the CUDA graph stand-in)
+        self._replay_graph_key = None
+
+
+def _capture_orig(fb_of):
+    """SGLang's capture_one_shape as far as the backend sees it: metadata, one forward, a graph
+    stored under the runner's key."""
+
+    def capture_one_shape(runner, size, forward, stream_idx=None, variant_label=None):
+        fb = fb_of(size)
+        runner.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = runner.attn_backend.decode.path.value
+
+    return capture_one_shape
+
+
+def _load_orig(runner, fb):
+    """SGLang's load_batch as far as the backend sees it: the plan, then the stock key."""
+    runner.attn_backend.init_forward_metadata_out_graph(fb)
+    runner._replay_graph_key = runner._make_graph_key(fb.batch_size, None, None)
+
+
+def test_hooks_match_sglangs_signatures():
+    params = list(inspect.signature(DecodeCudaGraphRunner.capture_one_shape).parameters)
+    assert params[:5] == ["self", "size", "forward", "stream_idx", "variant_label"]
+    assert list(inspect.signature(DecodeCudaGraphRunner.load_batch).parameters)[:2] == ["self", "forward_batch"]
+    assert "_replay_graph_key" in inspect.getsource(DecodeCudaGraphRunner.load_batch)
+    for key in ("capture_one_shape", "load_batch", "graph_capture"):
+        assert plugin._TARGETS[key].startswith(plugin._DGR)
+
+
+def _bs8_cascade(capture_bs=(8,)):
+    """A cascade-path backend with a cascade graph for batch size 8 only, its graph state, the
+    5-request batch (requests 0, 2, 3 share the HOT run) and a fake graph runner."""
+    runner_ = _runner()
+    be = _backend(runner_, "cascade")
+    be.graphs = GraphVariants(frozenset({8}), can_win=None)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb, rows = _batch(runner_, hot={0, 2, 3})
+    return runner_, be, fb, rows, FakeRunner(be, capture_bs=list(capture_bs))
+
+
+def test_capture_and_replay_pick_the_graph_the_plan_chose():
+    runner_, be, fb, rows, gr = _bs8_cascade(capture_bs=(8, 5))
+    cap = _capture_orig(lambda size: _replay_view(fb, 8) if size == 8 else fb)
+    for size in reversed(gr.capture_bs):  # SGLang captures the largest first
+        plugin._around_capture_one_shape(cap, gr, size, forward=None)
+    assert gr.graphs == {ShapeKey(8): "paged", ShapeKey(8, variant_label=CASCADE_LABEL): "cascade",
+                         ShapeKey(5): "paged"}
+    be.graphs.check_integrity()
+    assert "cascade graphs for 1 batch sizes [8]" in be.graphs.summary()
+
+    for hot, want in (({0, 2, 3}, CASCADE_LABEL), ({4}, None), ({0, 2, 3}, CASCADE_LABEL)):
+        fb, rows = _batch(runner_, hot=hot)
+        view = _replay_view(fb, 8)
+        be.stage_batch(rows)
+        plugin._around_load_batch(_load_orig, gr, view)
+        assert gr._replay_graph_key == ShapeKey(8, variant_label=want) and gr._replay_graph_key in gr.graphs
+        q, k, v = _qkv(8, 21)
+        o = be.forward_decode(q, k, v, LAYER, view)
+        torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    # bs 5 has a stock graph only: a grouped batch of 5 replays it, paged
+    fb, rows = _batch(runner_, hot={0, 2, 3})
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, fb)
+    assert gr._replay_graph_key == ShapeKey(5) and be.decode.path.value == "paged"
+    # an idle / non-decode load leaves SGLang's key alone
+    be.graphs.planned_cascade = True
+    idle = _replay_view(fb, 8)
+    idle.forward_mode = type(fb.forward_mode).IDLE
+    plugin._around_load_batch(_load_orig, gr, idle)
+    assert gr._replay_graph_key == ShapeKey(8)
+
+
+def _bound_capture_orig(fb_of):
+    """``_capture_orig`` whose graph stand-in also keeps what a captured suffix kernel reads its
+    ends from: the workspace's bound device buffer, or None (the metadata)."""
+
+    def capture_one_shape(runner, size, forward, stream_idx=None, variant_label=None):
+        fb = fb_of(size)
+        be = runner.attn_backend
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+        ends = be.decode.ws.ends.bound if be.decode.path.value == "cascade" else None
+        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = (be.decode.path.value, ends)
+
+    return capture_one_shape
+
+
+def _replay(gr, be, view, seed):
+    """The replay of the key ``load_batch`` left: a cascade graph's kernels read the ends where
+    its capture bound them (a captured launch keeps its arguments), whatever this step bound."""
+    path, ends = gr.graphs[gr._replay_graph_key]
+    if path == "cascade":
+        be.decode.ws.ends.bound = ends
+    q, k, v = _qkv(8, seed)
+    return q, be.forward_decode(q, k, v, LAYER, view)
+
+
+@pytest.mark.parametrize("capture_bound", [True, False])
+def test_a_step_replays_the_cascade_graph_only_with_its_captures_suffix_end_binding(capture_bound):
+    """Each cascade capture records whether its suffix ends were bound (``GraphVariants.ends_bound``).
+    Steady steps whose binding differs (ends bound over a graph captured without, or not bound
+    over one captured with) replay the stock graph with a paged reason, so no replay ends
+    suffixes at stale lengths (an in-place step uploads no metadata ends; an unbound one writes
+    no device ends); steps with the capture's binding replay the cascade graph. Outputs match
+    paged attention every step."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+
+    def view_of(fb, bound):
+        view = _replay_view(fb, 8)
+        if not bound:  # seq_lens the workspace cannot bind (SuffixEnds.fits): the ends travel in the upload
+            view.seq_lens = view.seq_lens.float()
+        return view
+
+    plugin._around_capture_one_shape(_bound_capture_orig(lambda s: view_of(fb, capture_bound)), gr, 8, forward=None)
+    assert be.graphs.ends_bound == {8: capture_bound}
+    be.graphs.check_integrity()
+    for step in range(4):
+        step_bound = step < 2  # two bound steps, then two unbound ones (each pair: a fill, an advance)
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        view = view_of(fb, step_bound)
+        be.stage_batch(rows)
+        plugin._around_load_batch(_load_orig, gr, view)
+        same = step_bound == capture_bound
+        assert be.graphs.planned_cascade == same and gr._replay_graph_key.variant_label == (
+            CASCADE_LABEL if same else None), step
+        if not same:
+            assert be.stats.last_reason == (UNBOUND_CAPTURE if step_bound else NO_DEVICE_ENDS)
+        q, o = _replay(gr, be, view, 30 + step)
+        torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    assert be.stats.paths["cascade"] == 2 and be.stats.paths["paged"] == 2
+
+
+def test_a_pre_planned_load_never_replays_the_cascade_graph_of_a_previous_step():
+    """SGLang's ``load_batch`` returns before planning a pre-planned batch (it only sets the
+    stock key): the step before chose the cascade graph, but this one never planned, so the
+    hook must give SGLang's stock key."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+    plugin._around_capture_one_shape(_capture_orig(lambda s: _replay_view(fb, 8)), gr, 8, forward=None)
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, _replay_view(fb, 8))
+    assert gr._replay_graph_key == ShapeKey(8, variant_label=CASCADE_LABEL) and be.graphs.planned_cascade
+
+    def preplanned(runner, fb):  # load_batch's early return: no plan, the stock key
+        runner._replay_graph_key = runner._make_graph_key(fb.batch_size, None, None)
+
+    plugin._around_load_batch(preplanned, gr, _replay_view(fb, 8))
+    assert gr._replay_graph_key == ShapeKey(8) and not be.graphs.planned_cascade
+    assert not be.reads_req_to_token_during_replay()  # the write-after-read barrier sees a stock replay
+
+
+def test_a_failed_cascade_capture_leaves_the_size_stock_only():
+    runner_, be, fb, _, gr = _bs8_cascade()
+
+    def cap(runner, size, forward, stream_idx=None, variant_label=None):
+        if variant_label is not None:
+            raise RuntimeError("out of graph memory")
+        _capture_orig(lambda s: _replay_view(fb, 8))(runner, size, forward, stream_idx, variant_label)
+
+    with pytest.raises(RuntimeError):
+        plugin._around_capture_one_shape(cap, gr, 8, forward=None)
+    assert not be.graphs.has_cascade_graph(8) and be.graphs.capturing is None
+
+
+def test_labels_keep_sglangs_variant():
+    assert cascade_label(None) == CASCADE_LABEL
+    assert cascade_label("nolora") == "nolora+" + CASCADE_LABEL
+    g = GraphVariants(frozenset({4}), can_win=None)
+    g.planned_cascade = True
+    assert g.replay_key(ShapeKey(4, variant_label="lora")) == ShapeKey(4, variant_label="lora+" + CASCADE_LABEL)
+    g.planned_cascade = False
+    assert g.replay_key(ShapeKey(4, variant_label="lora")) == ShapeKey(4, variant_label="lora")
+
+
+def test_auto_sizes_follow_the_cost_model():
+    """auto: a size gets a cascade graph iff the cost model lets cascade beat paged there on a
+    long shared prefix; never below min_group_size."""
+    be = _backend(_runner(), "auto")
+    d = be.dispatcher
+    assert not cascade_can_win(d, 1, prefix_tokens=32768, min_group_size=2)
+    wins = [bs for bs in (2, 4, 8, 16, 64, 128, 256) if cascade_can_win(d, bs, prefix_tokens=32768, min_group_size=2)]
+    assert wins and wins == sorted(wins) and 256 in wins
+    assert not cascade_can_win(d, 256, prefix_tokens=1, min_group_size=2) or d.forced is not None
+    g = GraphVariants(None, can_win=lambda bs: bs >= 16)
+    assert [bs for bs in (1, 8, 16, 32) if g.wants_cascade(bs)] == [16, 32]
+    assert g.stock_only == {1, 8}
+
+
+def test_graph_bs_flag():
+    assert parse_graph_bs("auto") is None and parse_graph_bs("none") == frozenset()
+    assert parse_graph_bs("8, 16,256") == frozenset({8, 16, 256})
+    for bad in ("0", "x", "", "8,-1"):
+        with pytest.raises(ValueError, match="--granikv-cascade-graph-bs"):
+            GraniKVConfig(enable=True, cascade_graph_bs=bad)
+
+
+def test_integrity_check_fails_on_a_capture_left_open():
+    g = GraphVariants(None, can_win=lambda bs: True)
+    g.begin_capture(8)
+    with pytest.raises(AssertionError, match="never ended"):
+        g.check_integrity()
+    g.end_capture(ok=True)
+    g.check_integrity()
+    g.stock_only.add(8)
+    with pytest.raises(AssertionError, match="both stock-only"):
+        g.check_integrity()

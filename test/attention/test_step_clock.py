@@ -1,0 +1,162 @@
+"""StepClock: measured end-to-end decode step times per path overrule the cost model to paged
+where a shared-prefix path is measured slower (a host-bound model), and never where the
+predicted saving dominates the step. Unit level with a fake clock, then through the real
+DecodePlanner of a GraniKV backend on CPU."""
+
+import math
+
+import pytest
+
+from granikv.attention.dispatcher import Decision, Path, PathTimes
+from granikv.attention.decode.step_clock import MEASURED_SLOWER, StepClock
+
+INF = math.inf
+
+
+class FakeTime:
+    """A clock whose next step lasts ``period[path of the previous step]`` seconds."""
+
+    def __init__(self, period):
+        self.t, self.period, self.last = 0.0, period, Path.PAGED
+
+    def __call__(self):
+        return self.t
+
+    def advance(self):
+        self.t += self.period[self.last]
+
+
+def model_choice(saving_us=200.0):
+    return Decision(Path.CASCADE, PathTimes(1000.0 + saving_us, 1000.0, INF, INF), "cascade by the model")
+
+
+def drive(clock, ft, steps, *, bs=64, saving_us=200.0, interrupt_at=()):
+    """``steps`` decode steps (the clock's integrity checked after each); returns the final paths."""
+    paths = []
+    for k in range(steps):
+        if k in interrupt_at:
+            clock.interrupt()
+            ft.t += 0.05  # a prefill in between
+        ft.advance()
+        clock.tick()
+        d = clock.adjust(model_choice(saving_us), bs)
+        clock.record(d.path, bs)
+        clock.check_integrity()
+        ft.last = d.path
+        paths.append(d.path)
+    return paths
+
+
+def test_host_bound_batch_goes_paged_once_measured_slower():
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})  # the 4-layer forest's measured periods
+    clock = StepClock(clock=ft)
+    paths = drive(clock, ft, 60)
+    first_paged = paths.index(Path.PAGED)
+    assert all(p is Path.CASCADE for p in paths[:first_paged])  # measures the model's path first
+    assert all(p is Path.PAGED for p in paths[first_paged:])  # measures paged, then holds it
+    assert clock.verdicts_paged == 1 and clock.verdicts_model == 0
+    d = clock.adjust(model_choice(), 64)
+    assert d.path is Path.PAGED and d.reason.startswith(MEASURED_SLOWER) and "measured" in d.reason
+
+
+def test_measured_faster_path_is_kept_after_its_paged_window():
+    ft = FakeTime({Path.CASCADE: 3.0e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    paths = drive(clock, ft, 60)
+    n_paged = paths.count(Path.PAGED)
+    assert 0 < n_paged <= StepClock.WINDOW + 1 and paths[-1] is Path.CASCADE  # one paged window only
+    assert clock.verdicts_model == 1 and clock.verdicts_paged == 0
+
+
+def test_a_saving_that_dominates_the_step_is_never_probed():
+    ft = FakeTime({Path.CASCADE: 13.7e-3, Path.PAGED: 27.0e-3})  # 16K x 64 on 32 layers
+    clock = StepClock(clock=ft)
+    assert set(drive(clock, ft, 200, saving_us=13_000.0)) == {Path.CASCADE}
+    assert clock.overruled_steps == 0
+
+
+def test_intervals_across_another_forward_are_not_samples():
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    # a prefill every 4 steps: no run of the same path ever reaches SETTLE + the window
+    paths = drive(clock, ft, 60, interrupt_at=range(0, 60, 3))
+    assert set(paths) == {Path.CASCADE} and clock.verdicts_paged == clock.verdicts_model == 0
+
+
+def test_a_verdict_expires_and_the_size_is_measured_again(monkeypatch):
+    monkeypatch.setattr(StepClock, "HOLD", 10)
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    drive(clock, ft, 80)
+    assert clock.verdicts_paged >= 2
+
+
+def test_a_planted_blind_clock_fails_the_host_bound_case(monkeypatch):
+    """The planted fault: a clock whose samples are never taken keeps the model's slower path."""
+    monkeypatch.setattr(StepClock, "_sample", lambda self, st, bs, path: None)
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    assert set(drive(clock, ft, 60)) == {Path.CASCADE}
+    with pytest.raises(AssertionError):  # so the host-bound test above fails against it
+        assert Path.PAGED in drive(StepClock(clock=ft), ft, 60)
+
+
+def planner_steps(be, fb, rows, ft, steps):
+    """``steps`` eager decode steps of the batch ``fb`` through the backend's real planner, one
+    token longer each, the fake clock advancing by the previous step's path; their paths."""
+    paths = []
+    for step in range(steps):
+        if step:
+            fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+            fb.seq_lens = fb.seq_lens_cpu.clone()
+        ft.advance()
+        be.stage_batch(rows)
+        be.init_forward_metadata(fb)
+        be.decode.clock.check_integrity()
+        ft.last = be.decode.path
+        paths.append(be.decode.path)
+    return paths
+
+
+def test_through_the_decode_planner_a_measured_slower_cascade_goes_paged(monkeypatch):
+    """The real backend and planner on CPU: the model says cascade (a small saving), the clock
+    measures cascade steps longer than paged ones, and the planner runs paged from then on with
+    the clock's reason in the step stats and the counters in server info."""
+    from test_backend import _backend, _batch, _runner
+
+    runner = _runner()
+    be = _backend(runner, "auto")
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    be.decode.clock = StepClock(clock=ft)
+    monkeypatch.setattr(be.decode.chooser, "choose", lambda *a, **k: model_choice())
+    paths = planner_steps(be, fb, rows, ft, 40)
+    assert paths[0] is Path.CASCADE and paths[-1] is Path.PAGED
+    assert be.stats.last_reason.startswith(MEASURED_SLOWER)
+    snap = be.stats_snapshot()
+    assert snap["clock_verdicts_paged"] == 1 and snap["clock_overruled_steps"] > 0
+
+
+def test_through_the_decode_planner_a_forced_path_is_never_overruled(monkeypatch):
+    from test_backend import _backend, _batch, _runner
+
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    be.decode.clock = StepClock(clock=ft)
+    assert set(planner_steps(be, fb, rows, ft, 30)) == {Path.CASCADE}
+
+
+def test_check_integrity_sees_a_corrupted_measurement():
+    ft = FakeTime({Path.CASCADE: 4.4e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    drive(clock, ft, 60)
+    clock.check_integrity()
+    st = next(iter(clock._sizes.values()))
+    st.hold_left = StepClock.HOLD + 1  # planted: a verdict that would hold too long
+    with pytest.raises(AssertionError, match="held with"):
+        clock.check_integrity()
+    st.hold_left, clock.verdicts_model = 5, clock.verdicts_model + 1  # planted: a verdict counted twice
+    with pytest.raises(AssertionError, match="verdicts per shape"):
+        clock.check_integrity()
