@@ -29,7 +29,8 @@ ATOL = RTOL = 2e-2  # bf16 outputs of two different kernels (split-KV vs cascade
 def runner(tmp_path):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_parallel
+    from sglang_context import published_server_args
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -39,9 +40,7 @@ def runner(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     sa = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, attention_backend="triton",
                     load_format="dummy", page_size=1)
-    ctx = get_context()
-    with ctx.preserve_config():
-        ctx.set_server_args(sa)
+    with published_server_args(sa):
         with get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, tp_size=1,
                                      attn_cp_size=1, attn_cp_rank=0):
             r = SimpleNamespace(model_config=ModelConfig.from_server_args(sa), server_args=sa, device="cuda", gpu_id=0,
