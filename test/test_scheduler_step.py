@@ -8,7 +8,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from granikv.config import GraniKVConfig
 from granikv.attention.backend import GraniKVAttnBackend
 from granikv.attention.extend.plan import plan_extend
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch
 
 CFG = GraniKVConfig(enable=True, hot_min_tokens=16, debug_integrity=True, log_interval=1)
@@ -23,7 +23,7 @@ def _scheduler(sim):
     from granikv.attention.decode.step_clock import StepClock
     from granikv.attention.step_stats import StepStats
 
-    backend.stats = StepStats()
+    backend.ctx = SimpleNamespace(stats=StepStats())  # what stats_snapshot reads
     backend.decode = object.__new__(DecodePlanner)
     backend.decode.workspace = backend.decode.eager_workspace = None
     backend.decode.grouping_memo = GroupingMemo()

@@ -8,22 +8,16 @@ builds them, on the checked-in H200 cost model."""
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path as FsPath
 
 import pytest
 
+from benchmark.harness.model_config import CONFIG_DIR as CONFIGS
+from benchmark.multi_agent.workloads import HETEROGENEOUS_PREFIXES, HETEROGENEOUS_WEIGHTS, split_agents
 from granikv.attention.cost.cost_model import CostModel
 from granikv.attention.dispatcher import HOST_OVERHEAD, Dispatcher, HostPlanTime, Path, SteadyChooser
 from granikv.attention.promotion_estimate import PromotionEstimate
 from granikv.attention.step_stats import StepStats
-from test_dispatcher import batch  # noqa: E402
-
-ROOT = FsPath(__file__).resolve().parents[2]
-CONFIGS = ROOT / "benchmark" / "multi_agent" / "configs"
-sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
-
-from workloads import HETEROGENEOUS_PREFIXES, HETEROGENEOUS_WEIGHTS, split_agents  # noqa: E402
+from test_dispatcher import batch
 
 SHORT, FULL = "llama-3.1-8b-4layers", "llama-3.1-8b"
 

@@ -2,21 +2,15 @@
 grid's workloads (benchmark/multi_agent/regime_grid.py) and real model geometries."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark.multi_agent import regime_grid
 from granikv.config import GraniKVConfig
 from granikv.attention.cost.cost_model import CostModel, Workload
 from granikv.attention.dispatcher import Dispatcher
 from granikv.attention.promotion_estimate import PromotionEstimate
 from granikv.mem_cache.policy import PaysOffPolicy
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
-
-import regime_grid  # noqa: E402
 
 MODELS = ("llama-3.1-8b", "qwen2.5-7b")
 CFG = GraniKVConfig()  # the serving defaults: hot_min_tokens 1024, 2 sharers, groups of 2

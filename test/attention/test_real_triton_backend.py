@@ -31,7 +31,7 @@ def triton_runner(tmp_path, config, *, prepare=None):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs
-    from sglang_context import published_server_args
+    from support.sglang_context import published_server_args
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     sa = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, attention_backend="triton",

@@ -9,6 +9,7 @@ from bench_scripts import load  # noqa: E402  (test/benchmark, on the path)
 
 from granikv.attention.decode.work_list import default_config
 from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels.plan import Grouping
 
 bench = load("kernels", "bench_attention.py")
 
@@ -21,9 +22,9 @@ def test_sweep_variant_plans_every_case(name):
         ws = CascadeWorkspace(max(n_req, 8), bench.HQ, bench.HKV, bench.D, "cpu", config=cfg, sm_count=132)
         starts = 1 + np.cumsum([0] + [lp for lp, _ in groups[:-1]])
         prefix_len = np.repeat([lp for lp, _ in groups], [n for _, n in groups])
-        wl = ws.fill(np.asarray(starts), np.array([lp for lp, _ in groups]),
-                     np.cumsum([0] + [n for _, n in groups]), np.arange(n_req), prefix_len, prefix_len + sfx,
-                     np.arange(n_req) + 1)  # fmt: skip
+        grouping = Grouping.of(starts, [lp for lp, _ in groups], np.cumsum([0] + [n for _, n in groups]),
+                               np.arange(n_req), prefix_len)
+        wl = ws.fill(grouping, prefix_len + sfx, np.arange(n_req) + 1)
         ws.check_integrity()
         assert wl.num_prefix_items > 0 and wl.num_suffix_items >= n_req
 
@@ -39,8 +40,9 @@ def test_every_shape_plans_the_forest_cases(shape):
                                   sm_count=132)
             starts = 1 + np.cumsum([0] + [lp for lp, _ in groups[:-1]])
             prefix_len = np.repeat([lp for lp, _ in groups], [n for _, n in groups])
-            ws.fill(np.asarray(starts), np.array([lp for lp, _ in groups]), np.cumsum([0] + [n for _, n in groups]),
-                    np.arange(n_req), prefix_len, prefix_len + sfx, np.arange(n_req) + 1)
+            grouping = Grouping.of(starts, [lp for lp, _ in groups], np.cumsum([0] + [n for _, n in groups]),
+                                   np.arange(n_req), prefix_len)
+            ws.fill(grouping, prefix_len + sfx, np.arange(n_req) + 1)
             ws.check_integrity()
     finally:
         bench.set_shape("llama-3.1-8b")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from granikv.attention.decode.work_list import KernelConfig
+from granikv.kernels.plan import Grouping
 
 # Small tiles so the interpreter stays fast and every path (several tiles per group, several
 # kv chunks per group, several suffix chunks per request, masked tails) is exercised.
@@ -78,5 +79,5 @@ def make_batch(*, groups=((37, 1), (37, 2), (37, 5)), n_ungrouped=3, suffix=17, 
 
 
 def fill(ws, b, **kw):
-    return ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, b.seq_lens,
+    return ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), b.seq_lens,
                    b.req_pool_indices, **kw)  # fmt: skip

@@ -48,7 +48,7 @@ def test_prefix_attention(dtype, ratio, hkv, loads):
     b, ws, wl = _setup(dtype, ratio, hkv, seed=ratio, even_split=loads == "even_split")
     assert wl.pfx_split.max() >= 1 and wl.prefix_chunk % SMALL_CONFIG.block_n == 0  # several kv chunks
     assert (wl.pfx_n_kv % SMALL_CONFIG.block_n != 0).any()  # a masked tail
-    prefix_attention(b.q, b.k, b.v, ws, sm_scale=b.sm_scale)
+    prefix_attention(b.q, b.k, b.v, ws.plan, sm_scale=b.sm_scale)
     exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
     pfx_rows = sorted(set(exp) - set(wl.sfx_row.tolist()))
     _check_rows(ws, exp, pfx_rows, dtype)
@@ -62,7 +62,7 @@ def test_suffix_attention(dtype, ratio, hkv, head_group):
     b, ws, wl = _setup(dtype, ratio, hkv, seed=10 + ratio, ungrouped_len=70, suffix_head_group=head_group)
     assert ws.suffix_heads == (SUFFIX_HEADS[ratio, hkv] if head_group else 1)
     assert (wl.sfx_req[1:] == wl.sfx_req[:-1]).any()  # a request with several suffix chunks
-    suffix_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
+    suffix_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
     exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
     _check_rows(ws, exp, wl.sfx_row.tolist(), dtype)
     n_written = torch.isfinite(ws.part_lse[: wl.num_partials]).all(1).sum().item()

@@ -18,6 +18,7 @@ from granikv.kernels.cascade import (
 )
 from granikv.kernels.reference import decode_attention_ref, prefix_attention_ref
 from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels.plan import Grouping
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}
@@ -32,7 +33,7 @@ def _run(path, ws, b, extra_rows=0):
     ws.part_o.fill_(float("nan"))  # a stale or skipped partial row would show
     ws.part_lse.fill_(float("nan"))
     out = torch.full((b.bs + extra_rows, *b.q.shape[1:]), float("nan"), dtype=b.q.dtype)
-    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
     return out
 
 
@@ -65,8 +66,8 @@ def test_refill_with_different_grouping(path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_bgemm_prefix_attention(dtype):
     b = make_batch(num_q_heads=8, num_kv_heads=2, dtype=dtype, seed=7)
-    st = bgemm_prefix_attention(b.q, b.k, b.v, b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx,
-                                sm_scale=b.sm_scale)  # fmt: skip
+    grouping = Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len)
+    st = bgemm_prefix_attention(b.q, b.k, b.v, grouping, sm_scale=b.sm_scale)
     ref = prefix_attention_ref(b.q, b.k, b.v, b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx,
                                b.sm_scale)  # fmt: skip
     idx = torch.as_tensor(b.group_req_idx)

@@ -16,6 +16,7 @@ from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, 
 from granikv.kernels.reference import decode_attention_ref
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.decode.reuse_base import last_item_bound, last_suffix_item
+from granikv.kernels.plan import Grouping
 
 PATHS = [cascade_attention, fused_cascade_attention]
 
@@ -25,7 +26,7 @@ def _workspace(b, extra=4):
 
 
 def _fill(ws, b, seq, ends=None, **kw):
-    return ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+    return ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                    b.req_pool_indices, seq_lens_dev=ends, **kw)  # fmt: skip
 
 
@@ -36,7 +37,7 @@ def _ref(b, seq):
 
 def _run(path, ws, b):
     out = torch.full_like(b.q, float("nan"))
-    path(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    path(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
     return out
 
 
@@ -176,11 +177,11 @@ def test_a_full_build_with_bound_ends_and_padding_rows():
     pl = np.concatenate([b.prefix_len, np.zeros(pad, np.int64)])
     rows = np.concatenate([b.req_pool_indices, np.zeros(pad, np.int64)])
     ends = torch.as_tensor(np.concatenate([b.seq_lens, np.zeros(pad, np.int64)]))
-    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, pl, seq, rows, seq_lens_dev=ends)
+    ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, pl), seq, rows, seq_lens_dev=ends)
     q = torch.cat([b.q, b.q[:pad]])
     for path in PATHS:
         out = torch.full_like(q, float("nan"))
-        path(q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+        path(q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out[: b.bs].double(), _ref(b, b.seq_lens), atol=4e-3, rtol=4e-3)
 

@@ -17,6 +17,7 @@ from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.reference import decode_attention_ref
 from granikv.attention.decode.work_list import KernelConfig
 from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels.plan import Grouping
 
 pytestmark = pytest.mark.gpu
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}
@@ -45,7 +46,7 @@ def test_real_shapes_bf16(hq, path):
     ws = CascadeWorkspace(128, hq, 8, 128, "cuda")
     fill(ws, b, single_prefix_chunk=path == "bgemm")
     out = torch.full_like(b.q, float("nan"))
-    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
     assert _rel_err(out, _ref(b)) < 1e-2
     assert (ws.counters == 0).all()
 
@@ -73,7 +74,7 @@ def test_matches_sglang_triton_decode(path):
     b = _batch(32, groups=((16384, 48), (4096, 16)))
     ws = CascadeWorkspace(128, 32, 8, 128, "cuda")
     fill(ws, b)
-    out = PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
+    out = PATHS[path](b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
     sgl = _sglang_decode(b)
     ref = _ref(b)
     assert _rel_err(sgl, ref) < 1e-2  # the baseline itself is within the same bound
@@ -91,7 +92,7 @@ def test_overlapped_suffix_eager_and_graph():
         assert (ws.side_stream is not None) == overlap
         fill(ws, b)
         out = torch.full_like(b.q, float("nan"))
-        fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)  # noqa: E731
+        fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)  # noqa: E731
         fn()
         eager = out.clone()  # no synchronize: the current stream must already be ordered after the side stream
         g = capture_graph(fn)
@@ -127,7 +128,7 @@ def test_cuda_graph_replay_after_refill(path):
     ws = CascadeWorkspace(a.bs, 32, 8, 128, "cuda")
     load(a)
     fill(ws, a)
-    fn = lambda: PATHS[path](q_s, k_s, v_s, r2t_s, ws, sm_scale=a.sm_scale, out=out_s)  # noqa: E731
+    fn = lambda: PATHS[path](q_s, k_s, v_s, r2t_s, ws.plan, sm_scale=a.sm_scale, out=out_s)  # noqa: E731
     g = capture_graph(fn)  # compiles and warms up outside the capture
     g.replay()
     assert _rel_err(out_s, _ref(a)) < 1e-2
@@ -160,7 +161,7 @@ def test_every_gqa_shape_bf16(model, head_dim, path):
     wl = fill(ws, b)
     ws.check_integrity()
     out = torch.full_like(b.q, float("nan"))
-    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    PATHS[path](b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
     torch.cuda.synchronize()
     assert _rel_err(out, _ref(b)) < 1e-2
     assert (ws.counters == 0).all() and wl.num_prefix_items > 0
@@ -186,7 +187,7 @@ def test_descriptor_prefix_kernel_bf16_eager_and_graph(hq, hkv, warp_specialize)
         ws = CascadeWorkspace(128, hq, hkv, 128, "cuda", config=cfg)
         fill(ws, b)
         out = torch.full_like(b.q, float("nan"))
-        fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)  # noqa: E731
+        fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)  # noqa: E731
         fn()
         eager = out.clone()
         g = capture_graph(fn)
@@ -216,10 +217,10 @@ def test_steady_advances_on_the_device_match_a_host_fill():
     for step in range(40):
         seq = b.seq_lens + step
         pad = np.concatenate([seq, np.ones(extra, np.int64)])
-        ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad, rpi,
+        ref.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len), pad, rpi,
                  same_grouping=step > 0)
         if not ws.advance(seq, b.req_pool_indices, bs=b.bs + extra):
-            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad, rpi,
+            ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len), pad, rpi,
                     same_grouping=step > 0)
         torch.cuda.synchronize()
         assert torch.equal(ws.meta.cpu(), ref.meta), f"step {step}"
@@ -275,11 +276,11 @@ def test_device_ends_under_graph_replay_bf16(path, wrong):
     step_lens = [torch.as_tensor(np.concatenate([s, zeros]), device="cuda") for s in steps]  # made before the loop
     rows = np.concatenate([b.req_pool_indices, zeros])
     ws = CascadeWorkspace(n + pad, 32, 8, 128, "cuda")
-    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, np.concatenate([b.prefix_len, zeros]),
+    ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, np.concatenate([b.prefix_len, zeros])),
             np.concatenate([seq0, np.ones(pad, np.int64)]), rows, seq_lens_dev=sl)  # fmt: skip
     q = torch.cat([b.q, b.q[:pad]])
     out = torch.empty_like(q)
-    g = capture_graph(lambda: PATHS[path](q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out))
+    g = capture_graph(lambda: PATHS[path](q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out))
     torch.cuda.synchronize()
     meta = ws.meta.clone()
     outs = torch.empty(len(steps), *q.shape, dtype=q.dtype, device="cuda")

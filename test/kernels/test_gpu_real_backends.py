@@ -30,7 +30,7 @@ def runner(tmp_path):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.runtime_context import get_parallel
-    from sglang_context import published_server_args
+    from support.sglang_context import published_server_args
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 

@@ -19,6 +19,7 @@ from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.reference import decode_attention_ref, partials_ref
 from granikv.attention.decode.work_list import build_prefix_items
 from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels.plan import Grouping
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 MODELS = {  # (q heads, kv heads): the model shapes the kernels are tuned for
@@ -32,7 +33,8 @@ def test_prefix_tiles_are_full_whatever_the_ratio(ratio, members):
     """A group of n members takes ceil(n * ratio / block_m) tiles: every tile but the last holds
     block_m rows, each (member, q-head) row exactly once."""
     cfg = KernelConfig()
-    items = build_prefix_items([100], [4096], [0, members], np.arange(members), members, ratio=ratio,
+    items = build_prefix_items(Grouping.of([100], [4096], [0, members], np.arange(members), np.full(members, 4096)),
+                               members, ratio=ratio,
                                num_kv_heads=8, config=cfg, sm_count=132, max_splits=32)
     chunks = int(items.split.max()) + 1
     tiles = -(-members * ratio // cfg.block_m)
@@ -51,7 +53,8 @@ def test_forest_chunks_are_equal_within_each_group():
     n = np.array([4, 12, 7, 9, 5] + [6] * 11)
     ptr = np.concatenate([[0], np.cumsum(n)])
     start = np.concatenate([[1], 1 + np.cumsum(g_len)[:-1]])
-    items = build_prefix_items(start, g_len, ptr, np.arange(ptr[-1]), int(ptr[-1]), ratio=4, num_kv_heads=8,
+    items = build_prefix_items(Grouping.of(start, g_len, ptr, np.arange(ptr[-1]), np.repeat(g_len, n)), int(ptr[-1]),
+                               ratio=4, num_kv_heads=8,
                                config=KernelConfig(), sm_count=132, max_splits=32)
     assert (items.n_kv <= items.chunk).all()
     g_of = np.searchsorted(start, items.slot_lo, side="right") - 1
@@ -83,7 +86,7 @@ def test_cascade_at_every_gqa_shape(path, dtype, ratio, hkv, head_dim):
     ws.part_lse.fill_(float("nan"))
     out = torch.full_like(b.q, float("nan"))
     fn = cascade_attention if path == "cascade" else fused_cascade_attention
-    fn(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    fn(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
     ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert (ws.counters == 0).all()
@@ -130,7 +133,7 @@ def test_forest_target_cuts_long_prefixes_to_the_short_ones_within_capacity():
     n = rng.integers(2, 5, 64)
     ptr = np.concatenate([[0], np.cumsum(n)])
     start = np.concatenate([[1], 1 + np.cumsum(g_len)[:-1]])
-    args = (start, g_len, ptr, np.arange(ptr[-1]), int(ptr[-1]))
+    args = (Grouping.of(start, g_len, ptr, np.arange(ptr[-1]), np.repeat(g_len, n)), int(ptr[-1]))
     kw = dict(ratio=4, num_kv_heads=8, sm_count=132, max_splits=32)
     plain = build_prefix_items(*args, config=KernelConfig(), **kw)
     cfg = KernelConfig(forest_items_per_tile=2.0)
@@ -153,7 +156,7 @@ def test_forest_target_cascade_matches_reference():
     wl = fill(ws, b)
     ws.check_integrity()
     assert wl.num_prefix_items > 4 * 2
-    out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
+    out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
     ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
@@ -173,7 +176,7 @@ def test_descriptor_prefix_kernel_matches_reference(warp_specialize, dtype, rati
     assert (wl.pfx_n_kv % cfg.block_n != 0).any() and (wl.pfx_n_kv >= cfg.block_n).any()  # full tiles and tails
     ws.part_o.fill_(float("nan"))
     ws.part_lse.fill_(float("nan"))
-    out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale)
+    out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
     exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
     for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
         torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[dtype], rtol=TOL[dtype])
@@ -189,6 +192,6 @@ def test_descriptor_kernel_rejects_a_strided_kv_buffer_and_a_bad_variant():
     fill(ws, b)
     wide = torch.zeros(b.k.shape[0], 3, 64, dtype=b.k.dtype)[:, :2]  # [slots, 2, 64] with a row stride of 3 heads
     with pytest.raises(ValueError, match="contiguous"):
-        prefix_attention(b.q, wide, wide, ws, sm_scale=b.sm_scale)
+        prefix_attention(b.q, wide, wide, ws.plan, sm_scale=b.sm_scale)
     with pytest.raises(ValueError, match="prefix_kernel"):
         KernelConfig(prefix_kernel="tma")

@@ -7,6 +7,7 @@ from conftest import SMALL_CONFIG, fill, make_batch
 
 from granikv.attention.decode.work_list import KernelConfig, build_work_list, suffix_heads
 from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels.plan import Grouping
 
 
 def _cdiv(a, b):
@@ -61,7 +62,7 @@ def test_build_work_list_matches_loops(seed, ratio):
                    seed=seed)  # fmt: skip
     sm = int(rng.integers(4, 140))
     kw = dict(ratio=ratio, num_kv_heads=2, sm_count=sm, max_splits=int(rng.integers(1, 40)))
-    wl = build_work_list(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, b.seq_lens,
+    wl = build_work_list(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), b.seq_lens,
                          config=SMALL_CONFIG, **kw)  # fmt: skip
     if not G:
         b.group_len = np.zeros(1, np.int64)  # loops reference needs a max; no groups -> no prefix items
@@ -153,8 +154,8 @@ def test_fill_reuses_the_prefix_half_only_while_the_grouping_is_unchanged():
     prefix2 = np.array([0, 0, 40, 0, 0, 40, 0])
     for step, (grouping, pl) in enumerate([(g, prefix_len)] * 3 + [(g2, prefix2)]):
         seq = np.array([50, 120, 17, 60, 95, 30, 99]) + step
-        got = ws.fill(*grouping, pl, seq, np.arange(1, 8))
-        want = build_work_list(*grouping, pl, seq, ratio=ws.ratio, num_kv_heads=2,
+        got = ws.fill(Grouping.of(*grouping, pl), seq, np.arange(1, 8))
+        want = build_work_list(Grouping.of(*grouping, pl), seq, ratio=ws.ratio, num_kv_heads=2,
                                config=ws.config, sm_count=4, max_splits=ws.max_splits)
         for name, value in want._asdict().items():
             assert np.array_equal(np.asarray(getattr(got, name)), np.asarray(value)), (step, name)

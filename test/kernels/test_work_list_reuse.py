@@ -17,6 +17,7 @@ from granikv.kernels.reference import decode_attention_ref
 from granikv.attention.decode.work_list import build_work_list
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.grouping import BatchDescription, GroupingMemo, group_requests
+from granikv.kernels.plan import Grouping
 
 
 def _workspace(b, config=SMALL_CONFIG, extra=4):
@@ -41,7 +42,7 @@ def _advance_steps(ws, b, steps, grow=1):
     for s in range(steps, -1, -1):
         before = ws.fills_reused
         seq = np.maximum(b.seq_lens - s * grow, b.prefix_len + 1)
-        wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+        wl = ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                      b.req_pool_indices)  # fmt: skip
         ws.check_integrity()
         _check_cover(wl, b.prefix_len, seq, max(ws.config.reuse_chunk_factor, 1.0) * wl.suffix_chunk)
@@ -65,7 +66,7 @@ def test_kernels_on_a_reused_work_list_match_the_reference(path):
     kinds = _advance_steps(ws, b, steps=5)
     assert kinds[-1] == "reused"  # the plan the kernels run below
     out = torch.full_like(b.q, float("nan"))
-    path(b.q, b.k, b.v, b.req_to_token, ws, sm_scale=b.sm_scale, out=out)
+    path(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)
     ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
     torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
 
@@ -74,7 +75,7 @@ def test_reused_list_equals_a_fresh_build_in_coverage_and_rows():
     b = make_batch(suffix=40, ungrouped_len=70, seed=5)
     ws = _workspace(b)
     _advance_steps(ws, b, steps=3)
-    fresh = build_work_list(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+    fresh = build_work_list(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len),
                             b.seq_lens, ratio=4, num_kv_heads=2, config=SMALL_CONFIG, sm_count=32,
                             max_splits=4)  # fmt: skip
     wl = ws.work_list
@@ -91,13 +92,13 @@ def test_rebuild_when_the_plan_cannot_be_extended():
     assert (ws.fills_built, ws.fills_reused) == (1, 0)
     # growth beyond reuse_chunk_factor * suffix_chunk in one go
     far = b.seq_lens + int(SMALL_CONFIG.reuse_chunk_factor * ws.work_list.suffix_chunk) + 1
-    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, far,
+    ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), far,
             b.req_pool_indices)  # fmt: skip
     assert ws.fills_built == 2
     # a position whose sequence is now shorter than its last chunk's start (a new request)
     short = far.copy()
     short[np.flatnonzero(b.prefix_len == 0)[0]] = 1
-    ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, short,
+    ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), short,
             b.req_pool_indices)  # fmt: skip
     assert ws.fills_built == 3
     # another grouping (a group's prefix shorter) -> other prefix items
@@ -105,7 +106,7 @@ def test_rebuild_when_the_plan_cannot_be_extended():
     g_len[0] -= 1
     p_len = b.prefix_len.copy()
     p_len[b.group_req_idx[b.group_req_indptr[0]:b.group_req_indptr[1]]] = g_len[0]
-    ws.fill(b.group_start, g_len, b.group_req_indptr, b.group_req_idx, p_len, short + 1, b.req_pool_indices)
+    ws.fill(Grouping.of(b.group_start, g_len, b.group_req_indptr, b.group_req_idx, p_len), short + 1, b.req_pool_indices)
     assert ws.fills_built == 4
     ws.check_integrity()
     _check_cover(ws.work_list, p_len, short + 1, ws.work_list.suffix_chunk)
@@ -151,7 +152,6 @@ def test_random_step_sequences_always_cover_every_suffix_exactly():
     b = make_batch(suffix=40, ungrouped_len=70, seed=9)
     ws = _workspace(b)
     seq = b.seq_lens.copy()
-    empty = (np.zeros(0, np.int64),) * 2 + (np.zeros(1, np.int64),) + (np.zeros(0, np.int64),) * 3
     g_len, p_len = b.group_len.copy(), b.prefix_len.copy()
     for step in range(300):
         event = rng.random()
@@ -167,9 +167,9 @@ def test_random_step_sequences_always_cover_every_suffix_exactly():
             p_len[members] = g_len[g]
             seq = np.maximum(seq, p_len + 1)
         else:  # a paged step in between (the backend fills an empty work list)
-            ws.fill(*empty, np.zeros(0, np.int64))
+            ws.fill(Grouping.empty(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
             continue
-        wl = ws.fill(b.group_start, g_len, b.group_req_indptr, b.group_req_idx, p_len, seq, b.req_pool_indices)
+        wl = ws.fill(Grouping.of(b.group_start, g_len, b.group_req_indptr, b.group_req_idx, p_len), seq, b.req_pool_indices)
         ws.check_integrity()
         _check_cover(wl, p_len, seq, max(SMALL_CONFIG.reuse_chunk_factor, 1.0) * wl.suffix_chunk)
     assert ws.fills_reused > 50 and ws.fills_built > 10, (ws.fills_reused, ws.fills_built)
@@ -185,7 +185,7 @@ def test_empty_fills_in_a_row_copy_nothing_and_a_real_fill_in_between_clears_the
     assert first.bs == 0 and uploads == [0] and ws.counts.tolist() == [0, 0, 0]
     assert ws.fill_empty() is first and ws.fill_empty() is first and uploads == [0]  # skipped
     assert ws.fills_skipped == 2
-    wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+    wl = ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len),
                  b.seq_lens, b.req_pool_indices)  # fmt: skip
     assert uploads == [0, b.bs] and ws.counts.tolist()[0] == b.bs == wl.bs
     assert ws.fill_empty().bs == 0 and uploads == [0, b.bs, 0]  # the device held a real list
@@ -203,7 +203,7 @@ def test_partial_uploads_leave_the_device_metadata_of_a_full_write():
     for step in range(12):
         seq = b.seq_lens + step
         before = ws.fills_reused
-        wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+        wl = ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                      b.req_pool_indices, same_grouping=step > 0)
         reused += ws.fills_reused - before
         fresh._upload(wl, b.req_pool_indices)
@@ -218,13 +218,13 @@ def test_partial_upload_check_can_fail():
     ws = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
     fresh = CascadeWorkspace(b.bs + 4, 8, 2, 64, "cpu", config=SMALL_CONFIG, sm_count=32, max_splits=4)
     for step in range(3):
-        wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+        wl = ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len),
                      b.seq_lens + step, b.req_pool_indices)
     ws._host_base[ws._flip] = None  # next buffer: treated as holding another base
     o, S = ws._offs, ws.suffix_cap
     ws._host_np[ws._flip][o["sfx"] + 1 * S] += 1  # a stale suffix start
     ws._host_base[ws._flip] = ws._reuse_base  # ... claimed current
-    wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+    wl = ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len),
                  b.seq_lens + 3, b.req_pool_indices)
     fresh._upload(wl, b.req_pool_indices)
     assert not torch.equal(ws.meta, fresh.meta)
@@ -256,13 +256,13 @@ def test_advance_equals_a_fill_of_the_padded_batch_every_step(extra):
     advanced = built = 0
     for step in range(40):
         seq = b.seq_lens + step
-        want = ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad_seq(seq), rpi,
+        want = ref.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len), pad_seq(seq), rpi,
                         same_grouping=step > 0)
         if ws.advance(seq, rows, bs=bs):
             advanced += 1
         else:
             built += 1
-            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len, pad_seq(seq), rpi,
+            ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len), pad_seq(seq), rpi,
                     same_grouping=step > 0)
         assert torch.equal(ws.meta, ref.meta), f"step {step}"
         _same_work_list(ws.work_list, want)
@@ -276,7 +276,7 @@ def test_advance_refuses_what_it_cannot_serve():
     b = make_batch(suffix=40, ungrouped_len=70)
     ws = _workspace(b, extra=4)
     assert not ws.advance(b.seq_lens, b.req_pool_indices, bs=b.bs)  # nothing built yet
-    wl = ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, b.seq_lens,
+    wl = ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), b.seq_lens,
                  b.req_pool_indices)
     before = ws.meta.clone()
     assert not ws.advance(b.seq_lens + 1, b.req_pool_indices, bs=b.bs + 1)  # another batch size
@@ -302,10 +302,10 @@ def test_advance_comparison_sees_a_stale_padding_row():
     for step in range(steps):
         if step == steps - 1:
             ws._host_np[ws._flip][ws._reuse_base.hi_pos[-1]] += 1  # padding row's suffix end, next buffer
-        want = ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len,
+        want = ref.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len),
                         pad_seq(b.seq_lens + step), rpi, same_grouping=step > 0)
         if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs + extra):
-            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len,
+            ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, p_len),
                     pad_seq(b.seq_lens + step), rpi, same_grouping=step > 0)
     assert ws.fills_reused == steps - 1
     assert not torch.equal(ws.meta, ref.meta)
@@ -320,7 +320,7 @@ def test_lazy_work_list_after_advance_is_checked():
     ws = _workspace(b)
     for step in range(ws.staging_buffers + 2):  # the last buffer held this build's list: a partial write
         if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs):
-            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+            ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len),
                     b.seq_lens + step, b.req_pool_indices)
     assert ws._hi_buf is not None  # the last step advanced: nothing materialised yet
     base = ws._reuse_base
@@ -384,10 +384,10 @@ def test_staging_ring_waits_only_every_few_uploads_and_never_too_little(monkeypa
     steps = 60
     for step in range(steps):
         seq = b.seq_lens + step
-        ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+        ref.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                  b.req_pool_indices, same_grouping=step > 0)
         if not ws.advance(seq, b.req_pool_indices, bs=b.bs):
-            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+            ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                     b.req_pool_indices, same_grouping=step > 0)
         assert torch.equal(ws.meta, ref.meta), f"step {step}"
     assert ws._uploads == dev.records == steps and dev.events == nbuf  # one event per upload, reused
@@ -407,7 +407,7 @@ def test_staging_ring_check_can_fail(monkeypatch):
     with pytest.raises(AssertionError, match="may be pending"):
         for step in range(10):
             if not ws.advance(b.seq_lens + step, b.req_pool_indices, bs=b.bs):
-                ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len,
+                ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len),
                         b.seq_lens + step, b.req_pool_indices, same_grouping=step > 0)
     with pytest.raises(ValueError, match="staging_buffers"):
         CascadeWorkspace(8, 8, 2, 64, "cpu", staging_buffers=1)
@@ -428,12 +428,12 @@ def test_staging_ring_on_a_lagging_gpu_matches_a_host_fill():
     want = []
     for step in range(steps):
         seq = b.seq_lens + step
-        ref.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+        ref.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                  b.req_pool_indices, same_grouping=step > 0)
         want.append(ref.meta.clone())
         torch.cuda._sleep(200_000)  # ~0.1 ms of GPU work queued before this step's copy
         if not ws.advance(seq, b.req_pool_indices, bs=b.bs):
-            ws.fill(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len, seq,
+            ws.fill(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx, b.prefix_len), seq,
                     b.req_pool_indices, same_grouping=step > 0)
         snaps[step].copy_(ws.meta)
     torch.cuda.synchronize()

@@ -39,14 +39,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from granikv.attention.context import AttentionContext
 from granikv.attention.debug.compare import DebugCompare
 from granikv.attention.decode.planner import DecodePlanner
-from granikv.attention.dispatcher import Path
 from granikv.attention.extend.paths import ExtendPaths
 from granikv.attention.forwarding import ForwardingBackend
 from granikv.attention.eligibility import LayerEligibility, unsupported_reason
 from granikv.attention.step_stats import StepStats
-from granikv.attention.dispatcher import build_dispatcher
+from granikv.attention.dispatcher import Dispatcher, Path, build_dispatcher
 
 logger = logging.getLogger("granikv")
 
@@ -72,36 +72,49 @@ class GraniKVAttnBackend(ForwardingBackend):
         return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name)
 
     def __init__(self, inner, *, model_runner, cfg, backend_name: str):
+        dispatcher = build_dispatcher(model_runner, cfg, backend_name)
+        geo = dispatcher.geometry
+        # the one owner of what the parts below read (they get the context, never this object)
+        self.ctx = AttentionContext(cfg=cfg, model_runner=model_runner, inner=inner, backend_name=backend_name,
+                                    dispatcher=dispatcher, device=torch.device(model_runner.device),
+                                    num_q_heads=geo.num_q_heads, head_dim=geo.head_dim, stats=StepStats())
         super().__init__(inner)
-        self.cfg = cfg
-        self.backend_name = backend_name
-        self.model_runner = model_runner
-        self.dispatcher = build_dispatcher(model_runner, cfg, backend_name)
-        geo = self.dispatcher.geometry
-        self.num_q_heads, self.head_dim = geo.num_q_heads, geo.head_dim
-        self.device = torch.device(model_runner.device)
-        self.stats = StepStats()
         self.eligibility = LayerEligibility(num_q_heads=geo.num_q_heads, head_dim=geo.head_dim,
                                             backend_name=backend_name)
         # Any ineligible layer keeps decode stock (the wrapped backend is planned once per step
         # for every layer, so one layer cannot opt out of the ``seq_len = 1`` plan); extend
         # batches fall back layer by layer.
         if self.eligibility.scan(getattr(model_runner, "model", None)):
-            self.dispatcher = self._paged_dispatcher()
-        self.decode = DecodePlanner(self)
-        self.compare = DebugCompare(self)
-        self.extend = ExtendPaths(self, self.eligibility, self.compare)
+            self.ctx.dispatcher = self._paged_dispatcher()
+        self.decode = DecodePlanner(self.ctx)
+        self.compare = DebugCompare(self.ctx)
+        self.extend = ExtendPaths(self.ctx, self.eligibility, self.compare)
         self._staged: Optional[np.ndarray] = None
         self._stage_seconds = 0.0
 
-    def _paged_dispatcher(self):
+    def _paged_dispatcher(self) -> Dispatcher:
         return build_dispatcher(self.model_runner, self.cfg, self.backend_name, forced_path="paged")
 
-    # ---- shared state ------------------------------------------------------------------
+    # ---- shared state: read from (and, for tests and hooks, written to) the context ------
+
+    inner = property(lambda self: self.ctx.inner, lambda self, v: setattr(self.ctx, "inner", v))
+    cfg = property(lambda self: self.ctx.cfg, lambda self, v: setattr(self.ctx, "cfg", v))
+    model_runner = property(lambda self: self.ctx.model_runner, lambda self, v: setattr(self.ctx, "model_runner", v))
+    stats = property(lambda self: self.ctx.stats, lambda self, v: setattr(self.ctx, "stats", v))
+    backend_name = property(lambda self: self.ctx.backend_name)
+    device = property(lambda self: self.ctx.device)
+    num_q_heads = property(lambda self: self.ctx.num_q_heads)
+    head_dim = property(lambda self: self.ctx.head_dim)
+    hot_prefix_table = property(lambda self: self.ctx.hot_prefix_table)
 
     @property
-    def hot_prefix_table(self):
-        return self.model_runner.token_to_kv_pool_allocator.hot_prefix_table
+    def dispatcher(self) -> Dispatcher:
+        return self.ctx.dispatcher
+
+    @dispatcher.setter
+    def dispatcher(self, value: Dispatcher) -> None:
+        """Later decode steps choose with ``value`` (through the planner, the owner of the choice)."""
+        self.decode.use_dispatcher(value)
 
     @property
     def graphs(self):
@@ -138,8 +151,8 @@ class GraniKVAttnBackend(ForwardingBackend):
 
     def init_forward_metadata(self, forward_batch):
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
-            staged, self._staged, self.decode.path = self._staged, None, Path.PAGED
-            self.decode.clock.interrupt()
+            staged, self._staged = self._staged, None
+            self.decode.stock_step(extend=True)
             self.compare.no_decode_compare()
             self.inner.init_forward_metadata(forward_batch)
             self.extend.plan(forward_batch, staged)
@@ -148,12 +161,10 @@ class GraniKVAttnBackend(ForwardingBackend):
         self.inner.init_forward_metadata(self.compare.plan_decode(forward_batch, view))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        self.graphs.planned_cascade = False
+        self.decode.begin_graph_metadata()
         self.compare.no_decode_compare()  # a replay runs no Python
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
-            self.decode.path = Path.PAGED
-            if not forward_batch.forward_mode.is_decode():
-                self.decode.clock.interrupt()
+            self.decode.stock_step(extend=not forward_batch.forward_mode.is_decode())
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if in_capture:
             return self.decode.capture_metadata_for(forward_batch)
@@ -207,5 +218,4 @@ class GraniKVAttnBackend(ForwardingBackend):
         logger.error("GraniKV: decode of layer %d carries %s, which the layer scan did not "
                      "find; decode attention is stock from the next step on", layer.layer_id, reason)
         self.eligibility.record(layer.layer_id, reason)
-        self.dispatcher = self._paged_dispatcher()
-        self.decode.use_dispatcher(self.dispatcher)
+        self.decode.use_dispatcher(self._paged_dispatcher())

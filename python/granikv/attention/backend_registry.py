@@ -8,19 +8,26 @@ instance here. The list lives on the model runner (``_granikv_backends``), not i
 is in wrap order.
 """
 
-from typing import List
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from granikv.attention.backend import GraniKVAttnBackend
 
 _ATTR = "_granikv_backends"
 
 
-def register(model_runner, backend) -> None:
+def register(model_runner: ModelRunner, backend: GraniKVAttnBackend) -> None:
     """Records ``backend`` as wrapped for ``model_runner`` (once per instance)."""
     backends = model_runner.__dict__.setdefault(_ATTR, [])
     if all(b is not backend for b in backends):
         backends.append(backend)
 
 
-def backends_of(model_runner) -> List:
+def backends_of(model_runner: Optional[ModelRunner]) -> List[GraniKVAttnBackend]:
     """The GraniKV backends wrapped for ``model_runner``, in wrap order ([] if none)."""
     if model_runner is None:
         return []

@@ -36,18 +36,23 @@ same slots" hold by construction; ``plan.verify_same_slots`` checks it (tests, a
 backend under ``--granikv-debug-integrity``).
 """
 
+from __future__ import annotations
+
 import enum
 import logging
 import math
-from typing import NamedTuple, Optional, get_args
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple, get_args
 
 import numpy as np
 import torch
 
-from granikv.attention.eligibility import attention_tp_size
-from granikv.config import AttentionPath
 from granikv.attention.cost.cost_model import CostModel, HeadGeometry, Workload
+from granikv.attention.eligibility import attention_tp_size
 from granikv.attention.grouping import BatchDescription, Grouping
+from granikv.config import AttentionPath, GraniKVConfig
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger("granikv")
 
@@ -189,9 +194,12 @@ class Dispatcher:
         eager = not graph_safe_only
         return PathTimes(
             paged=paged,
-            cascade=_INF if "cascade" in off else cm.step_time("cascade", w, num_layers=n, eager=eager, host_plan_us=h),
-            fused=_INF if graph_safe_only or "fused" in off else cm.step_time("fused", w, num_layers=n, eager=True, host_plan_us=h),
-            bgemm=_INF if graph_safe_only or "bgemm" in off else cm.step_time("bgemm", w, num_layers=n, eager=True, host_plan_us=h),
+            cascade=_INF if "cascade" in off else cm.step_time("cascade", w, num_layers=n, eager=eager,
+                                                                host_plan_us=h),
+            fused=_INF if graph_safe_only or "fused" in off else cm.step_time("fused", w, num_layers=n, eager=True,
+                                                                               host_plan_us=h),
+            bgemm=_INF if graph_safe_only or "bgemm" in off else cm.step_time("bgemm", w, num_layers=n, eager=True,
+                                                                               host_plan_us=h),
         )
 
     def choose(
@@ -208,13 +216,14 @@ class Dispatcher:
         if self.forced is not None:
             if math.isinf(times.of(self.forced)):
                 return Decision(
-                    Path.PAGED, times, f"forced {self.forced.value} not eligible (eager-only or disabled by calibration): paged"
+                    Path.PAGED, times,
+                    f"forced {self.forced.value} not eligible (eager-only or disabled by calibration): paged",
                 )
             return Decision(self.forced, times, f"forced {self.forced.value}")
         return cheapest(times, host_plan_us, self.floors)
 
 
-def cheapest(times: PathTimes, host_plan_us: float, floors) -> Decision:
+def cheapest(times: PathTimes, host_plan_us: float, floors: Sequence[float]) -> Decision:
     """The cheapest path of ``times`` (PAGED on ties) and its reason. A paged choice is
     ``host_bound`` when some path's time less its per-step overheads (``host_plan_us`` and its
     launch floors ``floors[k]``, all layers) is below paged's: then the reason says
@@ -256,22 +265,24 @@ class SteadyChooser:
 
     def __init__(self, dispatcher: Dispatcher):
         self.dispatcher = dispatcher
-        self._key = None  # (grouping, graph_safe_only): the grouping is held, so `is` is safe
-        self._base = self._slope = None  # times without the host term at _seq0, per token
-        self._seq0 = 0
-        self._decision = None  # last decision (its reason is reused while the path stays)
+        self._key: Optional[Tuple[Grouping, bool]] = None  # (grouping, graph_safe_only): held, so `is` is safe
+        self._base: Tuple[float, ...] = ()  # times without the host term at _seq0 (set with _key, unforced)
+        self._slope: Tuple[float, ...] = ()  # ... and their change per sequence token
+        self._seq0: float = 0
+        self._decision: Optional[Decision] = None  # last decision (its reason is reused while the path stays)
         self.hits = self.misses = 0
         self.hint_ok = True  # seq_total hints agree with the arrays (checked at every refit)
         self.hint_mismatches = 0
 
     def choose(self, grouping: Grouping, desc: BatchDescription, *, graph_safe_only: bool = True,
                seq_total: Optional[int] = None) -> Decision:
-        key = self._key
-        if key is None or key[0] is not grouping or key[1] != graph_safe_only or grouping.num_groups == 0:
+        key, prev = self._key, self._decision  # set together (_refit)
+        if (key is None or prev is None or key[0] is not grouping or key[1] != graph_safe_only
+                or grouping.num_groups == 0):
             return self._refit(grouping, desc, graph_safe_only, seq_total)
         self.hits += 1
         if self.dispatcher.forced is not None:  # depends on the grouping only (eligibility)
-            return self._decision
+            return prev
         if seq_total is None or not self.hint_ok:
             seq_total = np.add.reduce(desc.seq_lens)
         dt = float(seq_total) - self._seq0
@@ -285,7 +296,6 @@ class SteadyChooser:
             k, t = 2, times[2]
         if times[3] < t:
             k = 3
-        prev = self._decision
         if k == 0:  # host_bound as in cheapest(): some path's time less its overheads beats paged
             _, f1, f2, f3 = self.dispatcher.floors
             bound = min(times[1] - f1, times[2] - f2, times[3] - f3) - h < times[0]
@@ -296,7 +306,8 @@ class SteadyChooser:
         self._decision = cheapest(times, h, self.dispatcher.floors)
         return self._decision
 
-    def _refit(self, grouping, desc, graph_safe_only, seq_total=None) -> Decision:
+    def _refit(self, grouping: Grouping, desc: BatchDescription, graph_safe_only: bool,
+               seq_total: Optional[int] = None) -> Decision:
         self.misses += 1
         if seq_total is not None and self.hint_ok and seq_total != int(np.add.reduce(desc.seq_lens)):
             self.hint_ok = False  # the caller's totals are not the arrays' sums: use the arrays
@@ -318,11 +329,11 @@ class SteadyChooser:
         self._seq0 = float(np.add.reduce(desc.seq_lens))
         span = float(np.add.reduce(probe.seq_lens)) - self._seq0
         self._base = tuple(bare)
-        self._slope = tuple(0.0 if math.isinf(a) else (b - a) / span for a, b in zip(bare, far))
+        self._slope = tuple(0.0 if math.isinf(a) else (b - a) / span for a, b in zip(bare, far, strict=True))
         return decision
 
 
-def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None, *,
+def build_dispatcher(model_runner: ModelRunner, cfg: GraniKVConfig, backend_name: Optional[str] = None, *,
                      forced_path: Optional[str] = None) -> Dispatcher:
     """The dispatcher for this model runner's head shapes, with the paged coefficients of the
     wrapped backend ``backend_name`` where the cost-model file has them (else its top-level
@@ -330,8 +341,8 @@ def build_dispatcher(model_runner, cfg, backend_name: Optional[str] = None, *,
     ``cfg.attention_path`` (``"paged"`` when some layer cannot be served)."""
     mc = model_runner.model_config
     tp = attention_tp_size(model_runner)
-    gpu = torch.cuda.get_device_name(model_runner.device) if (torch.cuda.is_available()
-                                                              and torch.device(model_runner.device).type == "cuda") else None
+    on_cuda = torch.cuda.is_available() and torch.device(model_runner.device).type == "cuda"
+    gpu = torch.cuda.get_device_name(model_runner.device) if on_cuda else None
     loaded = CostModel.load(cfg.cost_model, gpu)
     cost_model = loaded.for_backend(backend_name)
     if backend_name and cost_model is loaded and backend_name != "flashinfer":

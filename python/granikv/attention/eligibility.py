@@ -10,19 +10,26 @@ Two levels of eligibility:
   that only shows in the call's arguments, such as ``sinks``).
 """
 
+from __future__ import annotations
+
 import logging
-from typing import Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set
 
 import torch
 
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from granikv.config import GraniKVConfig
+
 logger = logging.getLogger("granikv")
-_UNSEEN = object()
 
 SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-def unsupported_reason(model_runner, cfg) -> Optional[str]:
+def unsupported_reason(model_runner: ModelRunner, cfg: GraniKVConfig) -> Optional[str]:
     """Why the shared-prefix attention cannot serve this model runner (None = it can)."""
     if cfg.attention_path == "paged":
         return "--granikv-attention-path=paged"
@@ -45,7 +52,7 @@ def unsupported_reason(model_runner, cfg) -> Optional[str]:
     return None
 
 
-def attention_tp_size(model_runner) -> int:
+def attention_tp_size(model_runner: ModelRunner) -> int:
     """Attention tensor-parallel size (heads per rank = total / this)."""
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -61,7 +68,7 @@ def attention_tp_size(model_runner) -> int:
 _SINK_HINT = "sink"  # model-side attention-sink tensors (gpt-oss ``sinks``, MiMo ``attention_sink_bias``)
 
 
-def layer_reason(layer, *, num_q_heads: Optional[int] = None,
+def layer_reason(layer: RadixAttention, *, num_q_heads: Optional[int] = None,
                  head_dim: Optional[int] = None) -> Optional[str]:
     """Why GraniKV's kernels cannot compute this attention layer exactly (None: they can).
 
@@ -101,7 +108,7 @@ def layer_reason(layer, *, num_q_heads: Optional[int] = None,
     return None
 
 
-def call_reason(k, v, kwargs: Mapping[str, object]) -> Optional[str]:
+def call_reason(k: Optional[torch.Tensor], v: Optional[torch.Tensor], kwargs: Mapping[str, object]) -> Optional[str]:
     """Why this call of an attention layer cannot be served (None: it can): no new K/V, or
     extra keyword arguments the kernels do not implement (``sinks``, descales, ...)."""
     if k is None or v is None:
@@ -112,24 +119,24 @@ def call_reason(k, v, kwargs: Mapping[str, object]) -> Optional[str]:
     return None
 
 
-def layer_ranges(ids) -> str:
+def layer_ranges(ids: Iterable[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (for log lines)."""
-    ids, parts = sorted(ids), []
+    order, parts = sorted(ids), []
     i = 0
-    while i < len(ids):
+    while i < len(order):
         j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+        while j + 1 < len(order) and order[j + 1] == order[j] + 1:
             j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        parts.append(str(order[i]) if i == j else f"{order[i]}-{order[j]}")
         i = j + 1
     return ", ".join(parts)
 
 
-def _is_attention_layer(module) -> bool:
+def _is_attention_layer(module: object) -> bool:
     return all(hasattr(module, a) for a in ("layer_id", "tp_q_head_num", "scaling", "head_dim"))
 
 
-def scan_layers(model, *, num_q_heads: Optional[int] = None,
+def scan_layers(model: object, *, num_q_heads: Optional[int] = None,
                 head_dim: Optional[int] = None) -> Dict[int, str]:
     """``layer_id -> reason`` for every attention layer of ``model`` GraniKV cannot serve.
 
@@ -185,13 +192,13 @@ class LayerEligibility:
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.backend_name = backend_name
         self.scanned: Dict[int, str] = {}  # layer_id -> why it runs stock (scan and ``record``)
-        self._memo = {}  # id(layer) -> its layer_reason (None: served)
-        self._logged = set()
+        self._memo: Dict[int, Optional[str]] = {}  # id(layer) -> its layer_reason (None: served)
+        self._logged: Set[str] = set()
 
-    def scan(self, model) -> Dict[int, str]:
+    def scan(self, model: object) -> Dict[int, str]:
         """Scans ``model``'s attention layers (logged once per reason); returns the verdicts."""
         self.scanned = scan_layers(model, num_q_heads=self.num_q_heads, head_dim=self.head_dim)
-        by_reason = {}
+        by_reason: Dict[str, List[int]] = {}
         for layer_id, reason in sorted(self.scanned.items()):
             by_reason.setdefault(reason, []).append(layer_id)
         for reason, ids in by_reason.items():
@@ -199,20 +206,23 @@ class LayerEligibility:
                            "stays stock for the whole model", layer_ranges(ids), self.backend_name, reason)
         return self.scanned
 
-    def reason(self, layer, k, v, kwargs) -> Optional[str]:
+    def reason(self, layer: RadixAttention, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+               kwargs: Mapping[str, object]) -> Optional[str]:
         """Why this call runs the wrapped backend's attention (None: GraniKV serves it)."""
-        reason = self._memo.get(id(layer), _UNSEEN)
-        if reason is _UNSEEN:
+        memo, key = self._memo, id(layer)
+        if key in memo:
+            reason = memo[key]
+        else:
             reason = self.scanned.get(layer.layer_id) or layer_reason(
                 layer, num_q_heads=self.num_q_heads, head_dim=self.head_dim)
-            self._memo[id(layer)] = reason
+            memo[key] = reason
         return reason or call_reason(k, v, kwargs)
 
     def record(self, layer_id: int, reason: str) -> None:
         """A decode call showed a feature the scan did not see (kept beside the scan's verdicts)."""
         self.scanned.setdefault(layer_id, reason)
 
-    def log_stock_extend(self, layer, reason: str) -> None:
+    def log_stock_extend(self, layer: RadixAttention, reason: str) -> None:
         """One info line per reason: this extend call goes to the wrapped backend."""
         if reason not in self._logged:
             self._logged.add(reason)

@@ -17,6 +17,8 @@ Two channels, both set up here and nowhere else:
 ``forward`` dispatches to the subclass's ``forward_decode`` / ``forward_extend``: never forwarded.
 """
 
+from typing import Any, Callable, List, Tuple, Type, Union
+
 try:  # SGLang is the host; GraniKV's kernels and planner do not need it.
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 except ImportError:  # pragma: no cover
@@ -34,42 +36,42 @@ class _ForwardedProperty(property):
 class ForwardingBackend(AttentionBackend):
     """Base of a backend wrapping ``inner``; subclasses define what they serve themselves."""
 
-    forwarded_base_names: tuple = ()
+    forwarded_base_names: Tuple[str, ...] = ()
 
-    def __init__(self, inner):
+    def __init__(self, inner: AttentionBackend):
         self.inner = inner
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _forward_base_methods(cls)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found normally: delegate to the wrapped backend.
-        if name == "inner":
+        if name in ("inner", "ctx"):  # not set yet (an object being built): no forwarding
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     @property
-    def forward_metadata(self):
+    def forward_metadata(self) -> Any:
         return self.inner.forward_metadata
 
     @forward_metadata.setter
-    def forward_metadata(self, value):  # SGLang resets it on idle batches
+    def forward_metadata(self, value: Any) -> None:  # SGLang resets it on idle batches
         self.inner.forward_metadata = value
 
 
-def _is_forwarded(attr) -> bool:
+def _is_forwarded(attr: object) -> bool:
     return isinstance(attr, _ForwardedProperty) or getattr(attr, "_granikv_forwarded", False)
 
 
-def _defined_below_base(cls, name: str) -> bool:
+def _defined_below_base(cls: type, name: str) -> bool:
     """``name`` is defined by ``cls`` or a class between it and ``AttentionBackend`` (and not
     merely forwarded there by this module)."""
     return any(name in vars(k) and not _is_forwarded(vars(k)[name])
                for k in cls.__mro__ if issubclass(k, ForwardingBackend))
 
 
-def forwarded_base_names(cls) -> list:
+def forwarded_base_names(cls: type) -> List[str]:
     """What ``cls`` forwards: every name SGLang's ``AttentionBackend`` defines itself that
     ``cls`` (or a class between it and the base) does not."""
     if AttentionBackend is object:  # pragma: no cover
@@ -78,7 +80,7 @@ def forwarded_base_names(cls) -> list:
             if not n.startswith("__") and n not in _NOT_FORWARDED and not _defined_below_base(cls, n)]
 
 
-def _forwarder(name: str, attr):
+def _forwarder(name: str, attr: object) -> Union[property, Callable[..., Any]]:
     if isinstance(attr, property):
         return _ForwardedProperty(lambda self: getattr(self.inner, name),
                                   lambda self, v: setattr(self.inner, name, v))
@@ -86,11 +88,11 @@ def _forwarder(name: str, attr):
         return _ForwardedProperty(lambda self: getattr(self.inner, name, attr),
                                   lambda self, v: setattr(self.inner, name, v))
     fn = lambda self, *a, **kw: getattr(self.inner, name)(*a, **kw)  # noqa: E731
-    fn._granikv_forwarded = True
+    fn._granikv_forwarded = True  # type: ignore[attr-defined]  # marks a function this module installed
     return fn
 
 
-def _forward_base_methods(cls) -> None:
+def _forward_base_methods(cls: Type[ForwardingBackend]) -> None:
     """Installs on ``cls`` a forwarder for each name of ``forwarded_base_names(cls)``."""
     cls.forwarded_base_names = tuple(forwarded_base_names(cls))
     for name in cls.forwarded_base_names:

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-_ZERO_INDPTR = np.zeros(1, dtype=np.int64)
+from granikv.kernels.plan import Grouping
+
+__all__ = ["BatchDescription", "Grouping", "GroupingMemo", "group_requests", "verify_same_slots"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,59 +94,6 @@ class BatchDescription:
     @property
     def batch_size(self) -> int:
         return self.req_pool_indices.shape[0]
-
-
-@dataclass(frozen=True, eq=False)
-class Grouping:
-    """Requests grouped by the HOT extent they start with (numpy int64 arrays).
-
-    - ``group_start[G]``, ``group_len[G]``: the group's prefix is slots
-      ``[group_start[g], group_start[g] + group_len[g])``, ``group_len[g] >= 1``; groups are
-      ordered by ``group_start``.
-    - ``group_req_indptr[G+1]``, ``group_req_idx[nnz]``: CSR; the batch positions of group g are
-      ``group_req_idx[group_req_indptr[g]:group_req_indptr[g+1]]``, ascending.
-    - ``prefix_len[bs]``: tokens of request i served by its group's prefix (0 = not grouped);
-      ``prefix_len[i] <= seq_lens[i]``.
-    """
-
-    group_start: np.ndarray
-    group_len: np.ndarray
-    group_req_indptr: np.ndarray
-    group_req_idx: np.ndarray
-    prefix_len: np.ndarray
-
-    @classmethod
-    def empty(cls, batch_size: int) -> "Grouping":
-        """No group: every request goes through the paged (or suffix-only) path."""
-        return cls(_EMPTY, _EMPTY, _ZERO_INDPTR, _EMPTY, np.zeros(batch_size, dtype=np.int64))
-
-    @property
-    def batch_size(self) -> int:
-        return self.prefix_len.shape[0]
-
-    @property
-    def num_groups(self) -> int:
-        return self.group_start.shape[0]
-
-    @property
-    def num_grouped(self) -> int:
-        """Requests that belong to a group (nnz of the CSR)."""
-        return self.group_req_idx.shape[0]
-
-    @property
-    def group_size(self) -> np.ndarray:
-        """Requests per group, int64 ``[G]``."""
-        return np.diff(self.group_req_indptr)
-
-    @property
-    def prefix_tokens(self) -> int:
-        """Prefix tokens read once per step by a prefix pass: sum of ``group_len``."""
-        return sum(self.group_len.tolist())
-
-    @property
-    def stacked_prefix_tokens(self) -> int:
-        """(request, prefix token) pairs: sum of ``prefix_len`` = sum of size * len per group."""
-        return int(np.add.reduce(self.prefix_len))
 
 
 def group_requests(

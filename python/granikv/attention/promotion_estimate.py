@@ -51,10 +51,11 @@ Inputs are the model geometry per attention-TP rank, identical on every rank of 
 """
 
 import math
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from granikv.attention.cost.cost_model import Workload
 from granikv.attention.dispatcher import Dispatcher, Path
+from granikv.config import GraniKVConfig
 
 Group = Tuple[int, int]  # (prefix_len, sharers)
 
@@ -69,7 +70,7 @@ class PromotionEstimate:
         self.suffix_tokens = suffix_tokens
 
     @classmethod
-    def from_config(cls, dispatcher: Dispatcher, cfg) -> "PromotionEstimate":
+    def from_config(cls, dispatcher: Dispatcher, cfg: GraniKVConfig) -> "PromotionEstimate":
         return cls(dispatcher, min_group_size=cfg.min_group_size)
 
     def serves(self, num_sharers: int) -> bool:
@@ -112,7 +113,7 @@ class PromotionEstimate:
             num_groups=len(grouped),
         )
 
-    def _grouped(self, groups: Sequence[Group]) -> list:
+    def _grouped(self, groups: Sequence[Group]) -> List[Group]:
         return [(p, s) for p, s in groups if p > 0 and s >= self.min_group_size]
 
     def _served_us(self, batch: Sequence[Group], grouped: Sequence[Group], paged: float) -> float:

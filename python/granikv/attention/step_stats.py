@@ -1,13 +1,20 @@
 """Per-step counters of the attention dispatcher (what ran, and why), and the host time of
 decode planning: totals per section, thread CPU time beside wall time, a cumulative histogram."""
 
+from __future__ import annotations
+
 import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from granikv.attention.dispatcher import Decision
+    from granikv.attention.extend.plan import ExtendPlan
+    from granikv.attention.grouping import Grouping
 
 PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most recent ones)
 
@@ -44,7 +51,7 @@ class RecentTimes:
     def __len__(self) -> int:
         return min(self._n, self._cap)
 
-    def percentiles_us(self, *qs: float):
+    def percentiles_us(self, *qs: float) -> Tuple[float, ...]:
         n = len(self)
         if n == 0:
             return tuple(0.0 for _ in qs)
@@ -62,7 +69,7 @@ class PlanTimeHistogram:
 
     EDGES_US = tuple(2.0 ** (k / 4) for k in range(57))  # 1 us .. 16384 us
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._edges = [e * 1e-6 for e in self.EDGES_US]
         self._keys = [f"{e:.4g}" for e in self.EDGES_US] + ["inf"]
         self.counts = [0] * (len(self._edges) + 1)
@@ -70,8 +77,8 @@ class PlanTimeHistogram:
     def add(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(self._edges, seconds)] += 1
 
-    def snapshot(self) -> dict:
-        return {k: n for k, n in zip(self._keys, self.counts) if n}
+    def snapshot(self) -> Dict[str, int]:
+        return {k: n for k, n in zip(self._keys, self.counts, strict=True) if n}
 
     @staticmethod
     def quantile_us(buckets: Mapping[str, float], q: float) -> Optional[float]:
@@ -79,16 +86,16 @@ class PlanTimeHistogram:
         count, e.g. a difference of two ``snapshot``s; a bucket's lower edge is the one before it
         in ``EDGES_US``, 0 for the first), interpolated linearly inside its bucket; the overflow bucket gives its lower
         edge. None when no step is counted."""
-        buckets = sorted((float(k), float(n)) for k, n in buckets.items() if n and n > 0)
-        total = sum(n for _, n in buckets)
+        counted = sorted((float(k), float(n)) for k, n in buckets.items() if n and n > 0)
+        total = sum(n for _, n in counted)
         if not total:
             return None
         want, seen = total * q / 100.0, 0.0
         edges = PlanTimeHistogram.EDGES_US
-        for hi, n in buckets:
+        for hi, n in counted:
             i = bisect.bisect_left(edges, hi * (1 - 1e-3))  # hi's index (keys keep 4 digits)
             lo = edges[i - 1] if i > 0 else 0.0
-            if seen + n >= want or hi == buckets[-1][0]:
+            if seen + n >= want or hi == counted[-1][0]:
                 return lo if math.isinf(hi) else lo + (hi - lo) * min(1.0, max(0.0, want - seen) / n)
             seen += n
         return None  # not reached
@@ -98,7 +105,7 @@ class PlanTimeHistogram:
 class StepStats:
     """Counts decode steps per chosen path, grouped requests and steps the planner skipped."""
 
-    paths: Counter = field(default_factory=Counter)
+    paths: Counter[str] = field(default_factory=Counter)
     steps: int = 0
     grouped_requests: int = 0
     requests: int = 0
@@ -114,13 +121,13 @@ class StepStats:
     fill_seconds: float = 0.0  # part of plan_seconds: workspace fill + upload + view
     stage_seconds: float = 0.0  # part of plan_seconds: the scheduler hook's staging of the batch rows
     plan_cpu_seconds: float = 0.0  # thread CPU time of the backend's part (all but stage)
-    section_seconds: list = field(default_factory=lambda: [0.0] * len(PLAN_SECTIONS))  # PLAN_SECTIONS order
+    section_seconds: List[float] = field(default_factory=lambda: [0.0] * len(PLAN_SECTIONS))  # PLAN_SECTIONS order
     recent_plan: RecentTimes = field(default_factory=RecentTimes)  # per-step plan time, last PLAN_WINDOW
     plan_hist: PlanTimeHistogram = field(default_factory=PlanTimeHistogram)  # per-step plan time, all steps
     extend_batches: int = 0  # extend batches planned (prefill with a cached prefix considered)
     extend_hot_batches: int = 0  # ... whose prefix part ran as dense calls over HOT extents
     extend_hot_tokens: int = 0  # new tokens served that way
-    extend_fallbacks: Counter = field(default_factory=Counter)  # reason -> extend batches left stock
+    extend_fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> extend batches left stock
     max_extend_compare_diff: float = 0.0  # debug compare mode: worst |dense - paged| prefix output
     # debug compare mode, every layer of a compared decode step (DebugCompare.compare_decode):
     layer_output_compares: int = 0  # layer-steps compared
@@ -130,7 +137,7 @@ class StepStats:
     layer_output_stock_max_rel_dev: float = 0.0  # worst stock output vs float64, same layer-steps
     layer_output_tolerance: float = 0.0  # largest per-layer-step tolerance (debug_compare.layer_tolerance)
 
-    def record(self, decision, grouping) -> None:
+    def record(self, decision: Decision, grouping: Grouping) -> None:
         self.steps += 1
         self.paths[decision.path._value_] += 1  # the enum's value without its descriptor
         self.requests += grouping.batch_size
@@ -149,7 +156,7 @@ class StepStats:
         self.last_reason = reason
 
     def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0,
-                         stage: float = 0.0, cpu: float = 0.0, sections=None) -> None:
+                         stage: float = 0.0, cpu: float = 0.0, sections: Optional[Sequence[float]] = None) -> None:
         """A decode step's host time, and its parts (staging the rows in the scheduler hook,
         plan + path choice, workspace fill + the wrapped backend's view); ``cpu``: the thread
         CPU time of the backend's part; ``sections``: seconds per ``PLAN_SECTIONS`` entry."""
@@ -171,7 +178,7 @@ class StepStats:
         self.recent_plan.add(seconds)
         self.plan_hist.add(seconds)
 
-    def record_extend(self, plan, reason: str) -> None:
+    def record_extend(self, plan: Optional[ExtendPlan], reason: str) -> None:
         self.extend_batches += 1
         if plan is None:
             self.extend_fallbacks[reason] += 1
@@ -197,7 +204,7 @@ class StepStats:
         """Decode steps planned (and timed): each either recorded a path or went unplanned."""
         return self.steps + self.unplanned
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> Dict[str, Any]:
         return {
             "decode_steps": self.steps,
             "steps_per_path": dict(self.paths),
@@ -209,7 +216,7 @@ class StepStats:
             "max_compare_diff": self.max_compare_diff,
             "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
             "plan_us_max": 1e6 * self.plan_max_seconds,
-            **dict(zip(("plan_us_p50", "plan_us_p99"), self.recent_plan.percentiles_us(50, 99))),
+            **dict(zip(("plan_us_p50", "plan_us_p99"), self.recent_plan.percentiles_us(50, 99), strict=True)),
             "plan_window_steps": len(self.recent_plan),
             "plan_us_total": 1e6 * self.plan_seconds,  # totals: deltas between snapshots give exact means
             "planned_steps": self.planned,
@@ -217,7 +224,7 @@ class StepStats:
             "plan_fill_us_total": 1e6 * self.fill_seconds,
             "plan_stage_us_total": 1e6 * self.stage_seconds,
             "plan_cpu_us_total": 1e6 * self.plan_cpu_seconds,  # thread CPU time: work, not waiting
-            "plan_sections_us_total": {k: 1e6 * v for k, v in zip(PLAN_SECTIONS, self.section_seconds)},
+            "plan_sections_us_total": {k: 1e6 * v for k, v in zip(PLAN_SECTIONS, self.section_seconds, strict=True)},
             "plan_us_hist": self.plan_hist.snapshot(),  # bucket upper edge (us) -> steps, cumulative
             "extend_batches": self.extend_batches,
             "extend_hot_batches": self.extend_hot_batches,

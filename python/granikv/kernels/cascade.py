@@ -1,6 +1,7 @@
 """Top-level cascade attention entry points (what the attention backend calls per layer).
 
-Plan once per step (``CascadeWorkspace.fill``), then per layer:
+Plan once per step (the decode planner fills its workspace and hands over the step's
+``CascadePlan``, kernels/plan.py), then per layer:
 
     cascade_attention        prefix launch + suffix launch + merge launch   (memory-optimal;
                              with KernelConfig.overlap_suffix the first two run concurrently)
@@ -10,25 +11,24 @@ Plan once per step (``CascadeWorkspace.fill``), then per layer:
 
 All write ``out`` [bs, Hq, D] in q's dtype and are equal to plain decode attention over each
 request's whole sequence (up to rounding). The first two are CUDA-graph capturable: they only
-read the workspace's fixed buffers, so a replay after a new ``fill`` serves the new batch.
+read the plan's fixed buffers, so a replay after a new fill serves the new batch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from .fused_cascade import fused_cascade
-from .merge_state import merge_state
-from .prefix_attention import prefix_attention
-from .suffix_attention import suffix_attention
-
-if TYPE_CHECKING:  # the launchers read a filled workspace; the plan layer owns it (no runtime import upward)
-    from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels.fused_cascade import fused_cascade
+from granikv.kernels.merge_state import merge_state
+from granikv.kernels.plan import CascadePlan, Grouping
+from granikv.kernels.prefix_attention import prefix_attention
+from granikv.kernels.suffix_attention import suffix_attention
 
 __all__ = [
+    "CascadePlan",
     "PrefixState",
     "cascade_attention",
     "fused_cascade_attention",
@@ -47,38 +47,38 @@ def _out(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                      workspace: CascadeWorkspace, *, sm_scale: float,
+                      plan: CascadePlan, *, sm_scale: float,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Shared-prefix decode attention in three launches (prefix, suffix, merge).
 
     q [bs, Hq, D] fp16/bf16/fp32; k_buffer / v_buffer [slots, Hkv, D] (one layer);
-    req_to_token int32 [rows, max_ctx]; workspace filled for this batch; out [>= bs, Hq, D]
+    req_to_token int32 [rows, max_ctx]; plan: this step's (buffers filled); out [>= bs, Hq, D]
     (allocated if None). Returns out.
     """
     out = _out(q, out)
-    side = workspace.side_stream
+    side = plan.buffers.side_stream
     if side is None:
-        prefix_attention(q, k_buffer, v_buffer, workspace, sm_scale=sm_scale)
-        suffix_attention(q, k_buffer, v_buffer, req_to_token, workspace, sm_scale=sm_scale)
+        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale)
+        suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
     else:  # fork: suffix on the side stream while the prefix runs here; join before the merge
         cur = torch.cuda.current_stream(q.device)
         side.wait_stream(cur)
-        prefix_attention(q, k_buffer, v_buffer, workspace, sm_scale=sm_scale)
+        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale)
         with torch.cuda.stream(side):
-            suffix_attention(q, k_buffer, v_buffer, req_to_token, workspace, sm_scale=sm_scale)
+            suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
         cur.wait_stream(side)  # also orders any later reuse of q's memory after the side work
-    return merge_state(workspace, out)
+    return merge_state(plan, out)
 
 
 def fused_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                            req_to_token: torch.Tensor, workspace: CascadeWorkspace, *, sm_scale: float,
+                            req_to_token: torch.Tensor, plan: CascadePlan, *, sm_scale: float,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``cascade_attention`` in ONE launch (last writer of a request merges it; see fused_cascade.py).
 
     Every request of the batch must have at least one token (seq_len >= 1), as in decode.
     """
     out = _out(q, out)
-    return fused_cascade(q, k_buffer, v_buffer, req_to_token, workspace, out, sm_scale=sm_scale)
+    return fused_cascade(q, k_buffer, v_buffer, req_to_token, plan, out, sm_scale=sm_scale)
 
 
 class PrefixState(NamedTuple):
@@ -88,18 +88,19 @@ class PrefixState(NamedTuple):
     lse: torch.Tensor  # fp32 [nnz, Hq], natural log
 
 
-def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group_start, group_len,
-                           group_req_indptr, group_req_idx, *, sm_scale: float,
-                           idx: Optional[torch.Tensor] = None) -> PrefixState:
+def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, grouping: Grouping, *,
+                           sm_scale: float, idx: Optional[torch.Tensor] = None) -> PrefixState:
     """Compute-optimal prefix path: per group, [Hkv, n*ratio, D] stacked queries against the dense
     extent view [Hkv, len, D] through torch flash attention (CUDA) or fp32 matmul/softmax (CPU).
 
-    Grouping arrays are numpy (docs/contracts.md). One torch call per group; eager only (the
-    number of calls and their shapes depend on the batch).
+    ``grouping``: the step's groups (host numpy, docs/contracts.md). One torch call per group;
+    eager only (the number of calls and their shapes depend on the batch).
     """
     bs, hq, d = q.shape
     hkv = k_buffer.shape[1]
     ratio = hq // hkv
+    group_start, group_len = grouping.group_start, grouping.group_len
+    group_req_indptr, group_req_idx = grouping.group_req_indptr, grouping.group_req_idx
     nnz = len(group_req_idx)
     o_all = torch.empty(nnz, hq, d, dtype=torch.float32, device=q.device)
     lse_all = torch.empty(nnz, hq, dtype=torch.float32, device=q.device)
@@ -129,20 +130,19 @@ def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 
 
 def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                            req_to_token: torch.Tensor, workspace: CascadeWorkspace, *, sm_scale: float,
+                            req_to_token: torch.Tensor, plan: CascadePlan, *, sm_scale: float,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """bgemm prefix + suffix kernel + merge. The workspace must be filled with
-    ``single_prefix_chunk=True`` (one prefix partial row per member, written here). Eager only.
+    """bgemm prefix + suffix kernel + merge. The plan must come from a fill with
+    ``single_prefix_chunk=True`` (``plan.bgemm``: one prefix partial row per member, written
+    here). Eager only.
     """
-    ws = workspace
-    if ws.bgemm_groups is None:
-        raise ValueError("bgemm_cascade_attention needs a workspace filled with single_prefix_chunk=True")
+    members = plan.bgemm
+    if members is None:
+        raise ValueError("bgemm_cascade_attention needs a plan filled with single_prefix_chunk=True")
     out = _out(q, out)
-    g_start, g_len, g_ptr, g_idx = ws.bgemm_groups
-    if len(g_idx):
-        st = bgemm_prefix_attention(q, k_buffer, v_buffer, g_start, g_len, g_ptr, g_idx, sm_scale=sm_scale,
-                                    idx=ws.bgemm_idx)
-        ws.part_o.index_copy_(0, ws.bgemm_rows, st.o)  # no per-layer host-to-device copy
-        ws.part_lse.index_copy_(0, ws.bgemm_rows, st.lse)
-    suffix_attention(q, k_buffer, v_buffer, req_to_token, ws, sm_scale=sm_scale)
-    return merge_state(ws, out)
+    if members.grouping.num_grouped:
+        st = bgemm_prefix_attention(q, k_buffer, v_buffer, members.grouping, sm_scale=sm_scale, idx=members.idx)
+        plan.buffers.part_o.index_copy_(0, members.rows, st.o)  # no per-layer host-to-device copy
+        plan.buffers.part_lse.index_copy_(0, members.rows, st.lse)
+    suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
+    return merge_state(plan, out)

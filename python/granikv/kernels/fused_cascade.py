@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefix_attention import LOG2E, _prefix_item, input_precision
-from .suffix_attention import _suffix_item
+from granikv.kernels.plan import CascadePlan
+
+from granikv.kernels.prefix_attention import LOG2E, _prefix_item, input_precision
+from granikv.kernels.suffix_attention import _suffix_item
 
 __all__ = ["fused_cascade"]
 
@@ -98,19 +100,19 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
 
 
 def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                  workspace, out: torch.Tensor, *, sm_scale: float) -> torch.Tensor:
-    """Prefix + suffix + merge of a filled ``CascadeWorkspace`` in one launch.
+                  plan: CascadePlan, out: torch.Tensor, *, sm_scale: float) -> torch.Tensor:
+    """Prefix + suffix + merge of a step's ``CascadePlan`` in one launch.
 
     Shapes as ``prefix_attention`` / ``suffix_attention`` / ``merge_state``; ``out`` [>= bs, Hq, D]
-    in q's dtype. Requires ``workspace.counters`` all zero on entry (left zero on exit).
+    in q's dtype. Requires ``plan.buffers.counters`` all zero on entry (left zero on exit).
     A request with no partial rows is not written: the caller's ``fill`` never plans one
     (every request has seq_len - prefix_len >= 1 in decode), see ``cascade.fused_cascade_attention``.
     """
-    ws = workspace
+    ws = plan.buffers
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("fused"), ws.num_kv_heads)
-    ends = ws.ends.bound  # see suffix_attention: device ends of each request's last suffix item
+    ends = plan.ends  # see suffix_attention: device ends of each request's last suffix item
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.sfx_max,

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from granikv.kernels.plan import CascadePlan
+
 __all__ = ["merge_state", "merge_rows"]
 
 
@@ -56,15 +58,15 @@ def _merge_kernel(PartO, PartLse, Out, Counts, PartIndptr, stride_pr, stride_ph,
                     RATIO, BLOCK_R, HEAD_DIM)
 
 
-def merge_state(workspace, out: torch.Tensor) -> torch.Tensor:
-    """Merge a filled workspace's partial states into ``out`` (one launch).
+def merge_state(plan: CascadePlan, out: torch.Tensor) -> torch.Tensor:
+    """Merge a step's partial states into ``out`` (one launch).
 
-    workspace: CascadeWorkspace whose ``part_o`` [rows, Hq, D] fp32 / ``part_lse`` [rows, Hq] fp32
+    plan:      CascadePlan whose buffers' ``part_o`` [rows, Hq, D] fp32 / ``part_lse`` [rows, Hq] fp32
                hold every request's partial rows (CSR ``part_indptr``).
     out:       [>= bs, Hq, D] in the query dtype; rows [0, bs) are written, others untouched.
-    Grid: (max_bs, Hkv), fixed per workspace; programs past the live batch exit.
+    Grid: (max_bs, Hkv), fixed per set of buffers; programs past the live batch exit.
     """
-    ws = workspace
+    ws = plan.buffers
     if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
                          f"{ws.head_dim}] with a contiguous last dim")

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from granikv.kernels.plan import CascadePlan
+
 __all__ = ["prefix_attention"]
 
 LOG2E = 1.4426950408889634
@@ -183,20 +185,20 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, workspace, *,
+def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,
                      sm_scale: float) -> None:
-    """Grouped prefix attention of a filled ``CascadeWorkspace``'s prefix items (one launch).
+    """Grouped prefix attention of a step's ``CascadePlan`` (its buffers filled), prefix items (one launch).
 
     q:         [bs, Hq, D] fp16/bf16/fp32, batch order (rows read through group_req_idx)
     k_buffer:  [slots, Hkv, D] same dtype; one layer; the extents [slot_lo, slot_lo+n_kv) are read
     v_buffer:  [slots, Hkv, D]
-    workspace: CascadeWorkspace after ``fill``; writes ``part_o`` [rows, Hq, D] fp32 and
+    plan:      the step's CascadePlan (buffers filled); writes ``part_o`` [rows, Hq, D] fp32 and
                ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
-    Grid: (``ws.grid_items("prefix")``, Hkv), fixed per workspace (CUDA-graph safe). The kernel is
+    Grid: (``ws.grid_items("prefix")``, Hkv), fixed per set of buffers (CUDA-graph safe). The kernel is
     ``KernelConfig.prefix_kernel``'s: pointer loads, or tensor-descriptor (TMA) loads, which need
     contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise).
     """
-    ws = workspace
+    ws = plan.buffers
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)

@@ -9,7 +9,7 @@ request, whose slots are gathered from SGLang's table ``req_to_token[req_pool_in
     req_to_token row:  | prefix (served by the prefix kernel) | t_lo ... t_hi | ... | seq_len
                                                                   \\ one item  /
 
-Device ends (``CascadeWorkspace.ends`` bound, ``DEVICE_ENDS``): a request's last item
+Device ends (``CascadePlan.ends`` set, ``DEVICE_ENDS``): a request's last item
 (the next item belongs to another request) ends at ``seq_lens[req]``, read from the batch's
 own device tensor, not at its ``t_hi`` in the workspace. A steady decode step (same grouping,
 each request one token longer) then needs no upload at all. Graph padding rows, whose
@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
+from granikv.kernels.plan import CascadePlan
+
+from granikv.kernels.prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
 
 __all__ = ["suffix_attention"]
 
@@ -101,26 +103,26 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                     workspace, *, sm_scale: float) -> None:
-    """Paged suffix attention of a filled ``CascadeWorkspace``'s suffix items (one launch).
+                     plan: CascadePlan, *, sm_scale: float) -> None:
+    """Paged suffix attention of a step's ``CascadePlan`` (its buffers filled), suffix items (one launch).
 
     q:            [bs, Hq, D] fp16/bf16/fp32
     k_buffer:     [slots, Hkv, D] one layer (page size 1); v_buffer likewise
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
-    workspace:    CascadeWorkspace after ``fill`` (its ``req_pool_indices`` select the rows;
-                  its ``ends``, when bound, ends each request's last item, within
+    plan:         the step's CascadePlan (its buffers' ``req_pool_indices`` select the rows;
+                  its ``ends``, when set, ends each request's last item, within
                   ``t_lo + sfx_max``);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
-    Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per workspace (CUDA-graph safe).
+    Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per set of buffers (CUDA-graph safe).
     """
-    ws = workspace
+    ws = plan.buffers
     ws.check_shapes(q, k_buffer)
     if req_to_token.dtype != torch.int32 or req_to_token.stride(1) != 1:
         raise ValueError(f"req_to_token must be int32 with unit column stride, got {req_to_token.dtype} "
                          f"strides {req_to_token.stride()}")
     cfg = ws.config
     grid = (ws.grid_items("suffix"), ws.suffix_groups)
-    ends = ws.ends.bound
+    ends = plan.ends
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
         ws.counts if ends is None else ends, ws.sfx_max,

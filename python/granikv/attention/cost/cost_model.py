@@ -52,25 +52,30 @@ tensor-core decode). ``ExtendTerms`` prices the prefill prefix part (stock paged
 calls over HOT extents) for the extend gate.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import json
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
 
 # HeadGeometry, ExtendTerms and nnls are imported from here too (the cost model's vocabulary)
 from granikv.attention.cost.nnls import nnls
 from granikv.attention.cost.served_terms import PAGED_NAMES, ExtendTerms, ServedTerms  # noqa: F401
 from granikv.attention.cost.workload import HeadGeometry, Workload  # noqa: F401
 
+if TYPE_CHECKING:
+    import numpy as np
+
 FORMAT_VERSION = 1
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "data")  # granikv/data
 DEFAULT_FILE = "cost_model_default.json"
 
 
-def _coef(help: str):
+def _coef(help: str) -> Any:
     return dataclasses.field(metadata={"help": help})
 
 
@@ -137,7 +142,8 @@ class CostModel:
     def for_backend(self, backend: Optional[str]) -> "CostModel":
         """This model with ``backend``'s own paged coefficients, when the file has them."""
         coefs = self.served.paged_by_backend.get(backend or "")
-        return self if coefs is None else dataclasses.replace(self, **coefs)
+        # its keys are PAGED_NAMES (float fields; ServedTerms.from_mapping checks them)
+        return self if coefs is None else dataclasses.replace(self, **cast(Dict[str, Any], coefs))
 
     # ---- estimates (microseconds per decode step of `num_layers` layers) --------------------
 
@@ -185,12 +191,12 @@ class CostModel:
     # ---- calibration: the same formulas as a linear model ------------------------------------
 
     @classmethod
-    def fit_names(cls):
+    def fit_names(cls) -> List[str]:
         """Coefficients a per-layer kernel time depends on (all but ``plan_us``)."""
         return [n for n in cls.coefficient_names() if n != "plan_us"]
 
     @classmethod
-    def features(cls, path: str, w: Workload):
+    def features(cls, path: str, w: Workload) -> List[float]:
         """Row ``f`` with ``layer time = sum(f * u)``, where ``u`` holds each ``*_us``
         coefficient as is and each rate as its inverse (``1/gbps``, ``1/tflops``).
 
@@ -218,15 +224,16 @@ class CostModel:
             f["bgemm_group_us"] = w.num_groups
         return [f[n] for n in cls.fit_names()]
 
-    def unknowns(self):
+    def unknowns(self) -> List[float]:
         """This model's ``u`` (see ``features``)."""
         return [v if n.endswith("_us") else 1.0 / v for n, v in self._fit_items()]
 
-    def _fit_items(self):
+    def _fit_items(self) -> List[Tuple[str, float]]:
         return [(n, getattr(self, n)) for n in self.fit_names()]
 
     @classmethod
-    def fit(cls, samples, *, plan_us: float, fallback: "CostModel"):
+    def fit(cls, samples: Sequence[Tuple[str, Workload, float]], *, plan_us: float,
+            fallback: CostModel) -> Tuple[CostModel, np.ndarray]:
         """Least-squares coefficients from measured ``(path, Workload, layer_us)`` samples.
 
         Non-negative least squares on relative error (rows weighted by 1/measured). A
@@ -244,7 +251,7 @@ class CostModel:
         used = scale > 0
         u = np.zeros(len(names))
         u[used] = nnls(weighted[:, used] / scale[used], np.ones(len(t))) / scale[used]
-        values = {}
+        values: Dict[str, Any] = {}  # the float coefficients, by name (cls's keyword arguments)
         for j, name in enumerate(names):
             if name.endswith("_us"):
                 values[name] = max(u[j], 1e-3) if used[j] else getattr(fallback, name)
@@ -257,7 +264,7 @@ class CostModel:
     # ---- persistence -------------------------------------------------------------------------
 
     @classmethod
-    def coefficient_names(cls):
+    def coefficient_names(cls) -> List[str]:
         return [f.name for f in dataclasses.fields(cls) if f.metadata.get("coefficient", True)]
 
     @classmethod
@@ -280,7 +287,7 @@ class CostModel:
             raise ValueError(
                 f"{source}: unknown field 'coefficients.{unknown[0]}' (known: {', '.join(names)})"
             )
-        kwargs = {}
+        kwargs: Dict[str, float] = {}
         for name in names:
             if name not in coefs:
                 raise ValueError(f"{source}: missing field 'coefficients.{name}'")
@@ -301,7 +308,7 @@ class CostModel:
         served = ServedTerms.from_mapping(values.get("served"), source)
         return cls(**kwargs, disabled_paths=tuple(disabled), served=served)
 
-    def to_mapping(self, gpu_name: str, **extra: Any) -> dict:
+    def to_mapping(self, gpu_name: str, **extra: Any) -> Dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
             "gpu_name": gpu_name,
@@ -331,12 +338,12 @@ class CostModel:
 DISABLEABLE_PATHS = ("cascade", "fused", "bgemm")  # paged always stays eligible
 
 
-def never_fastest(cases) -> Tuple[str, ...]:
+def never_fastest(cases: Iterable[Mapping[str, float]]) -> Tuple[str, ...]:
     """GraniKV paths that were not the fastest measured path on any calibration case.
 
     ``cases``: iterable of ``{path: measured_us}`` dicts.
     """
-    won = {min(m, key=m.get) for m in cases if m}
+    won = {min(m, key=m.__getitem__) for m in cases if m}
     return tuple(p for p in DISABLEABLE_PATHS if p not in won)
 
 

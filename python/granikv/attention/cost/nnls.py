@@ -1,7 +1,14 @@
 """Non-negative least squares, for fitting the cost model's coefficients (numpy only)."""
 
+from __future__ import annotations
 
-def nnls(a, b, *, tol: float = 1e-10, max_iter: int = 200):
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def nnls(a: np.ndarray, b: np.ndarray, *, tol: float = 1e-10, max_iter: int = 200) -> np.ndarray:
     """Non-negative least squares ``argmin |a x - b|, x >= 0`` (Lawson-Hanson active set).
 
     Small dense problems only (a dozen columns); numpy only, no scipy dependency.

@@ -10,7 +10,7 @@ Both are read from the ``served`` field of the cost-model JSON.
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 PAGED_NAMES = ("paged_launch_us", "paged_gbps", "paged_reuse_gbps")
 
@@ -66,7 +66,7 @@ class ServedTerms:
     launch_floor_us: float = 3.0
     host_plan_us: float = 250.0
 
-    def to_mapping(self) -> dict:
+    def to_mapping(self) -> Dict[str, Any]:
         return {"eager_launch_us": self.eager_launch_us,
                 "launch_floor_us": self.launch_floor_us,
                 "host_plan_us": self.host_plan_us,
@@ -83,10 +83,12 @@ class ServedTerms:
                                         "paged_by_backend", "extend", "note"})
         if unknown:
             raise ValueError(f"{source}: unknown field 'served.{unknown[0]}'")
-        eager = _positive(values.get("eager_launch_us", cls.eager_launch_us), f"{source}: field 'served.eager_launch_us'")
-        floor = _positive(values.get("launch_floor_us", cls.launch_floor_us), f"{source}: field 'served.launch_floor_us'")
+        eager = _positive(values.get("eager_launch_us", cls.eager_launch_us),
+                          f"{source}: field 'served.eager_launch_us'")
+        floor = _positive(values.get("launch_floor_us", cls.launch_floor_us),
+                          f"{source}: field 'served.launch_floor_us'")
         host = _positive(values.get("host_plan_us", cls.host_plan_us), f"{source}: field 'served.host_plan_us'")
-        by_backend = {}
+        by_backend: Dict[str, Dict[str, float]] = {}
         for name, coefs in (values.get("paged_by_backend") or {}).items():
             if not isinstance(coefs, Mapping) or set(coefs) != set(PAGED_NAMES):
                 raise ValueError(f"{source}: field 'served.paged_by_backend.{name}' must hold exactly "
@@ -101,7 +103,7 @@ class ServedTerms:
         return cls(eager, by_backend, extend, floor, host)
 
 
-def _positive(v, what: str) -> float:
+def _positive(v: object, what: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
         raise ValueError(f"{what} must be a positive finite number, got {v!r}")
     return float(v)

@@ -32,8 +32,8 @@ half_prefix`` moves an attention output by a sizeable share of its magnitude (de
 against a bf16 tolerance ~ 0.016). Without a stock output for the step (a caller passing none)
 the reference is ``ref64`` and the tolerance its floor.
 
-``host``: the ``GraniKVAttnBackend`` compared; ``cfg``, ``stats``, ``inner`` and
-``model_runner`` are read from it at each call (they may be replaced after construction).
+``ctx`` (``AttentionContext``): ``cfg``, ``stats``, ``inner`` and ``model_runner`` are read
+from it at each call (the backend may replace them while serving).
 """
 
 import logging
@@ -41,6 +41,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from granikv.attention.context import AttentionContext
 
 logger = logging.getLogger("granikv")
 
@@ -68,8 +70,8 @@ def layer_tolerance(stock_dev: Optional[float], dtype: torch.dtype) -> float:
 
 
 class DebugCompare:
-    def __init__(self, host):
-        self.host = host
+    def __init__(self, ctx: AttentionContext):
+        self.ctx = ctx
         self._decode_due = False  # this decode step compares every layer
         self._stock_valid = False  # ... and the wrapped backend was planned with the real batch
 
@@ -80,8 +82,8 @@ class DebugCompare:
         planner's choice, ``fb`` itself on paged steps). Every N-th step (``stats.steps``, just
         counted by the plan) that runs GraniKV's kernels is compared: the wrapped backend then
         plans the real ``fb``, so its output is the step's stock output (the reference)."""
-        n = self.host.cfg.debug_compare_every
-        self._decode_due = bool(n) and view is not fb and self.host.stats.steps % n == 0
+        n = self.ctx.cfg.debug_compare_every
+        self._decode_due = bool(n) and view is not fb and self.ctx.stats.steps % n == 0
         self._stock_valid = self._decode_due
         return fb if self._decode_due else view
 
@@ -105,10 +107,10 @@ class DebugCompare:
         records it (``StepStats.record_layer_compare``) and returns the deviation."""
         from granikv.kernels.reference import decode_attention_ref
 
-        host = self.host
-        runner = host.model_runner
+        ctx = self.ctx
+        runner = ctx.model_runner
         pool = runner.token_to_kv_pool
-        hq, d = host.num_q_heads, host.head_dim
+        hq, d = ctx.num_q_heads, ctx.head_dim
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         ref = decode_attention_ref(q.view(-1, hq, d)[:bs],
                                    pool.get_key_buffer(layer.layer_id),
@@ -117,19 +119,19 @@ class DebugCompare:
                                    fb.req_pool_indices[:bs], fb.seq_lens[:bs], layer.scaling).o
         ours = o.view(-1, hq, d)[:bs]
         diff = float((ours.double() - ref).abs().max()) if bs else 0.0
-        host.stats.max_compare_diff = max(host.stats.max_compare_diff, diff)
+        ctx.stats.max_compare_diff = max(ctx.stats.max_compare_diff, diff)
         if stock is not None:
             stock = stock.view(-1, hq, d)[:bs]
             stock_dev, dev = rel_dev(stock, ref), rel_dev(ours, stock)
         else:
             stock_dev, dev = None, rel_dev(ours, ref)
         tol = layer_tolerance(stock_dev, o.dtype)
-        host.stats.record_layer_compare(dev, stock_dev, tol)
-        against = "float64" if stock is None else f"the {host.backend_name} backend"
+        ctx.stats.record_layer_compare(dev, stock_dev, tol)
+        against = "float64" if stock is None else f"the {ctx.backend_name} backend"
         level = logging.WARNING if dev > tol else logging.INFO
         logger.log(level, "GraniKV debug compare (step %d, layer %d, %s, bs %d): max |diff| vs paged = "
                    "%.3e; rel dev vs %s %.3e (stock vs float64 %s, tolerance %.3e)%s",
-                   host.stats.steps, layer.layer_id, path.value, bs, diff, against, dev,
+                   ctx.stats.steps, layer.layer_id, path.value, bs, diff, against, dev,
                    "–" if stock_dev is None else f"{stock_dev:.3e}", tol,
                    " OVER TOLERANCE" if dev > tol else "")
         return dev
@@ -138,12 +140,12 @@ class DebugCompare:
 
     def extend_due(self) -> bool:
         """Every N-th HOT extend batch (the one just recorded)."""
-        n = self.host.cfg.debug_compare_every
-        return bool(n) and (self.host.stats.extend_hot_batches - 1) % n == 0
+        n = self.ctx.cfg.debug_compare_every
+        return bool(n) and (self.ctx.stats.extend_hot_batches - 1) % n == 0
 
     def prefix_part_callback(self, plan):
         """The proxies' ``on_compare``: layer 0's dense prefix part against the stock paged one."""
-        stats = self.host.stats
+        stats = self.ctx.stats
 
         def compare(ours, stock):
             parts = [g.token_idx for g in plan.groups] + ([plan.paged.token_idx] if plan.paged else [])
@@ -159,11 +161,11 @@ class DebugCompare:
 
     def compare_full_extend(self, ours, q, k, v, layer, fb, kwargs, *, hot_tokens: int) -> None:
         """Layer 0's extend output ``ours`` against the wrapped backend's."""
-        host = self.host
-        stock = host.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)
+        ctx = self.ctx
+        stock = ctx.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)
         diff = float((ours.float() - stock.float()).abs().max())
         scale = float(stock.float().abs().max())  # dummy weights give tiny outputs: say how tiny
-        host.stats.max_extend_compare_diff = max(host.stats.max_extend_compare_diff, diff)
+        ctx.stats.max_extend_compare_diff = max(ctx.stats.max_extend_compare_diff, diff)
         logger.info("GraniKV debug compare (extend batch %d, %d HOT tokens): max |diff| vs the %s "
-                    "backend's extend: o %.3e (max |o| %.3e)", host.stats.extend_hot_batches,
-                    hot_tokens, host.backend_name, diff, scale)
+                    "backend's extend: o %.3e (max |o| %.3e)", ctx.stats.extend_hot_batches,
+                    hot_tokens, ctx.backend_name, diff, scale)

@@ -13,56 +13,104 @@ workspace (sized at ``init_graph_state``, never reallocated) and the wrapped bac
 metadata buffers, refilled before every replay. Eager steps larger than the graph workspace use
 a separate eager workspace, grown on demand.
 
-``host``: the ``GraniKVAttnBackend`` served; ``inner``, ``cfg``, ``stats``, ``dispatcher`` and
-``model_runner`` are read from it at each call (they may be replaced after construction).
+``ctx`` (``AttentionContext``): the model runner, the wrapped backend, the configuration, the
+dispatcher and the step counters, read at each call (the backend may replace a field while
+serving). The planner owns the step's path, its graph state and the launch plan the kernels
+read (``kernels.plan.CascadePlan``); the backend asks, it never writes them.
 """
+
+from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
-from granikv.config import parse_graph_bs
+from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
-from granikv.attention.dispatcher import Path, SteadyChooser
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
-from granikv.attention.grouping import BatchDescription, GroupingMemo, verify_same_slots
 from granikv.attention.decode.step_clock import StepClock
+from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.attention.dispatcher import Decision, Dispatcher, Path, SteadyChooser
+from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
+from granikv.config import parse_graph_bs
+from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
 
 
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """A decode step planned for a GraniKV path: its grouping, batch and the path decision."""
+
+    grouping: Grouping
+    desc: BatchDescription
+    decision: Decision
+
+
+@dataclass(eq=False)
+class HeldRows:
+    """The rows of the last planned step and what was derived from them while the HOT-prefix
+    table keeps its ``version``: their HOT runs and, once known not to depend on ``seq_lens``,
+    their grouping (steady steps reuse all three)."""
+
+    rows: np.ndarray
+    version: Any
+    hot_start: Optional[np.ndarray]
+    hot_len: np.ndarray
+    grouping: Optional[Grouping] = None
+
+
 class DecodePlanner:
-    def __init__(self, host):
-        self.host = host
-        self.chooser = SteadyChooser(host.dispatcher)  # steady steps: O(1) path choice
+    def __init__(self, ctx: AttentionContext):
+        self.ctx = ctx
+        self.chooser = SteadyChooser(ctx.dispatcher)  # steady steps: O(1) path choice
         self.clock = StepClock()  # measured end-to-end step time per path (overrules the model to paged)
         self._clock_key = None  # (batch size, groups) of the step being planned
         self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self.path = Path.PAGED  # path of the current step
-        self.workspace = None  # CascadeWorkspace (the graph one once graphs exist)
-        self.eager_workspace = None  # eager steps larger than the graph workspace
-        self.ws = None  # the workspace of the current step
+        self.workspace: Optional[CascadeWorkspace] = None  # the graph one once graphs exist
+        self.eager_workspace: Optional[CascadeWorkspace] = None  # eager steps larger than the graph workspace
+        self.ws: Optional[CascadeWorkspace] = None  # the workspace of the current step
+        self.launch: Optional[CascadePlan] = None  # what the kernels of the current step read
         self.graph_mode = False  # True once CUDA-graph state exists
-        self.graphs = GraphVariants(parse_graph_bs(host.cfg.cascade_graph_bs), can_win=self.cascade_can_win)
-        self._last_rows = None  # (rows array, table version, hot_start, hot_len, grouping) of the last plan
-        self.last_desc = None  # BatchDescription of the last plan (reused while its arrays are)
+        self.graphs = GraphVariants(parse_graph_bs(ctx.cfg.cascade_graph_bs), can_win=self.cascade_can_win)
+        self._held: Optional[HeldRows] = None  # the rows of the last plan and what they gave
+        self.last_desc: Optional[BatchDescription] = None  # of the last plan (reused while its arrays are)
         self._seq_view = None  # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
-        self._capture_metadata = {}  # bs -> the wrapped backend's forward_metadata of its stock capture
-        self._ones = None
-        self._ones_views = {}  # (bs, dtypes) -> (device, host) seq_lens of ones
-        self.filled_grouping = self._filled_ws = None  # grouping and workspace of the last fill
+        self._capture_metadata: Dict[int, Any] = {}  # bs -> the wrapped backend's metadata of its stock capture
+        self._ones: Optional[torch.Tensor] = None
+        self._ones_views: Dict[Tuple[Any, ...], Tuple[torch.Tensor, torch.Tensor]] = {}  # (bs, dtypes) -> seq_lens of ones
+        self.filled_grouping: Optional[Grouping] = None  # grouping of the last fill
+        self._filled_ws: Optional[CascadeWorkspace] = None  # workspace of the last fill
         self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
         self._pad_fill = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
-    def use_dispatcher(self, dispatcher) -> None:
-        """Later steps choose with ``dispatcher`` (e.g. one forced to paged)."""
+    def use_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Later steps choose with ``dispatcher`` (e.g. one forced to paged); it becomes the
+        context's dispatcher too."""
+        self.ctx.dispatcher = dispatcher
         self.chooser = SteadyChooser(dispatcher)
+
+    # ---- the backend's step notices (the planner owns the path and the graph state) --------
+
+    def stock_step(self, *, extend: bool) -> None:
+        """The next forward runs the wrapped backend alone (an extend batch, a non-graph
+        replay or capture of a stock size): paged; an extend also interrupts the step clock."""
+        self.path = Path.PAGED
+        if extend:
+            self.clock.interrupt()
+
+    def begin_graph_metadata(self) -> None:
+        """Before a graph step's metadata: no cascade graph planned until ``plan_step`` says so."""
+        self.graphs.planned_cascade = False
 
     def reuse_counts(self) -> dict:
         """How often steady steps reused the previous plan (for ``stats_snapshot``)."""
@@ -85,27 +133,25 @@ class DecodePlanner:
         return {"dispatch_host_us_mean": d.host_plan.us, "dispatch_host_samples": d.host_plan.samples}
 
     def cascade_can_win(self, bs: int) -> bool:
-        host = self.host
-        context = getattr(host.model_runner.model_config, "context_len", None) or AUTO_PREFIX_TOKENS
-        return cascade_can_win(host.dispatcher, bs, prefix_tokens=min(context, AUTO_PREFIX_TOKENS),
-                               min_group_size=host.cfg.min_group_size)
+        ctx = self.ctx
+        context = getattr(ctx.model_runner.model_config, "context_len", None) or AUTO_PREFIX_TOKENS
+        return cascade_can_win(ctx.dispatcher, bs, prefix_tokens=min(context, AUTO_PREFIX_TOKENS),
+                               min_group_size=ctx.cfg.min_group_size)
 
     # ---- workspaces ----------------------------------------------------------------------
 
-    def _new_workspace(self, max_bs: int):
-        from granikv.attention.decode.workspace import CascadeWorkspace
+    def _new_workspace(self, max_bs: int) -> CascadeWorkspace:
+        geo = self.ctx.dispatcher.geometry
+        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.ctx.device)
 
-        geo = self.host.dispatcher.geometry
-        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.host.device)
-
-    def workspace_for(self, bs: int):
+    def workspace_for(self, bs: int) -> CascadeWorkspace:
         """The workspace a step of ``bs`` requests uses.
 
         The graph workspace (sized at ``init_graph_state``) is never reallocated: captured
         graphs read its buffers. Eager steps larger than it (more running requests than the
         largest captured graph) get a separate eager workspace, grown on demand.
         """
-        if self.graph_mode and bs <= self.workspace.max_bs:
+        if self.graph_mode and self.workspace is not None and bs <= self.workspace.max_bs:
             return self.workspace
         attr = "eager_workspace" if self.graph_mode else "workspace"
         ws = getattr(self, attr)
@@ -113,13 +159,13 @@ class DecodePlanner:
             ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
             setattr(self, attr, ws)
         if self._ones is None or self._ones.numel() < bs:
-            self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.host.device)
+            self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.ctx.device)
             self._ones_views = {}
         return ws
 
     # ---- planning (host side, once per step) -----------------------------------------
 
-    def plan_step(self, fb, staged, *, stage_seconds: float, graph: bool):
+    def plan_step(self, fb: Any, staged: Optional[np.ndarray], *, stage_seconds: float, graph: bool) -> Any:
         """A decode step's host work: plan, fill the workspace; returns the batch the wrapped
         backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view).
         ``staged``: the batch's ``req_pool_idx`` values (None: not staged). ``graph``: the step
@@ -132,27 +178,29 @@ class DecodePlanner:
         plan = self._plan(fb, staged, graph=graph)
         t1 = time.perf_counter()
         tc = self._t_choose or t1
-        self.path = Path.PAGED if plan is None else plan[2].path  # graph steps: paged or cascade
+        self.path = Path.PAGED if plan is None else plan.decision.path  # graph steps: paged or cascade
         upload = 0.0
         if plan is not None:
-            upload = self._fill_workspace(plan, fb)
-            if self.host.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
-                self.ws.ends.check_integrity(plan[1].seq_lens)
+            ws = self.workspace_for(fb.batch_size)
+            upload = self._fill_workspace(ws, plan, fb)
+            self.ws, self.launch = ws, ws.plan
+            if self.ctx.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
+                ws.ends.check_integrity(plan.desc.seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
         self.clock.record(self.path, self._clock_key or (fb.batch_size, 0))
         t2 = time.perf_counter()
         view = fb if plan is None else self._inner_view(fb)
         t3 = time.perf_counter()
-        self.host.stats.record_plan_time(
+        self.ctx.stats.record_plan_time(
             t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
             sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload, upload, t3 - t2))
         if plan is not None:  # a step that planned a GraniKV path: the dispatcher's host term
             self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
         return view
 
-    def _plan(self, fb, staged, graph: bool):
-        """Returns (grouping, desc, decision) or None for the paged path (decode batches only)."""
-        host, stats = self.host, self.host.stats
+    def _plan(self, fb: Any, staged: Optional[np.ndarray], graph: bool) -> Optional[StepPlan]:
+        """The step's plan, or None for the paged path (decode batches only)."""
+        ctx, stats = self.ctx, self.ctx.stats
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
             stats.unplanned += 1
@@ -160,19 +208,18 @@ class DecodePlanner:
         if graph and not self.graphs.has_cascade_graph(fb.batch_size):
             stats.record_paged(bs, "no cascade graph of this batch size")
             return None
-        table = host.hot_prefix_table
+        table = ctx.hot_prefix_table
         version = getattr(table, "version", None)
-        last = self._last_rows
-        if (last is not None and last[1] == version and version is not None
-                and (last[0] is staged or _same_rows(staged, last[0]))):
-            hot_start, hot_len, grouping = last[2:]  # same rows, same table: same HOT runs
-            if last[0] is not staged:  # equal rows in a new array: held from now on (identity)
-                self._last_rows = (staged,) + last[1:]
+        held = self._held
+        if (held is not None and held.version == version and version is not None
+                and (held.rows is staged or _same_rows(staged, held.rows))):
+            hot_start, hot_len, grouping = held.hot_start, held.hot_len, held.grouping  # same rows and table
+            held.rows = staged  # equal rows in a new array: held from now on (identity)
         else:
             hot_len = table.length_np[staged]
             hot_start = table.start_np[staged] if hot_len.any() else None
             grouping = None
-            self._last_rows = (staged, version, hot_start, hot_len, None)
+            held = self._held = HeldRows(staged, version, hot_start, hot_len)
         if hot_start is None:  # no request starts with a HOT run: nothing to group
             stats.record_paged(bs, "no HOT prefix in the batch")
             return None
@@ -182,9 +229,9 @@ class DecodePlanner:
             return None
         if grouping is None:
             desc = BatchDescription(staged, seq_lens, hot_start, hot_len)
-            grouping = self.grouping_memo.group(desc, min_group_size=host.cfg.min_group_size)
+            grouping = self.grouping_memo.group(desc, min_group_size=ctx.cfg.min_group_size)
             if (hot_len <= seq_lens).all():  # then the grouping does not depend on seq_lens
-                self._last_rows = self._last_rows[:4] + (grouping,)
+                held.grouping = grouping
         else:  # the arrays of the step that made this grouping: known to match
             desc = self.last_desc
             if (desc is None or desc.seq_lens is not seq_lens or desc.hot_len is not hot_len
@@ -195,9 +242,7 @@ class DecodePlanner:
         if grouping.num_groups == 0:
             stats.record_paged(bs, "no group")
             return None
-        if host.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(
-            grouping, desc, host.model_runner.req_to_token_pool.req_to_token
-        ):
+        if ctx.cfg.debug_integrity and grouping.num_groups and not verify_same_slots(grouping, desc, ctx.req_to_token):
             logger.error("GraniKV: grouped requests do not all hold their group's HOT slots "
                          "(stale HotPrefixTable); this step runs paged")
             stats.unplanned += 1
@@ -219,18 +264,18 @@ class DecodePlanner:
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
             return None
-        return grouping, desc, decision
+        return StepPlan(grouping, desc, decision)
 
-    def _warn_ends(self, fb) -> None:
+    def _warn_ends(self, fb: Any) -> None:
         if self._warned_ends:
             return
         t = getattr(fb, "seq_lens", None)
         logger.warning("GraniKV: a decode graph step's seq_lens (%s) cannot be copied to the cascade workspace on "
                        "%s; such steps replay the stock graph",
-                       None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.workspace.device)
+                       None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.ctx.device)
         self._warned_ends = True
 
-    def _seq_total(self, fb):
+    def _seq_total(self, fb: Any) -> Optional[int]:
         """``sum(seq_lens)`` of the real requests from SGLang's ``seq_lens_sum`` (no array work):
         a replay view's total includes its padding rows at the wrapped backend's fill value.
         None when unknown (the chooser then sums the array; it also checks this one)."""
@@ -240,7 +285,7 @@ class DecodePlanner:
             return None
         return total - pad * self._pad_fill if pad else total
 
-    def _seq_lens_view(self, seq_lens_cpu, bs: int):
+    def _seq_lens_view(self, seq_lens_cpu: torch.Tensor, bs: int) -> Optional[np.ndarray]:
         """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
         SGLang hands over the same memory (graph replays slice one persistent host buffer): a
         zero-copy view holds the tensor, so its address cannot be reused while cached."""
@@ -258,26 +303,24 @@ class DecodePlanner:
         self._seq_view = (key, seq_lens_cpu.dtype, view)
         return view
 
-    def _fill_workspace(self, plan, fb) -> float:
-        """Advances or fills the step's workspace; returns the seconds its upload took."""
-        ws = self.ws = self.workspace_for(fb.batch_size)
+    def _fill_workspace(self, ws: CascadeWorkspace, plan: StepPlan, fb: Any) -> float:
+        """Advances or fills the step's workspace ``ws``; returns the seconds its upload took."""
         up0 = ws.upload_seconds
-        grouping, desc, decision = plan
+        grouping, desc, decision = plan.grouping, plan.desc, plan.decision
         same = grouping is self.filled_grouping and ws is self._filled_ws
         ends = self._ends  # checked against this workspace in _plan
         if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
                                single_prefix_chunk=decision.path is Path.BGEMM, seq_lens_dev=ends,
                                ends_checked=True):
             return ws.upload_seconds - up0  # a steady step: only the suffix ends changed
-        prefix_len, seq_lens, rpi = _pad(grouping.prefix_len, desc.seq_lens, desc.req_pool_indices,
-                                         fb.batch_size)
-        ws.fill(grouping.group_start, self._fault.group_len(grouping.group_len), grouping.group_req_indptr,
-                grouping.group_req_idx, prefix_len, seq_lens, rpi,
-                single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same, seq_lens_dev=ends)
+        seq_lens, rpi = _pad(desc.seq_lens, desc.req_pool_indices, fb.batch_size)
+        filled = grouping.with_group_len(self._fault.group_len(grouping.group_len)).padded(fb.batch_size)
+        ws.fill(filled, seq_lens, rpi, single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same,
+                seq_lens_dev=ends)
         self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
         return ws.upload_seconds - up0
 
-    def _inner_view(self, fb):
+    def _inner_view(self, fb: Any) -> Any:
         """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
         bs = fb.batch_size
         # SGLang's replay view is a SimpleNamespace (a plain attribute copy is the cheap copy);
@@ -303,7 +346,7 @@ class DecodePlanner:
         self.graphs.captured.clear()
         self.graphs.ends_bound.clear()
         self._capture_metadata.clear()
-        fill = getattr(self.host.inner, "get_cuda_graph_seq_len_fill_value", None)
+        fill = getattr(self.ctx.inner, "get_cuda_graph_seq_len_fill_value", None)
         try:
             self._pad_fill = int(fill()) if fill is not None else None
         except Exception:  # noqa: BLE001 - an unknown fill value only costs the array sum
@@ -313,7 +356,7 @@ class DecodePlanner:
         self.workspace_for(max_bs)
         self.graph_mode = True
 
-    def capture_metadata_for(self, fb) -> None:
+    def capture_metadata_for(self, fb: Any) -> None:
         """Metadata of a decode graph capture. The stock graph of a size (``graphs.capturing``
         is not this size): the wrapped backend alone, as stock SGLang captures it. The cascade
         graph of a size (captured right after its stock graph): GraniKV's kernels over an empty
@@ -321,7 +364,7 @@ class DecodePlanner:
         1`` through the buffers of the stock capture, refilled as a replay refills them (a
         second ``in_capture`` would make the wrapped backend allocate new per-size buffers, and
         the stock graph would then read stale ones)."""
-        inner = self.host.inner
+        inner = self.ctx.inner
         bs = fb.batch_size
         if self.graphs.capturing != bs:
             self.path = Path.PAGED
@@ -329,9 +372,10 @@ class DecodePlanner:
             self._capture_metadata[bs] = getattr(inner, "forward_metadata", None)
             return
         self.path = Path.CASCADE
-        self.ws = self.workspace_for(bs)
-        self.ws.fill_empty(_device_ends(fb, self.ws))  # the graph reads the runner's static seq_lens
-        self.graphs.record_capture_ends(self.ws.ends.bound is not None)  # what its kernels read, per replay
+        ws = self.ws = self.workspace_for(bs)
+        ws.fill_empty(_device_ends(fb, ws))  # the graph reads the runner's static seq_lens
+        self.launch = ws.plan
+        self.graphs.record_capture_ends(ws.ends.bound is not None)  # what its kernels read, per replay
         view = self._inner_view(fb)
         if bs in self._capture_metadata:
             inner.init_forward_metadata_out_graph(view)
@@ -345,20 +389,21 @@ class DecodePlanner:
 
     # ---- compute (per layer) -----------------------------------------------------------------
 
-    def run(self, q, layer, o) -> None:
+    def run(self, q: torch.Tensor, layer: Any, o: torch.Tensor) -> None:
         """The planned path's kernels over layer ``layer``: every request's attention into ``o``."""
         from granikv.kernels import cascade as kernels
 
-        host = self.host
-        pool = host.model_runner.token_to_kv_pool
+        ctx, plan = self.ctx, self.launch
+        if plan is None:
+            raise RuntimeError("GraniKV decode kernels called before a step was planned")
+        pool = ctx.kv_pool
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
-        q3 = q.view(-1, host.num_q_heads, host.head_dim)
-        out = o.view(-1, host.num_q_heads, host.head_dim)
-        req_to_token = host.model_runner.req_to_token_pool.req_to_token
+        q3 = q.view(-1, ctx.num_q_heads, ctx.head_dim)
+        out = o.view(-1, ctx.num_q_heads, ctx.head_dim)
         run = {Path.FUSED: kernels.fused_cascade_attention,
                Path.BGEMM: kernels.bgemm_cascade_attention}.get(self.path, kernels.cascade_attention)
-        run(q3, k_buf, v_buf, req_to_token, self.ws, sm_scale=layer.scaling, out=out)
+        run(q3, k_buf, v_buf, ctx.req_to_token, plan, sm_scale=layer.scaling, out=out)
 
 
 def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
@@ -367,7 +412,7 @@ def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
     return staged.shape == held.shape and bool((staged == held).all())
 
 
-def _device_ends(fb, ws):
+def _device_ends(fb: Any, ws: CascadeWorkspace) -> Optional[torch.Tensor]:
     """The step's device ``seq_lens``, which the kernels end each request's last suffix item at
     (``SuffixEnds.bind``): steady steps then upload nothing. None (the ends travel in
     the workspace's upload) where the tensor does not cover the padded batch on its device."""
@@ -375,12 +420,12 @@ def _device_ends(fb, ws):
     return t if t is not None and ws.ends.fits(t, fb.batch_size) else None
 
 
-def _pad(prefix_len, seq_lens, req_pool_indices, padded: int):
-    """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1)."""
+def _pad(seq_lens: np.ndarray, req_pool_indices: np.ndarray, padded: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1;
+    their prefix: ``Grouping.padded``)."""
     bs = len(seq_lens)
     if padded == bs:
-        return prefix_len, seq_lens, req_pool_indices
+        return seq_lens, req_pool_indices
     extra = padded - bs
-    return (np.concatenate([prefix_len, np.zeros(extra, np.int64)]),
-            np.concatenate([seq_lens, np.ones(extra, np.int64)]),
+    return (np.concatenate([seq_lens, np.ones(extra, np.int64)]),
             np.concatenate([req_pool_indices, np.zeros(extra, np.int64)]))

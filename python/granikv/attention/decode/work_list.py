@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from granikv.kernels.kernel_config import KernelConfig, default_config, tile_config
+from granikv.kernels.plan import Grouping
 
 __all__ = ["KernelConfig", "WorkList", "build_work_list", "default_config", "tile_config", "suffix_heads"]
 
@@ -174,15 +175,12 @@ class PrefixItems(NamedTuple):
     group_req_idx: np.ndarray
 
 
-def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs: int, *,
-                       ratio: int, num_kv_heads: int, config: KernelConfig, sm_count: int,
-                       max_splits: int, single_prefix_chunk: bool = False) -> PrefixItems:
+def build_prefix_items(grouping: Grouping, bs: int, *, ratio: int, num_kv_heads: int, config: KernelConfig,
+                       sm_count: int, max_splits: int, single_prefix_chunk: bool = False) -> PrefixItems:
     """Prefix items (group, chunk, tile), tile fastest so a chunk's tiles run together (L2);
     tiles of ``block_m`` flat rows, chunks equal within a group (module docstring)."""
-    g_start = np.asarray(group_start, dtype=np.int64)
-    g_len = np.asarray(group_len, dtype=np.int64)
-    g_ptr = np.asarray(group_req_indptr, dtype=np.int64)
-    g_idx = np.asarray(group_req_idx, dtype=np.int64)
+    g_start, g_len = grouping.group_start, grouping.group_len
+    g_ptr, g_idx = grouping.group_req_indptr, grouping.group_req_idx
     n_mem = np.diff(g_ptr)
     tiles = cdiv(n_mem * ratio, config.block_m)
     if len(g_len):
@@ -215,12 +213,8 @@ def build_prefix_items(group_start, group_len, group_req_indptr, group_req_idx, 
 
 
 def build_work_list(
-    group_start,
-    group_len,
-    group_req_indptr,
-    group_req_idx,
-    prefix_len,
-    seq_lens,
+    grouping: Grouping,
+    seq_lens: np.ndarray,
     *,
     ratio: int,
     num_kv_heads: int,
@@ -232,19 +226,19 @@ def build_work_list(
 ) -> WorkList:
     """Cut a grouped decode batch into prefix items, suffix items and partial rows.
 
-    Arguments are numpy integer arrays in the planner's layout (docs/contracts.md):
-    ``group_start[G]``, ``group_len[G]`` (>= 1), ``group_req_indptr[G+1]``, ``group_req_idx[nnz]``
-    (batch positions), ``prefix_len[bs]`` (``group_len`` of the request's group, 0 if none),
-    ``seq_lens[bs]``. ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills
+    ``grouping``: the step's groups (docs/contracts.md; its ``prefix_len[bs]`` is the
+    ``group_len`` of each request's group, 0 if none); ``seq_lens[bs]`` numpy ints. ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills
     those rows itself). ``prefix_items``: ``build_prefix_items`` of the same grouping, reused
     (decode steps keep their grouping while ``seq_lens`` grow). Vectorised: no Python loop over
     requests or groups.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    prefix_len = np.asarray(prefix_len, dtype=np.int64)
+    prefix_len = grouping.prefix_len
     bs = len(seq_lens)
+    if len(prefix_len) != bs:
+        raise ValueError(f"grouping of {len(prefix_len)} requests, seq_lens of {bs}")
     p = prefix_items or build_prefix_items(
-        group_start, group_len, group_req_indptr, group_req_idx, bs, ratio=ratio,
+        grouping, bs, ratio=ratio,
         num_kv_heads=num_kv_heads, config=config, sm_count=sm_count, max_splits=max_splits,
         single_prefix_chunk=single_prefix_chunk,
     )  # fmt: skip

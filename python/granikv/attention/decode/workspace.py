@@ -1,20 +1,22 @@
 """The fixed-capacity device workspace of the cascade kernels, filled once per decode step.
 
 ``CascadeWorkspace`` owns FIXED-capacity device buffers (one int32 metadata block, the partial
-states, the fused kernel's arrival counters). ``fill`` builds the work list in numpy and copies
-it in place with one non-blocking copy from pinned memory (``staging_ring``), so a captured
-CUDA graph stays valid and replays a different batch correctly: grids are fixed at capacity and programs read the
-live item counts from ``meta`` (device memory).
+states, the fused kernel's arrival counters: ``kernels.plan.CascadeBuffers``). ``fill`` builds
+the work list in numpy and copies it in place with one non-blocking copy from pinned memory
+(``staging_ring``), so a captured CUDA graph stays valid and replays a different batch
+correctly: grids are fixed at capacity and programs read the live item counts from ``meta``
+(device memory). ``plan`` is what the launchers read for the step just filled.
 
 Work items and their layout: ``work_list``; what a steady step reuses: ``reuse_base``.
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from granikv.kernels.kernel_config import KernelConfig, tile_config
+from granikv.kernels.plan import BgemmMembers, CascadeBuffers, CascadePlan, Grouping
 from granikv.attention.decode.reuse_base import ReuseBase, last_item_bound
 from granikv.attention.decode.staging_ring import StagingRing
 from granikv.attention.decode.suffix_ends import SuffixEnds
@@ -28,10 +30,9 @@ from granikv.attention.decode.work_list import (
     suffix_tile_rows,
 )
 
-# fill() arguments of a step with no request (group_req_indptr holds its single 0)
-_EMPTY_FILL = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
-               np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-               np.zeros(0, np.int64))
+_NO_REQUEST = Grouping.empty(0)  # the grouping of a step with no request
+_NO_SEQ = np.zeros(0, np.int64)
+Rows = Union[np.ndarray, torch.Tensor]  # req_pool_indices: host (numpy) or device
 
 
 class CascadeWorkspace(StagingRing):
@@ -112,8 +113,7 @@ class CascadeWorkspace(StagingRing):
         self.ends = SuffixEnds(max_bs, self.device)  # the suffix ends the kernels read once bound
         self._dev_ends = None  # n of the last in-place advance: its ends are ends.host(n) (work_list)
         self.advances_in_place = 0  # steady steps with device ends: no upload at all
-        self.bgemm_groups = None  # host grouping of the last fill, for the eager bgemm path
-        self.bgemm_idx = self.bgemm_rows = None  # device: members (batch positions), their prefix rows
+        self._bgemm: Optional[BgemmMembers] = None  # the last fill's, for the eager bgemm path
         self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
         self._prefix_shape = None  # (bs, single chunk) of the last lookup
         self._reuse_base = None  # ReuseBase of the last full build (None: nothing to advance)
@@ -123,6 +123,25 @@ class CascadeWorkspace(StagingRing):
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
         self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
                             else None)
+        self.buffers = CascadeBuffers(
+            config=cfg, max_bs=max_bs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            ratio=self.ratio, prefix_cap=self.prefix_cap, suffix_cap=self.suffix_cap, partial_cap=self.partial_cap,
+            suffix_heads=self.suffix_heads, suffix_groups=self.suffix_groups, suffix_block_h=self.suffix_block_h,
+            counts=self.counts, sfx_max=self.sfx_max, pfx_items=self.pfx_items, sfx_items=self.sfx_items,
+            group_req_idx=self.group_req_idx, part_indptr=self.part_indptr, req_pool_indices=self.req_pool_indices,
+            part_o=self.part_o, part_lse=self.part_lse, counters=self.counters, side_stream=self.side_stream)
+        # the two plans of a step without the bgemm path: the ends in the upload, or on the device
+        self._plan_uploaded_ends = CascadePlan(self.buffers)
+        self._plan_device_ends = CascadePlan(self.buffers, ends=self.ends.buffer)
+
+    @property
+    def plan(self) -> CascadePlan:
+        """What the launchers read for the step of the last fill / advance (no allocation on
+        the paths CUDA graphs replay)."""
+        ends = self.ends.bound
+        if self._bgemm is not None:
+            return CascadePlan(self.buffers, ends=ends, bgemm=self._bgemm)
+        return self._plan_uploaded_ends if ends is None else self._plan_device_ends
 
     # ------------------------------------------------------------------ fill
     @property
@@ -147,13 +166,9 @@ class CascadeWorkspace(StagingRing):
 
     def fill(
         self,
-        group_start,
-        group_len,
-        group_req_indptr,
-        group_req_idx,
-        prefix_len,
-        seq_lens,
-        req_pool_indices,
+        grouping: Grouping,
+        seq_lens: np.ndarray,
+        req_pool_indices: Rows,
         *,
         single_prefix_chunk: bool = False,
         same_grouping: bool = False,
@@ -161,28 +176,30 @@ class CascadeWorkspace(StagingRing):
     ) -> WorkList:
         """Plan one decode step and copy its metadata into the fixed device buffers (async).
 
-        Grouping arrays as in docs/contracts.md (numpy); ``seq_lens`` numpy [bs];
-        ``req_pool_indices`` [bs] device tensor (copied device-to-device) or numpy.
-        ``single_prefix_chunk=True`` plans for ``bgemm_cascade_attention``. ``same_grouping=True``:
-        the caller guarantees the four grouping arrays hold what they held in the previous
-        ``fill`` (the planner's unchanged ``Grouping``), which skips comparing them.
+        ``grouping`` of the (padded) batch (docs/contracts.md; its ``prefix_len`` covers every
+        position of ``seq_lens``); ``seq_lens`` numpy [bs]; ``req_pool_indices`` [bs] device
+        tensor (copied device-to-device) or numpy. ``single_prefix_chunk=True`` plans for
+        ``bgemm_cascade_attention``. ``same_grouping=True``: the caller guarantees the grouping's
+        group arrays hold what they held in the previous ``fill`` (the planner's unchanged
+        ``Grouping``), which skips comparing them.
         ``seq_lens_dev``: see ``SuffixEnds.bind`` (must hold ``seq_lens`` on the device).
         Raises ValueError when the batch exceeds the workspace's capacity.
         """
         bs = len(seq_lens)
         if bs > self.max_bs:
             raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
-        if len(group_len) > self.max_groups:
-            raise ValueError(f"{len(group_len)} groups exceed the workspace's max_groups={self.max_groups}")
+        if grouping.num_groups > self.max_groups:
+            raise ValueError(f"{grouping.num_groups} groups exceed the workspace's max_groups={self.max_groups}")
         self.ends.bind(seq_lens_dev, bs)
-        items = self._prefix_items(group_start, group_len, group_req_indptr, group_req_idx, bs, single_prefix_chunk,
-                                   same_grouping)
+        if not single_prefix_chunk:  # a reused bgemm build (same items) keeps its members
+            self._bgemm = None
+        items = self._prefix_items(grouping, bs, single_prefix_chunk, same_grouping)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         base = self._reuse_base
         if base is not None and base.items is items and base.wl.bs == bs and self._advance(seq_lens, req_pool_indices):
             return self.work_list
         wl = build_work_list(
-            group_start, group_len, group_req_indptr, group_req_idx, prefix_len, seq_lens,
+            grouping, seq_lens,
             ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
             sm_count=self.sm_count, max_splits=self.max_splits, single_prefix_chunk=single_prefix_chunk,
             prefix_items=items,
@@ -200,10 +217,9 @@ class CascadeWorkspace(StagingRing):
         self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
         self._adv = None
         self.fills_built += 1
-        self.bgemm_groups = (group_start, group_len, group_req_indptr, group_req_idx) if single_prefix_chunk else None
         if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
             gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
-            self.bgemm_idx, self.bgemm_rows = gidx, self.part_indptr[gidx].long()
+            self._bgemm = BgemmMembers(grouping, idx=gidx, rows=self.part_indptr[gidx].long())
         return wl
 
     def fill_empty(self, seq_lens_dev: Optional[torch.Tensor] = None) -> WorkList:
@@ -216,7 +232,7 @@ class CascadeWorkspace(StagingRing):
             self.ends.bind(seq_lens_dev, 0)
             self.fills_skipped += 1
             return wl
-        return self.fill(*_EMPTY_FILL, seq_lens_dev=seq_lens_dev)
+        return self.fill(_NO_REQUEST, _NO_SEQ, _NO_SEQ, seq_lens_dev=seq_lens_dev)
 
     def advance(self, seq_lens: np.ndarray, req_pool_indices: np.ndarray, *, bs: int,
                 single_prefix_chunk: bool = False, seq_lens_dev: Optional[torch.Tensor] = None,
@@ -302,29 +318,22 @@ class CascadeWorkspace(StagingRing):
         return (held[0] is req_pool_indices and held[1] == n) or bool(
             np.array_equal(held[0][:n], req_pool_indices[:n]))
 
-    def _prefix_items(self, group_start, group_len, group_req_indptr, group_req_idx, bs: int,
-                      single_prefix_chunk: bool, same_grouping: bool = False) -> PrefixItems:
+    def _prefix_items(self, grouping: Grouping, bs: int, single_prefix_chunk: bool,
+                      same_grouping: bool = False) -> PrefixItems:
         """``build_prefix_items``, reused while the grouping is unchanged (successive decode
         steps of the same requests), which halves the host work of a step."""
-        arrays = (group_start, group_len, group_req_indptr, group_req_idx)
         if same_grouping and self._prefix_shape == (bs, single_prefix_chunk):
             return self._prefix_memo[1]
         self._prefix_shape = (bs, single_prefix_chunk)
-        key = (bs, single_prefix_chunk) + tuple(np.asarray(a, dtype=np.int64).tobytes() for a in arrays)
+        g = grouping
+        key = (bs, single_prefix_chunk) + tuple(
+            a.tobytes() for a in (g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx))
         if self._prefix_memo[0] != key:
-            items = build_prefix_items(*arrays, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
+            items = build_prefix_items(grouping, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
                                        config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
                                        single_prefix_chunk=single_prefix_chunk)  # fmt: skip
             self._prefix_memo = (key, items)
         return self._prefix_memo[1]
-
-    def fill_grouping(self, grouping, seq_lens, req_pool_indices, **kw) -> WorkList:
-        """``fill`` from any object with the planner's Grouping attribute names."""
-        g = grouping
-        return self.fill(
-            g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len,
-            seq_lens, req_pool_indices, **kw,
-        )  # fmt: skip
 
     def _upload(self, wl: WorkList, req_pool_indices, base: Optional[ReuseBase] = None) -> None:
         """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
@@ -349,21 +358,12 @@ class CascadeWorkspace(StagingRing):
 
     # -------------------------------------------------------------- helpers
     def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
-        """Raise ValueError if q / k_buffer do not match this workspace."""
-        if q.dim() != 3 or q.shape[1:] != (self.num_q_heads, self.head_dim):
-            raise ValueError(f"q {tuple(q.shape)} does not match [bs, {self.num_q_heads}, {self.head_dim}]")
-        if k_buffer.dim() != 3 or k_buffer.shape[1:] != (self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"k_buffer {tuple(k_buffer.shape)} does not match [slots, {self.num_kv_heads}, {self.head_dim}]"
-            )
-        if q.shape[0] > self.max_bs:
-            raise ValueError(f"q batch {q.shape[0]} exceeds max_bs={self.max_bs}")
+        """Raise ValueError if q / k_buffer do not match this workspace (``CascadeBuffers``)."""
+        self.buffers.check_shapes(q, k_buffer)
 
     def grid_items(self, kind: str) -> int:
-        """Programs along axis 0 for a launch ('prefix', 'suffix', 'fused'): the workspace's
-        capacity, fixed per workspace (programs past the live count exit at once; measured at
-        serving capacity, sweep 7 in docs/results/kernels.md, they cost ~2 us per layer)."""
-        return {"prefix": self.prefix_cap, "suffix": self.suffix_cap, "fused": self.prefix_cap + self.suffix_cap}[kind]
+        """Programs along axis 0 of a launch (``CascadeBuffers.grid_items``)."""
+        return self.buffers.grid_items(kind)
 
     def check_integrity(self) -> None:
         """Assert the last work list is self-consistent (debug aid, host-side only)."""

@@ -14,17 +14,25 @@ does::
     out = merge(causal, prefix)          runner.merge (tokens without a cached prefix: lse -inf)
 
 On the GPU the runner is ``FlashInferDense`` (FlashInfer ships with SGLang; ``backend="auto"``
-is FA3 on Hopper). A layer this module does not serve (``eligibility.layer_reason`` / ``call_reason``) goes to the wrapped
-backend's ``forward_extend``, which SGLang planned for the same batch, so falling back is
-always possible.
+is FA3 on Hopper). A layer this module does not serve (``eligibility.layer_reason`` /
+``call_reason``) goes to the wrapped backend's ``forward_extend``, which SGLang planned for the
+same batch, so falling back is always possible.
 """
 
-from typing import Optional
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
 from granikv import sglang_compat as compat
 from granikv.attention.extend.hot_extend import HotExtendAttention
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import KVCache
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 __all__ = ["FullExtend", "backend_reason", "graph_reason"]
 
@@ -46,7 +54,7 @@ def graph_reason() -> Optional[str]:
     return "torch.compile piecewise prefill graph" if is_in_tc_piecewise_cuda_graph() else None
 
 
-def backend_reason(inner, pool) -> Optional[str]:
+def backend_reason(inner: AttentionBackend, pool: KVCache) -> Optional[str]:
     """Why a wrapped backend's extend batches cannot be computed here (None: they can)."""
     if getattr(inner, "enable_deterministic", False):
         return "deterministic inference (the wrapped backend's own kernel)"
@@ -67,7 +75,8 @@ class FullExtend:
     def __init__(self, attn: HotExtendAttention):
         self.attn = attn
         self._begun = False
-        self._planned_key = None
+        # (sm_scale, dtype, Hq, Hkv, D) the causal part was planned for
+        self._planned_key: Optional[Tuple[float, torch.dtype, int, int, int]] = None
 
     @property
     def active(self) -> bool:
@@ -86,7 +95,8 @@ class FullExtend:
         assert not self._begun or self.attn.plan is not None, "full extend begun without a plan"
         self.attn.check_integrity()
 
-    def forward(self, q, k, v, layer, fb, pool, save_kv_cache: bool) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch,
+                pool: KVCache, save_kv_cache: bool) -> torch.Tensor:
         """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write).
 
         ``T`` may exceed the batch's token count: SGLang's breakable prefill CUDA graph pads
@@ -97,6 +107,8 @@ class FullExtend:
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3, k3, v3 = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         plan = self.attn.plan
+        if plan is None:
+            raise RuntimeError("GraniKV extend: forward of a batch without a plan")
         n, rows = plan.num_tokens, q3.shape[0]
         if rows < n:
             raise RuntimeError(f"GraniKV extend: {rows} query tokens, the batch has {n}")

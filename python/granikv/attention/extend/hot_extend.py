@@ -18,30 +18,39 @@ tokens' dense part. Tokens of requests without a cached prefix get ``o = 0`` and
 ``lse = -inf`` (no contribution to SGLang's merge).
 """
 
+from __future__ import annotations
+
 import logging
 import math
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from granikv.attention.extend.plan import ExtendCall, ExtendPlan
+from granikv.attention.extend.plan import ExtendCall, ExtendGroup, ExtendPlan
+
+if TYPE_CHECKING:
+    import flashinfer
 
 logger = logging.getLogger("granikv")
 
 LOG2E = 1.0 / math.log(2.0)
 
+Attended = Tuple[torch.Tensor, torch.Tensor]  # (o [n, Hq, D], lse [n, Hq] fp32, base 2)
+Indptr = Union[np.ndarray, Sequence[int]]  # int64 CSR offsets
+
 
 class TorchDense:
     """Reference runner: float32 softmax attention, base-2 LSE (as FlashInfer returns)."""
 
-    def plan(self, calls, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+    def plan(self, calls: Sequence[Tuple[Indptr, Indptr]], num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype, sm_scale: float, logits_soft_cap: float) -> None:
         """``calls``: ``(qo_indptr, kv_indptr)`` int64 numpy per dense call (``ExtendCall``)."""
         self.calls = [(np.asarray(qo).tolist(), np.asarray(kv).tolist()) for qo, kv in calls]
         self.ratio = num_q_heads // num_kv_heads
         self.sm_scale, self.cap = sm_scale, logits_soft_cap
 
-    def _attend(self, q, k, v, causal: bool = False):
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> Attended:
         """q [n, Hq, D] over k, v [L, Hkv, D] (causal: n == L, token j sees keys [0, j]):
         ``(o [n, Hq, D] in q's dtype, lse [n, Hq] base 2)``."""
         qf = q.float()
@@ -56,7 +65,8 @@ class TorchDense:
         o = torch.einsum("hnl,lhd->nhd", torch.exp(s - m[..., None]), vf).to(q.dtype)
         return o, (m * LOG2E).transpose(0, 1).contiguous()
 
-    def run(self, ci: int, q, k, v, out=None, lse=None):
+    def run(self, ci: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None) -> Attended:
         """Dense call ``ci``: entry e's queries ``q[qo[e]:qo[e+1]]`` over ``k[kv[e]:kv[e+1]]``
         (entries without queries are skipped, as FlashInfer's scheduler gives them no tile)."""
         qo, kv = self.calls[ci]
@@ -69,11 +79,12 @@ class TorchDense:
                 lse2[qo[e]: qo[e + 1]] = le
         return o, lse2
 
-    def plan_paged(self, qo_indptr, kv_indptr, kv_indices, num_q_heads, num_kv_heads, head_dim, dtype,
-                   sm_scale, logits_soft_cap):
+    def plan_paged(self, qo_indptr: Indptr, kv_indptr: Indptr, kv_indices: torch.Tensor, num_q_heads: int,
+                   num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
+                   logits_soft_cap: float) -> None:
         self.paged = (qo_indptr, kv_indptr, kv_indices.long())
 
-    def run_paged(self, q, k_buf, v_buf):
+    def run_paged(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Attended:
         qo, kv, idx = self.paged
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
@@ -82,23 +93,24 @@ class TorchDense:
             o[qo[j]: qo[j + 1]], lse[qo[j]: qo[j + 1]] = self._attend(q[qo[j]: qo[j + 1]], k_buf[slots], v_buf[slots])
         return o, lse
 
-    def plan_causal(self, qo_indptr, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+    def plan_causal(self, qo_indptr: Sequence[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, sm_scale: float, logits_soft_cap: float) -> None:
         self.causal_indptr = list(qo_indptr)
         self.ratio = num_q_heads // num_kv_heads
         self.sm_scale, self.cap = sm_scale, logits_soft_cap
 
-    def run_causal(self, q, k, v):
+    def run_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
         """Each request's new tokens among themselves (``causal_indptr``), causal."""
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         ptr = self.causal_indptr
-        for a, b in zip(ptr[:-1], ptr[1:]):
+        for a, b in zip(ptr[:-1], ptr[1:], strict=True):
             if b > a:
                 o[a:b], lse[a:b] = self._attend(q[a:b], k[a:b], v[a:b], causal=True)
         return o, lse
 
     @staticmethod
-    def merge(v_a, s_a, v_b, s_b):
+    def merge(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> Attended:
         m = torch.maximum(s_a, s_b)
         w_a, w_b = torch.exp2(s_a - m), torch.exp2(s_b - m)
         v = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
@@ -111,11 +123,13 @@ class FlashInferDense:
 
     def __init__(self, float_workspace: torch.Tensor):
         self.float_workspace = float_workspace
-        self.wrappers: List = []
-        self.paged = None
-        self.causal = None  # ragged causal wrapper (full_extend.py: wrapped backends without ragged + paged)
+        self.wrappers: List[flashinfer.BatchPrefillWithRaggedKVCacheWrapper] = []
+        self.paged: Optional[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = None
+        # ragged causal wrapper (full_extend.py: wrapped backends without ragged + paged)
+        self.causal: Optional[flashinfer.BatchPrefillWithRaggedKVCacheWrapper] = None
 
-    def plan(self, calls, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+    def plan(self, calls: Sequence[Tuple[Indptr, Indptr]], num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype, sm_scale: float, logits_soft_cap: float) -> None:
         """``calls``: ``(qo_indptr, kv_indptr)`` per dense call (``ExtendCall``); query-less gap
         entries get no work tile from FlashInfer's schedulers (FA2 and FA3 count tiles per
         entry from its query length)."""
@@ -124,29 +138,32 @@ class FlashInferDense:
         while len(self.wrappers) < len(calls):
             self.wrappers.append(flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 self.float_workspace, "NHD", backend="auto"))
-        for w, (qo_indptr, kv_indptr) in zip(self.wrappers, calls):
+        for w, (qo_indptr, kv_indptr) in zip(self.wrappers, calls, strict=False):  # spare wrappers stay
             w.plan(torch.from_numpy(np.asarray(qo_indptr, dtype=np.int32)),
                    torch.from_numpy(np.asarray(kv_indptr, dtype=np.int32)),
                    num_q_heads, num_kv_heads, head_dim, causal=False, sm_scale=sm_scale,
                    logits_soft_cap=logits_soft_cap or None, q_data_type=dtype, kv_data_type=dtype)
 
-    def run(self, ci: int, q, k, v, out=None, lse=None):
+    def run(self, ci: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None) -> Attended:
         return self.wrappers[ci].run(q, k, v, out=out, lse=lse, return_lse=True)
 
-    def plan_paged(self, qo_indptr, kv_indptr, kv_indices, num_q_heads, num_kv_heads, head_dim, dtype,
-                   sm_scale, logits_soft_cap):
+    def plan_paged(self, qo_indptr: Indptr, kv_indptr: Indptr, kv_indices: torch.Tensor, num_q_heads: int,
+                   num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
+                   logits_soft_cap: float) -> None:
         import flashinfer
 
         if self.paged is None:
             self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_workspace, "NHD",
                                                                         backend="auto")
-        i32 = dict(dtype=torch.int32)
-        self.paged.plan(torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), kv_indices,
-                        torch.ones(len(qo_indptr) - 1, **i32), num_q_heads, num_kv_heads, head_dim, 1,
+        i32 = torch.int32
+        self.paged.plan(torch.tensor(qo_indptr, dtype=i32), torch.tensor(kv_indptr, dtype=i32), kv_indices,
+                        torch.ones(len(qo_indptr) - 1, dtype=i32), num_q_heads, num_kv_heads, head_dim, 1,
                         causal=False, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap or None,
                         q_data_type=dtype, kv_data_type=dtype)
 
-    def plan_causal(self, qo_indptr, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, logits_soft_cap):
+    def plan_causal(self, qo_indptr: Sequence[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, sm_scale: float, logits_soft_cap: float) -> None:
         import flashinfer
 
         if self.causal is None:
@@ -156,29 +173,37 @@ class FlashInferDense:
         self.causal.plan(ptr, ptr, num_q_heads, num_kv_heads, head_dim, causal=True, sm_scale=sm_scale,
                          logits_soft_cap=logits_soft_cap or None, q_data_type=dtype, kv_data_type=dtype)
 
-    def run_causal(self, q, k, v):
+    def run_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
+        assert self.causal is not None, "run_causal before plan_causal"
         return self.causal.run(q, k, v, return_lse=True)
 
-    def run_paged(self, q, k_buf, v_buf):
+    def run_paged(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Attended:
+        assert self.paged is not None, "run_paged before plan_paged"
         hkv, d = k_buf.shape[-2:]
         return self.paged.run(q, (k_buf.view(-1, 1, hkv, d), v_buf.view(-1, 1, hkv, d)), return_lse=True)
 
     @staticmethod
-    def merge(v_a, s_a, v_b, s_b):
+    def merge(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> Attended:
         import flashinfer
 
         return flashinfer.merge_state(v_a, s_a, v_b, s_b)
 
 
+DenseRunner = Union[TorchDense, FlashInferDense]  # what computes HotExtendAttention's calls
+
+
 class HotExtendAttention:
     """The prefix part of one extend batch: ``begin(plan)`` per batch, ``prefix_part`` per layer."""
 
-    def __init__(self, runner, device):
+    def __init__(self, runner: DenseRunner, device: Union[str, torch.device]):
         self.runner = runner
         self.device = torch.device(device)
         self.plan: Optional[ExtendPlan] = None
-        self._planned_key = None
+        # (sm_scale, logits_soft_cap, dtype, Hq, Hkv, D) the runner was planned for
+        self._planned_key: Optional[Tuple[float, float, torch.dtype, int, int, int]] = None
         self._token_idx: List[Optional[torch.Tensor]] = []
+        self._paged_idx: Optional[torch.Tensor] = None  # the paged remainder's stacked token positions
+        self._paged_kv: Optional[torch.Tensor] = None  # ... and its KV slots (int32)
 
     def begin(self, plan: ExtendPlan, req_to_token: torch.Tensor) -> None:
         """Per batch. The paged remainder's slots are gathered from ``req_to_token`` (SGLang's
@@ -212,7 +237,7 @@ class HotExtendAttention:
         assert seen.min() >= 0 and seen.max() < plan.num_tokens, "a group token outside the batch"
         assert sorted(i for c in plan.calls for i in c.groups) == list(range(len(plan.groups))), \
             "a group in no call or in two"
-        for c, idx in zip(plan.calls, self._token_idx):
+        for c, idx in zip(plan.calls, self._token_idx, strict=True):
             check_call(c, plan.groups)
             assert (idx is None) == c.contiguous, "gathered list vs contiguous call"
             if idx is not None:
@@ -220,11 +245,13 @@ class HotExtendAttention:
         rem = plan.paged
         assert (rem is None) == (self._paged_kv is None), "paged remainder state vs plan"
         if rem is not None:
+            paged_kv, paged_idx = self._paged_kv, self._paged_idx
+            assert paged_kv is not None and paged_idx is not None, "paged remainder state vs plan"
             assert (rem.hi > rem.lo).all() and (rem.lo >= 0).all(), "empty remainder range"
-            assert self._paged_kv.numel() == int(rem.kv_indptr[-1]), "remainder slot count"
-            assert np.array_equal(self._paged_idx.cpu().numpy(), rem.token_idx), "stale remainder tokens"
+            assert paged_kv.numel() == int(rem.kv_indptr[-1]), "remainder slot count"
+            assert np.array_equal(paged_idx.cpu().numpy(), rem.token_idx), "stale remainder tokens"
 
-    def _h2d(self, a):
+    def _h2d(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         if self.device.type == "cuda":
             t = t.pin_memory()
@@ -240,6 +267,8 @@ class HotExtendAttention:
         batch. The rows past the batch get no prefix part (o = 0, lse = -inf); SGLang drops them.
         """
         plan = self.plan
+        if plan is None:
+            raise RuntimeError("GraniKV extend: prefix part of a batch without a plan")
         n_tok, hq, d = q.shape
         if n_tok < plan.num_tokens:
             raise RuntimeError(f"GraniKV extend: {n_tok} query tokens, the plan has {plan.num_tokens}")
@@ -250,6 +279,7 @@ class HotExtendAttention:
             self.runner.plan([(c.qo_indptr, c.kv_indptr) for c in plan.calls], hq, k_buf.shape[1],
                              d, q.dtype, sm_scale, logits_soft_cap)
             if plan.paged is not None:
+                assert self._paged_kv is not None, "paged remainder without its slots (begin)"
                 self.runner.plan_paged(plan.paged.qo_indptr, plan.paged.kv_indptr, self._paged_kv, hq,
                                        k_buf.shape[1], d, q.dtype, sm_scale, logits_soft_cap)
             self._planned_key = key
@@ -272,6 +302,7 @@ class HotExtendAttention:
                 lse.index_copy_(0, idx, lg)
         if plan.paged is not None:  # the COLD remainder, merged into what the dense calls wrote
             idx = self._paged_idx
+            assert idx is not None, "paged remainder without its tokens (begin)"
             op, lp = self.runner.run_paged(q.index_select(0, idx), k_buf, v_buf)
             om, lm = self.runner.merge(o.index_select(0, idx), lse.index_select(0, idx), op, lp)
             o.index_copy_(0, idx, om)
@@ -279,7 +310,7 @@ class HotExtendAttention:
         return o, lse
 
 
-def check_call(call: ExtendCall, groups) -> None:
+def check_call(call: ExtendCall, groups: Sequence[ExtendGroup]) -> None:
     """Assert a dense call's entries put each of its groups' tokens against exactly that group's
     extent, and that everything else is a query-less gap entry."""
     qo, kv = call.qo_indptr, call.kv_indptr
@@ -287,7 +318,7 @@ def check_call(call: ExtendCall, groups) -> None:
     assert qo[-1] == call.num_tokens and kv[-1] == call.kv_hi - call.kv_lo, "indptr totals vs call"
     served = [e for e in range(call.num_entries) if qo[e + 1] > qo[e]]
     assert len(served) == len(call.groups), "one entry with queries per group"
-    for e, i in zip(served, call.groups):
+    for e, i in zip(served, call.groups, strict=True):
         g = groups[i]
         assert call.kv_lo + kv[e] == g.start and kv[e + 1] - kv[e] == g.length, "entry keys are not its extent"
         assert np.array_equal(call.token_idx[qo[e]: qo[e + 1]], g.token_idx), "entry queries are not its tokens"
@@ -314,14 +345,18 @@ class PrefixPartProxy:
     forward.
     """
 
-    def __init__(self, attn: HotExtendAttention, original, on_compare=None, on_failure=None):
+    def __init__(self, attn: HotExtendAttention, original: flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+                 on_compare: Optional[Callable[[Attended, Attended], None]] = None,
+                 on_failure: Optional[Callable[[Exception], None]] = None):
         self._attn = attn
         self._original = original
         self._on_compare = on_compare
         self._on_failure = on_failure
 
-    def forward_return_lse(self, q, kv_cache, causal=False, sm_scale=None, window_left=-1,
-                           logits_soft_cap=None, k_scale=None, v_scale=None, **kwargs):
+    def forward_return_lse(self, q: torch.Tensor, kv_cache: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                           causal: bool = False, sm_scale: Optional[float] = None, window_left: int = -1,
+                           logits_soft_cap: Optional[float] = None, k_scale: Optional[float] = None,
+                           v_scale: Optional[float] = None, **kwargs: Any) -> Attended:
         """``k_scale`` / ``v_scale`` (SGLang 0.5.23 passes ``layer.k_scale_float`` /
         ``v_scale_float``, ``None`` without quantized-KV scales): FlashInfer's meaning, the
         logits scale by ``k_scale`` and the output by ``v_scale``; served the same way (the
@@ -340,7 +375,7 @@ class PrefixPartProxy:
         scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * (k_scale or 1.0)
         try:
             o, lse = self._attn.prefix_part(q, k_buf, v_buf, scale, logits_soft_cap or 0.0)
-            ours = (o * v_scale if v_scale not in (None, 1.0) else o), lse
+            ours = (o * v_scale if v_scale is not None and v_scale != 1.0 else o), lse
         except Exception as e:  # noqa: BLE001 - serve the stock way, never fail the forward
             if self._on_failure is None:
                 raise
@@ -351,7 +386,7 @@ class PrefixPartProxy:
             cb(ours, self._original.forward_return_lse(q, kv_cache, **stock))
         return ours
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._original, name)

@@ -15,8 +15,8 @@ reason counted in ``StepStats.extend_fallbacks``. A layer the kernels cannot ser
 (``LayerEligibility.reason``) goes to the wrapped backend layer by layer. If the dense path
 raises, the batch finishes stock and every later extend batch stays stock.
 
-``host``: the ``GraniKVAttnBackend`` served; ``inner``, ``cfg``, ``stats``, ``dispatcher`` and
-``model_runner`` are read from it at each call (they may be replaced after construction).
+``ctx`` (``AttentionContext``): ``inner``, ``cfg``, ``stats``, ``dispatcher`` and ``model_runner``
+are read from it at each call (the backend may replace them while serving).
 """
 
 import logging
@@ -24,6 +24,9 @@ from typing import Optional
 
 import numpy as np
 
+from granikv.attention.context import AttentionContext
+from granikv.attention.debug.compare import DebugCompare
+from granikv.attention.eligibility import LayerEligibility
 from granikv.attention.extend import workspace as extend_workspace
 from granikv.attention.extend.plan import plan_extend
 from granikv.attention.extend.full_extend import FullExtend, backend_reason, graph_reason
@@ -38,8 +41,8 @@ logger = logging.getLogger("granikv")
 
 
 class ExtendPaths:
-    def __init__(self, host, eligibility, compare):
-        self.host = host
+    def __init__(self, ctx: AttentionContext, eligibility: LayerEligibility, compare: DebugCompare):
+        self.ctx = ctx
         self.eligibility = eligibility  # LayerEligibility (shared with decode)
         self.compare = compare  # DebugCompare
         self.hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
@@ -48,8 +51,8 @@ class ExtendPaths:
         self.stock_prefill_wrappers = None  # the batch's wrappers the proxies stand in for
         # set when the dense prefill path has no workspace or failed: stock from then on
         self.off_reason = self.workspace_reason()
-        if self.off_reason is not None and host.cfg.extend_path != "paged":
-            logger.warning("GraniKV: prefill over HOT prefixes is off under %s (%s)", host.backend_name,
+        if self.off_reason is not None and ctx.cfg.extend_path != "paged":
+            logger.warning("GraniKV: prefill over HOT prefixes is off under %s (%s)", ctx.backend_name,
                            self.off_reason)
 
     # ---- planning (host side, once per extend batch) ---------------------------------------
@@ -63,12 +66,12 @@ class ExtendPaths:
         if self.full_extend is not None:
             self.full_extend.end()
         self.full_compare = False
-        host = self.host
-        if host.cfg.extend_path == "paged" or getattr(fb.forward_mode, "name", "") != "EXTEND":
+        ctx = self.ctx
+        if ctx.cfg.extend_path == "paged" or getattr(fb.forward_mode, "name", "") != "EXTEND":
             return
-        md = getattr(host.inner, "forward_metadata", None)
+        md = getattr(ctx.inner, "forward_metadata", None)
         full = not hasattr(md, "prefill_wrappers")  # not flashinfer: GraniKV computes the whole extend
-        unservable = backend_reason(host.inner, host.model_runner.token_to_kv_pool) if full else None
+        unservable = backend_reason(ctx.inner, ctx.model_runner.token_to_kv_pool) if full else None
         if self.off_reason is not None:
             reason = self.off_reason
         elif full and getattr(fb, "extend_prefix_lens_cpu", None) is None:
@@ -81,7 +84,7 @@ class ExtendPaths:
             reason = "flashinfer prefill without its ragged call"
         elif not full and getattr(md, "extend_no_prefix", True):
             return  # no cached prefix anywhere: the stock ragged call is the whole attention
-        elif not full and (getattr(host.inner, "prefill_uses_dequant_workspace", False) or (
+        elif not full and (getattr(ctx.inner, "prefill_uses_dequant_workspace", False) or (
                 getattr(md, "multi_item_params", None) is not None and md.multi_item_params.is_enabled())):
             reason = "dequantising or multi-item prefill"
         elif staged is None or len(staged) != fb.batch_size:
@@ -90,28 +93,28 @@ class ExtendPaths:
             reason = self._plan_hot(fb, staged, md, full)
             if reason is None:
                 return
-        host.stats.record_extend(None, reason)
+        ctx.stats.record_extend(None, reason)
 
     def _plan_hot(self, fb, staged, md, full: bool) -> Optional[str]:
         """Plans the batch over its HOT runs; returns why it stays stock (None: planned)."""
-        host = self.host
-        table = host.hot_prefix_table
+        ctx = self.ctx
+        table = ctx.hot_prefix_table
         prefix_lens = np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64)
         extend_lens = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
         plan, reason = plan_extend(staged, prefix_lens, extend_lens, table.start_np, table.length_np)
-        if plan is not None and host.cfg.extend_path == "auto" and not self.hot_extend_pays(
+        if plan is not None and ctx.cfg.extend_path == "auto" and not self.hot_extend_pays(
                 plan, prefix_lens, extend_lens):
             plan, reason = None, "the cost model puts the stock prefill first for this shape"
         if plan is None:
             return reason
-        host.stats.record_extend(plan, "")
+        ctx.stats.record_extend(plan, "")
         attn = self.attention()
-        attn.begin(plan, host.model_runner.req_to_token_pool.req_to_token)
-        if host.cfg.debug_integrity:
+        attn.begin(plan, ctx.model_runner.req_to_token_pool.req_to_token)
+        if ctx.cfg.debug_integrity:
             attn.check_integrity()
         if full:
             self.full_extend.begin()
-            if host.cfg.debug_integrity:
+            if ctx.cfg.debug_integrity:
                 self.full_extend.check_integrity()
             self.full_compare = self.compare.extend_due()
             return None
@@ -125,7 +128,7 @@ class ExtendPaths:
         """The extend gate: True iff ``ExtendTerms`` puts the prefix part over HOT extents (one
         dense call per group, plus the COLD remainder's paged call and a merge) below the stock
         paged call for this batch's shape. Runs under ``--granikv-extend-path auto`` only."""
-        dispatcher = self.host.dispatcher
+        dispatcher = self.ctx.dispatcher
         terms = dispatcher.cost_model.served.extend
         per_pair = dispatcher.geometry.flops_per_query_token
         flops_all = per_pair * float(np.dot(prefix_lens, extend_lens))
@@ -144,11 +147,11 @@ class ExtendPaths:
             logger.error("GraniKV: the prefill path over HOT prefixes failed (%r); extend batches use "
                          "the stock prefill from now on (--granikv-extend-path paged silences this)",
                          exc)
-        self.host.stats.extend_fallbacks[self.off_reason] += 1
+        self.ctx.stats.extend_fallbacks[self.off_reason] += 1
 
     def attention(self) -> HotExtendAttention:
         """The dense prefix-part attention (created once), and the ``FullExtend`` around it."""
-        device = self.host.device
+        device = self.ctx.device
         if self.hot_extend is None:
             if device.type == "cuda":
                 # the flashinfer backend's float workspace (calls are stream-ordered); other
@@ -162,18 +165,18 @@ class ExtendPaths:
         return self.hot_extend
 
     def workspace_buffer(self):
-        buf = getattr(self.host.inner, "workspace_buffer", None)
+        buf = getattr(self.ctx.inner, "workspace_buffer", None)
         if buf is not None:
             return buf
-        return extend_workspace.reservation_of(self.host.model_runner).buffer
+        return extend_workspace.reservation_of(self.ctx.model_runner).buffer
 
     def workspace_reason(self) -> Optional[str]:
         """Why the HOT prefill path has no FlashInfer workspace (None: it has one, or runs on
         CPU). Checked at construction: no workspace is ever allocated mid-serving."""
-        host = self.host
-        if host.device.type != "cuda" or getattr(host.inner, "workspace_buffer", None) is not None:
+        ctx = self.ctx
+        if ctx.device.type != "cuda" or getattr(ctx.inner, "workspace_buffer", None) is not None:
             return None
-        reservation = extend_workspace.reservation_of(host.model_runner)
+        reservation = extend_workspace.reservation_of(ctx.model_runner)
         if reservation is None:
             return "no FlashInfer workspace reserved at startup"
         return reservation.off_reason
@@ -181,13 +184,13 @@ class ExtendPaths:
     # ---- compute (per layer) -----------------------------------------------------------------
 
     def forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
-        host = self.host
+        ctx = self.ctx
         full = self.full_extend
         if full is not None and full.active:  # planned for a backend without ragged + paged calls
             reason = self.eligibility.reason(layer, k, v, kwargs) or graph_reason()
             if reason is None:
                 try:
-                    o = full.forward(q, k, v, layer, fb, host.model_runner.token_to_kv_pool, save_kv_cache)
+                    o = full.forward(q, k, v, layer, fb, ctx.model_runner.token_to_kv_pool, save_kv_cache)
                 except Exception as e:  # noqa: BLE001 - serve the stock way, never fail the forward
                     self.failed(e)
                 else:
@@ -202,13 +205,13 @@ class ExtendPaths:
             reason = self.eligibility.reason(layer, k, v, kwargs)
             if reason is not None:
                 return self._stock_layer(q, k, v, layer, fb, save_kv_cache, kwargs, reason)
-        return host.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
+        return ctx.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
 
     def _stock_layer(self, q, k, v, layer, fb, save_kv_cache, kwargs, reason):
         """One layer of a proxied (flashinfer) extend batch, computed wholly by the wrapped
         backend: its stock paged prefill wrappers are put back for the call."""
         self.eligibility.log_stock_extend(layer, reason)
-        inner = self.host.inner
+        inner = self.ctx.inner
         md = inner.forward_metadata
         proxies, md.prefill_wrappers = md.prefill_wrappers, self.stock_prefill_wrappers
         try:

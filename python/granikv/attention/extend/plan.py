@@ -30,10 +30,9 @@ different calls; the calls are as few as the deepest overlap (greedy interval pa
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +87,7 @@ class PagedRemainder:
     def kv_indptr(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.hi - self.lo)]).astype(np.int64)
 
-    def slot_coords(self):
+    def slot_coords(self) -> Tuple[np.ndarray, np.ndarray]:
         """``(rows, cols)`` int64 of every remainder slot in ``req_to_token``, request by request."""
         n = self.hi - self.lo
         rows = np.repeat(self.rows, n)
@@ -143,7 +142,7 @@ class ExtendCall:
     @property
     def shapes(self) -> Tuple[Tuple[int, int], ...]:
         """``(qo_len, kv_len)`` of every entry (gap entries have qo_len 0)."""
-        return tuple(zip(np.diff(self.qo_indptr).tolist(), np.diff(self.kv_indptr).tolist()))
+        return tuple(zip(np.diff(self.qo_indptr).tolist(), np.diff(self.kv_indptr).tolist(), strict=True))
 
 
 def batch_calls(groups: Tuple[ExtendGroup, ...]) -> Tuple[ExtendCall, ...]:
@@ -151,7 +150,8 @@ def batch_calls(groups: Tuple[ExtendGroup, ...]) -> Tuple[ExtendCall, ...]:
     start order, each into the first call whose last extent ends at or before its start (the
     number of calls is the largest number of extents over any one slot)."""
     order = sorted(range(len(groups)), key=lambda i: (groups[i].start, groups[i].length))
-    members, ends = [], []
+    members: List[List[int]] = []  # group indices of each call
+    ends: List[int] = []  # end slot of each call's last extent
     for i in order:
         g = groups[i]
         for c, end in enumerate(ends):
@@ -165,7 +165,7 @@ def batch_calls(groups: Tuple[ExtendGroup, ...]) -> Tuple[ExtendCall, ...]:
     return tuple(_call(groups, m) for m in members)
 
 
-def _call(groups, members) -> ExtendCall:
+def _call(groups: Sequence[ExtendGroup], members: Sequence[int]) -> ExtendCall:
     lo = groups[members[0]].start
     qo, kv, prev_end = [0], [0], lo
     for i in members:
@@ -244,16 +244,16 @@ def plan_extend(
         return None, f"{uniq.shape[0]} HOT extents in one batch (limit {max_groups})"
     tok_begin = np.zeros(bs + 1, dtype=np.int64)
     np.cumsum(extend_lens, out=tok_begin[1:])
-    groups = [ExtendGroup(int(uniq[g, 0]), int(uniq[g, 1]), _tokens_of(members[inverse == g], tok_begin),
-                          int((inverse == g).sum())) for g in range(uniq.shape[0])]
-    groups.sort(key=lambda gr: int(gr.token_idx[0]))
+    found = [ExtendGroup(int(uniq[g, 0]), int(uniq[g, 1]), _tokens_of(members[inverse == g], tok_begin),
+                         int((inverse == g).sum())) for g in range(uniq.shape[0])]
+    found.sort(key=lambda gr: int(gr.token_idx[0]))
     rem = np.flatnonzero(active & (prefix_lens > hot_len))
-    paged = None
+    paged: Optional[PagedRemainder] = None
     if rem.shape[0]:
         paged = PagedRemainder(rows=req_pool_indices[rem].astype(np.int64), lo=hot_len[rem].astype(np.int64),
                                hi=prefix_lens[rem].astype(np.int64), qo_lens=extend_lens[rem].astype(np.int64),
                                token_idx=_tokens_of(rem, tok_begin))
-    groups = tuple(groups)
+    groups = tuple(found)
     return ExtendPlan(groups, batch_calls(groups), paged, tok_begin), ""
 
 

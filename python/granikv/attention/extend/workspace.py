@@ -12,11 +12,19 @@ is a slotted dataclass and holds the model as ``model``): the attention backend 
 through ``model_runner.model``.
 """
 
+from __future__ import annotations
+
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    from granikv.config import GraniKVConfig
 
 logger = logging.getLogger("granikv")
 
@@ -32,7 +40,7 @@ class Reservation:
     off_reason: Optional[str] = None
 
 
-def prefill_backend_of(server_args) -> Optional[str]:
+def prefill_backend_of(server_args: ServerArgs) -> Optional[str]:
     get = getattr(server_args, "get_attention_backends", None)
     if get is not None:
         return get()[0]
@@ -40,12 +48,12 @@ def prefill_backend_of(server_args) -> Optional[str]:
         server_args, "attention_backend", None)
 
 
-def needs_own_workspace(server_args, cfg) -> bool:
+def needs_own_workspace(server_args: ServerArgs, cfg: GraniKVConfig) -> bool:
     """Whether the HOT prefill path will need a workspace of its own (prefill not flashinfer)."""
     return cfg.extend_path != "paged" and prefill_backend_of(server_args) != "flashinfer"
 
 
-def reserve(holder, device, nbytes: int = EXTEND_WORKSPACE_BYTES) -> int:
+def reserve(holder: object, device: Union[str, torch.device], nbytes: int = EXTEND_WORKSPACE_BYTES) -> int:
     """Allocates the workspace on ``device`` and records it on ``holder``; returns the bytes to
     take off the KV budget (0 when the allocation failed or ``holder`` already has one)."""
     if getattr(holder, _ATTR, None) is not None:
@@ -63,6 +71,6 @@ def reserve(holder, device, nbytes: int = EXTEND_WORKSPACE_BYTES) -> int:
     return nbytes
 
 
-def reservation_of(model_runner) -> Optional[Reservation]:
+def reservation_of(model_runner: ModelRunner) -> Optional[Reservation]:
     """The reservation made for ``model_runner``'s model, None if none was attempted."""
     return getattr(getattr(model_runner, "model", None), _ATTR, None)
