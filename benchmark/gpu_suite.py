@@ -1,9 +1,11 @@
 """The GPU suite: everything GraniKV proves on a GPU, from one entry point.
 
-    python3 benchmark/gpu_suite.py --parts all --out /tmp/granikv-suite
-    python3 benchmark/gpu_suite.py --parts tests,smoke,correctness --out OUT   # first half of all
-    python3 benchmark/gpu_suite.py --parts grid --grid-backends flashinfer --out OUT
-    python3 benchmark/gpu_suite.py --merge OUT1/gpu_suite.json OUT2/gpu_suite.json --out docs/results
+    python3 -m benchmark.gpu_suite --parts all --out /tmp/granikv-suite
+    python3 -m benchmark.gpu_suite --parts tests,smoke,correctness --out OUT   # first half of all
+    python3 -m benchmark.gpu_suite --parts grid --grid-backends flashinfer --out OUT
+    python3 -m benchmark.gpu_suite --merge OUT1/gpu_suite.json OUT2/gpu_suite.json --out docs/results
+
+From the repository root; every part's command runs from there too.
 
 On a host without network, run it inside the environment installed from the air-gapped bundle
 (docs/gpu_quickstart.md, "Air-gapped host").
@@ -16,10 +18,10 @@ Parts (run in this order; ``all`` = every one):
   word-level tokenizer so text prompts work), ``/generate`` calls whose texts share a long
   prefix, a ``/metrics`` scrape that must show a HOT extent and cascade decode steps, and a clean
   shutdown (SIGTERM, exit within the grace);
-- ``correctness``: benchmark/correctness/check.py (GraniKV vs stock on a context-sensitive
-  model, the planted fault must be caught);
-- ``grid``: benchmark/multi_agent/regimes.py per ``--grid-backends`` (stock and GraniKV engines
-  side by side, taking turns per repeat).
+- ``correctness``: ``python -m benchmark.correctness.check`` (GraniKV vs stock on a
+  context-sensitive model, the planted fault must be caught);
+- ``grid``: ``python -m benchmark.multi_agent.regimes`` per ``--grid-backends`` (stock and
+  GraniKV engines side by side, taking turns per repeat).
 
 Every part prints its wall time; ``--out`` gets one folder per part and ``gpu_suite.json``:
 ``{"commit", "date", "sglang_version", "gpu", "parts": [{"name", "wall_s", "passed", ...}]}``.
@@ -53,13 +55,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default="/tmp/granikv-suite", help="Output folder.")
     p.add_argument("--commit", default=None, help="Commit recorded in gpu_suite.json (default: git rev-parse HEAD).")
     p.add_argument("--grid-backends", type=csv, default=["flashinfer", "triton"])
-    p.add_argument("--grid-models", default=None, help="regimes.py --models (default: every model).")
-    p.add_argument("--grid-rows", default=None, help="regimes.py --rows (default: every row).")
-    p.add_argument("--grid-budget-s", type=float, default=420.0, help="regimes.py --time-budget-s per backend.")
+    p.add_argument("--grid-models", default=None, help="regimes --models (default: every model).")
+    p.add_argument("--grid-rows", default=None, help="regimes --rows (default: every row).")
+    p.add_argument("--grid-budget-s", type=float, default=420.0, help="regimes --time-budget-s per backend.")
     p.add_argument("--grid-repeats", type=int, default=3)
     p.add_argument("--grid-idle-probe-steps", type=int, default=32,
-                   help="regimes.py --idle-probe-steps (GPU idle time per decode step; 0: off).")
-    p.add_argument("--correctness-args", default="", help="Extra arguments of check.py (one shell string).")
+                   help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
+    p.add_argument("--correctness-args", default="",
+                   help="Extra arguments of benchmark.correctness.check (one shell string).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
     p.add_argument("--smoke-backend", default="flashinfer")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="Combine gpu_suite.json files into --out and exit.")
@@ -102,15 +105,16 @@ def gpu_name() -> Optional[str]:
 # ---- parts -----------------------------------------------------------------------------------
 
 
-def python_cmd(script: str, *args: str) -> List[str]:
-    return [sys.executable, str(ROOT / script), *args]
+def python_cmd(module: str, *args: str) -> List[str]:
+    """``python -m module args`` (a benchmark module; run_commands runs it from ROOT)."""
+    return [sys.executable, "-m", module, *args]
 
 
 def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[str]]]:
     """The subprocess commands of each command-line part (smoke runs in-process)."""
     grid = []
     for backend in args.grid_backends:
-        cmd = python_cmd("benchmark/multi_agent/regimes.py", "--backend", backend, "--out", str(out / "grid"),
+        cmd = python_cmd("benchmark.multi_agent.regimes", "--backend", backend, "--out", str(out / "grid"),
                          "--time-budget-s", f"{args.grid_budget_s:g}", "--repeats", str(args.grid_repeats),
                          "--idle-probe-steps", str(args.grid_idle_probe_steps))
         if args.grid_models:
@@ -121,7 +125,7 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
     return dict(
         tests=[[sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "test/",
                 f"--junitxml={out / 'tests' / 'gpu_tests.xml'}", *shlex.split(args.tests_args)]],
-        correctness=[python_cmd("benchmark/correctness/check.py", "--out", str(out / "correctness"),
+        correctness=[python_cmd("benchmark.correctness.check", "--out", str(out / "correctness"),
                                 *shlex.split(args.correctness_args))],
         grid=grid,
     )
@@ -196,11 +200,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for cmd in cmds.get(name, [["(in-process) smoke", args.smoke_backend]]):
                 print(f"{name}: {' '.join(shlex.quote(c) for c in cmd)}")
         return 0
-    from smoke import run_smoke  # benchmark/smoke.py, beside this file
+    from benchmark.smoke import run_smoke  # deferred: a dry run or a merge needs none of it
 
     doc = dict(commit=args.commit or git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                sglang_version=sglang_version(), gpu=gpu_name(),
-               command=" ".join(shlex.quote(a) for a in ["python3", "benchmark/gpu_suite.py", *argv]), parts=[])
+               command=" ".join(shlex.quote(a) for a in ["python3", "-m", "benchmark.gpu_suite", *argv]), parts=[])
     t0 = time.time()
     for name in args.parts:
         if name == "smoke":

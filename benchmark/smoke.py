@@ -1,11 +1,11 @@
 """The quickstart (docs/gpu_quickstart.md) as a user runs it, checked: serve, generate, /metrics,
 shut down.
 
-    python3 benchmark/smoke.py --out /tmp/granikv-smoke [--backend flashinfer]
+    python3 -m benchmark.smoke --out /tmp/granikv-smoke [--backend flashinfer]
 
 1. ``python -m sglang.launch_server --model-path DIR --load-format dummy --attention-backend X
    --enable-granikv --enable-metrics --port P`` (DIR: the shipped Llama-3.1-8B config and a
-   word-level tokenizer, run.write_model_dir, so that text prompts work; the engine arguments
+   word-level tokenizer, harness.model_config.write_model_dir, so that text prompts work; the engine arguments
    every benchmark here uses are added: pytorch sampling, no grammar backend);
 2. one ``/generate`` with a long shared text (it caches the prefix), then ``SHARERS`` concurrent
    ``/generate`` calls of that text plus a private suffix each;
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from harness import engine_proc, server_proc
+from benchmark.harness import engine_proc, server_proc
+from benchmark.harness.model_config import write_model_dir
 
 PREFIX_WORDS = 8192  # the shared text: long enough that GraniKV promotes it and cascade pays
 SHARERS = 32
@@ -84,11 +85,8 @@ def checks_of(metrics_text: str, outputs: Sequence[Dict[str, Any]]) -> Dict[str,
 
 def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> Dict[str, Any]:
     """Runs the quickstart; returns ``{"passed", "checks", ...}`` (also written to smoke.json)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "multi_agent"))
-    import run as ma_run
-
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = ma_run.write_model_dir("llama-3.1-8b", str(out / "model"), tokenizer=True)
+    model_dir = write_model_dir("llama-3.1-8b", str(out / "model"), tokenizer=True)
     port = server_proc.free_port(port)
     server = server_proc.Server(name="smoke", cmd=server_command(model_dir, port, backend),
                                 log_path=out / "server.log", host="127.0.0.1", port=port)

@@ -5,7 +5,7 @@
 
 Two kinds of table:
 
-- **Run pages.** Every ``docs/results/<name>.json`` written by ``benchmark/multi_agent/run.py``
+- **Run pages.** Every ``docs/results/<name>.json`` written by ``benchmark.multi_agent.run``
   (``{"meta", "rows", ...}``) has ``<name>.md`` beside it; that page's row table is
   ``report.markdown_table(rows)``.
 - **Marked tables.** In README.md and docs/**.md a line ``<!-- table: KIND ARG -->`` is followed
@@ -33,10 +33,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
+if str(ROOT) not in sys.path:  # run as a script: the benchmark package is at the repository root
+    sys.path.insert(0, str(ROOT))
 
-import bounds  # noqa: E402
-import report  # noqa: E402
+from benchmark.multi_agent import bounds, report  # noqa: E402
 
 MARK = re.compile(r"^<!-- table: (\w+) (\S+) -->$")
 

@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -26,9 +25,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-# Test support modules (the scheduler simulator) import as top-level modules in every test.
-_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
-if _SUPPORT not in sys.path:
-    sys.path.insert(0, _SUPPORT)

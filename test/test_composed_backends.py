@@ -2,8 +2,6 @@
 the plugin wraps is registered and staged by the scheduler step; none reachable turns
 promotions off with a warning; the attention counters of several backends add up."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,11 +12,10 @@ from granikv.config import GraniKVConfig
 from granikv.attention import backend_registry
 from granikv.attention.backend import GraniKVAttnBackend
 from granikv.mem_cache.policy import NeverPromote
-from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import metrics_snapshot, on_run_batch
 
-sys.path.insert(0, str(Path(__file__).parent / "layers"))
-import test_backend as tb  # noqa: E402
+from attention import test_backend as tb
+from support.scheduler_sim import Sim, SimConfig
 
 CFG = GraniKVConfig(enable=True, hot_min_tokens=16, attention_path="cascade", log_interval=0)
 

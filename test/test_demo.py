@@ -47,7 +47,7 @@ def _fake_gpu(monkeypatch, calls):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "sgl_kernel" else real(name, *a))
-    monkeypatch.setattr(demo.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(demo.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
 
 
 def test_gpu_path_writes_to_a_temporary_folder_not_docs_results(monkeypatch, capsys):
@@ -57,7 +57,7 @@ def test_gpu_path_writes_to_a_temporary_folder_not_docs_results(monkeypatch, cap
     _fake_gpu(monkeypatch, calls)
     assert demo.main([]) == 0
     (cmd,) = calls
-    assert cmd[1].endswith("benchmark/multi_agent/run.py") and "--quick" in cmd
+    assert cmd[1:3] == ["-m", "benchmark.multi_agent.run"] and "--quick" in cmd
     out = Path(cmd[cmd.index("--out") + 1])
     assert out.is_dir() and out.name.startswith("granikv-demo-")
     assert "docs" not in out.parts

@@ -4,14 +4,11 @@ granikv.config, and the check fails when the README's text or a marker is change
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import flag_table as ft  # noqa: E402
-
-from granikv.config import GraniKVConfig, cli_flag  # noqa: E402
+from granikv.config import GraniKVConfig, cli_flag
+from scripts import flag_table as ft
 
 
 def test_the_checked_in_readme_matches_the_config():

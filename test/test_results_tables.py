@@ -2,13 +2,10 @@
 and the check fails when a figure or its JSON is changed."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import results_tables as rt  # noqa: E402
+from scripts import results_tables as rt
 
 
 def test_every_checked_in_table_matches_its_json():

@@ -3,8 +3,6 @@
 whole forward stream) when a GraniKV backend captured graphs, and keeps its fast path
 (the pre-replay read-done event) otherwise."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +12,6 @@ from granikv import plugin
 from granikv import sglang_compat as compat
 from granikv.config import GraniKVConfig
 from granikv.attention import backend_registry
-
-sys.path.insert(0, str(Path(__file__).parent / "layers"))
 
 
 class _Stream:
@@ -61,7 +57,7 @@ def test_real_war_barrier_waits_for_granikv_reads(backends, enable, expect):
 
 
 def test_the_real_backend_reports_a_planned_cascade_graph():
-    import test_backend as tb  # noqa: PLC0415
+    from attention import test_backend as tb  # noqa: PLC0415
 
     be = tb._backend(tb._runner(), "cascade")
     assert not be.reads_req_to_token_during_replay()  # eager: no graph

@@ -1,12 +1,13 @@
 """End-to-end correctness check of GraniKV on a model whose outputs depend on the context.
 
-    python3 benchmark/correctness/check.py --out docs/results
-    python3 benchmark/correctness/check.py --backends triton --no-fault --out /tmp/c   # shorter
+    python3 -m benchmark.correctness.check --out docs/results
+    python3 -m benchmark.correctness.check --backends triton --no-fault --out /tmp/c   # shorter
 
 1. Writes a random-normal Llama checkpoint (checkpoint.py: 4 layers, 32 q / 8 kv heads of 128,
    a 4,096-token vocabulary) into a temporary folder; every engine loads it through SGLang's
    normal safetensors loader.
-2. Per attention backend, runs three engines, each in its own subprocess: ``baseline`` (stock
+2. Per attention backend, runs three engines, each in its own subprocess (``python -m
+   benchmark.correctness.check --child JOB``): ``baseline`` (stock
    SGLang), ``granikv`` (``enable_granikv=True``, decode path forced to ``cascade`` unless
    ``--attention-path`` says otherwise and prefill path ``hot``, so the shared-prefix kernels
    run on these short prompts) and ``fault`` (the same with ``GRANIKV_DEBUG_FAULT=half_prefix``: every group's
@@ -62,19 +63,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent / "multi_agent"))
-sys.path.insert(2, str(HERE.parent))  # benchmark/: the shared harness
+from benchmark.correctness import checkpoint, metrics, results
+from benchmark.harness.counters import counter_delta
+from benchmark.harness.engine_args import BASE_ENGINE_KWARGS
+from benchmark.harness.engine_child import EngineChild, gpu_name
+from benchmark.harness.engine_proc import REPO_ROOT, engine_env, exit_after, kill_group, module_command, repo_env
+from benchmark.multi_agent import workloads as wl
 
-import checkpoint  # noqa: E402
-import metrics  # noqa: E402
-import results  # noqa: E402
-import run as ma_run  # noqa: E402  (the multi-agent runner: engine kwargs, Child, counters)
-import workloads as wl  # noqa: E402
-from harness.engine_proc import exit_after, kill_group  # noqa: E402
-
-# debug_compare.py's constants without importing granikv (this parent runs no engine); a test
+# debug_compare.py's constants without importing its module (this parent runs no engine); a test
 # checks they match
 TOLERANCE_FACTOR = 4.0
 FLOOR_EPS = 2.0
@@ -83,9 +79,9 @@ FAULT = "half_prefix"
 RESULT_TAG = "RESULT "
 VOCAB_LO = 16  # remapped token ids stay clear of the special ids 0..15
 
-# The multi-agent runner's engine kwargs, for a real checkpoint and a short run.
+# The benchmarks' engine kwargs (harness.engine_args), for a real checkpoint and a short run.
 ENGINE_KWARGS: Dict[str, Any] = dict(
-    ma_run.BASE_ENGINE_KWARGS, load_format="safetensors", mem_fraction_static=0.6,
+    BASE_ENGINE_KWARGS, load_format="safetensors", mem_fraction_static=0.6,
     max_running_requests=64, cuda_graph_max_bs_decode=64,
 )
 
@@ -142,10 +138,10 @@ def _outputs_of(results_: Sequence[Dict[str, Any]]) -> metrics.Outputs:
                   for r in results_])
 
 
-class CheckChild(ma_run.Child):
-    """The multi-agent runner's child (warm-up, counters) over a real checkpoint."""
+class CheckChild(EngineChild):
+    """The benchmarks' engine child (warm-up, counters) over a real checkpoint."""
 
-    def __init__(self, job: Dict[str, Any]):  # noqa: D107 - replaces Child's dummy-weight start
+    def __init__(self, job: Dict[str, Any]):  # noqa: D107 - replaces EngineChild's dummy-weight start
         import sglang
 
         self.job = job
@@ -189,7 +185,7 @@ class CheckChild(ma_run.Child):
             before = self.granikv_counters()
             o = self.outputs(w)
             after = self.granikv_counters()
-            delta = None if after is None else ma_run.counter_delta(after, before or {})
+            delta = None if after is None else counter_delta(after, before or {})
             out[w.name] = dict(outputs=o.to_json(), granikv_delta=delta,
                                granikv_state=layer_state(after))
         return out
@@ -208,7 +204,7 @@ def main_child(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     child = CheckChild(job)
     try:
-        res = dict(engine_up_s=child.engine_up_s, gpu=ma_run.gpu_name(),
+        res = dict(engine_up_s=child.engine_up_s, gpu=gpu_name(),
                    workloads=child.run_all([wl.WorkloadSpec.from_json(s) for s in job["specs"]]))
         print(RESULT_TAG + json.dumps(res), flush=True)  # before shutdown: a slow one loses nothing
     finally:
@@ -239,16 +235,16 @@ def engine_kwargs(backend: str, config: str, attention_path: str, compare_every:
 
 def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """One engine in a subprocess of its own session (killed whole on timeout); its RESULT."""
-    env = ma_run.engine_env(backend)
+    env = engine_env(backend, repo_env())
     env.pop("GRANIKV_DEBUG_FAULT", None)
     if config == "fault":
         env["GRANIKV_DEBUG_FAULT"] = FAULT
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     name = f"{backend}/{config}"
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f.name],
+    proc = subprocess.Popen(module_command("benchmark.correctness.check", "--child", f.name),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            bufsize=1, start_new_session=True)
+                            bufsize=1, start_new_session=True, cwd=REPO_ROOT)
     result, t0 = None, time.time()
     watchdog = threading.Timer(timeout, kill_group, (proc,))
     watchdog.start()
@@ -310,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec_list = specs(args.out_tokens, args.scale)
     configs = [c for c in CONFIGS if not (args.no_fault and c == "fault")]
     meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                command="python3 benchmark/correctness/check.py " + " ".join(argv or sys.argv[1:]),
+                command="python3 -m benchmark.correctness.check " + " ".join(argv or sys.argv[1:]),
                 model=dict(dataclasses.asdict(shape), std=checkpoint.DEFAULT_STD, dtype="bfloat16"),
                 fault=FAULT, attention_path=args.attention_path,
                 workloads=[s.to_json() for s in spec_list],

@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import metrics
+from benchmark.correctness import metrics
 
 ATTENTION_KEYS = ("decode_steps", "steps_per_path", "unplanned_steps", "extend_batches",
                   "extend_hot_batches", "extend_fallbacks")

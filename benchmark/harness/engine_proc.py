@@ -6,6 +6,11 @@ them to a callback as they arrive, so the caller can write its results after eve
 The child runs in a new session: killing its group also kills the scheduler and detokenizer
 processes an ``sglang.Engine`` (or ``launch_server``) spawns, which would otherwise keep the
 GPU's memory.
+
+A benchmark that starts a child of itself or of another benchmark runs it as a module,
+:func:`module_command` (``python -m benchmark.…``), from :data:`REPO_ROOT` and with
+:func:`repo_env` (the repository root first on ``PYTHONPATH``), so the child imports the
+``benchmark`` package whatever the parent's working directory.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # holds the benchmark package
 
 ROW_TAG, INFO_TAG, ERROR_TAG = "ROW ", "INFO ", "ERROR "
 TAGS: Mapping[str, str] = {ROW_TAG: "row", INFO_TAG: "info", ERROR_TAG: "error"}
@@ -74,11 +82,18 @@ class ChildResult:
     seconds: float
 
 
+def module_command(module: str, *args: str) -> List[str]:
+    """``python -m module args`` with this interpreter: how a benchmark starts a child of itself
+    or of another benchmark module (``module_command("benchmark.multi_agent.run", "--child",
+    job)``); run it with ``cwd=REPO_ROOT`` and an environment from :func:`repo_env`."""
+    return [sys.executable, "-m", module, *args]
+
+
 def run_tagged(cmd: Sequence[str], *, name: str, on_record: Callable[[Dict[str, Any]], None],
                timeout: float, env: Optional[Mapping[str, str]] = None,
                extra: Optional[Mapping[str, Any]] = None, tags: Mapping[str, str] = TAGS,
-               echo: bool = True) -> ChildResult:
-    """Runs ``cmd`` in its own process group until it exits or ``timeout`` seconds pass.
+               echo: bool = True, cwd: Optional[Path] = None) -> ChildResult:
+    """Runs ``cmd`` in its own process group (in ``cwd``) until it exits or ``timeout`` seconds pass.
 
     Every tagged stdout line becomes a record (``kind`` + ``extra`` merged in) passed to
     ``on_record`` at once; other lines are echoed as ``[name] line``. The group is killed at the
@@ -87,7 +102,8 @@ def run_tagged(cmd: Sequence[str], *, name: str, on_record: Callable[[Dict[str, 
     """
     t0 = time.time()
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(env) if env is not None else None, bufsize=1, start_new_session=True)
+                            env=dict(env) if env is not None else None, bufsize=1, start_new_session=True,
+                            cwd=cwd)
     fired = threading.Event()
     watchdog = threading.Timer(timeout, lambda: (fired.set(), kill_group(proc)))
     watchdog.start()
@@ -108,8 +124,18 @@ def run_tagged(cmd: Sequence[str], *, name: str, on_record: Callable[[Dict[str, 
     return ChildResult(proc.returncode, fired.is_set(), errors, time.time() - t0)
 
 
+def repo_env(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """``base`` (default: this process's environment) with :data:`REPO_ROOT` first on
+    ``PYTHONPATH``: a ``python -m benchmark.…`` child finds the package from any directory."""
+    env = dict(os.environ if base is None else base)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
+    return env
+
+
 def engine_env(backend: str, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Environment of an engine / server process for an SGLang attention ``backend``."""
+    """Environment of an engine / server process for an SGLang attention ``backend``; a child
+    that runs a benchmark module passes ``base=repo_env()``."""
     env = dict(os.environ if base is None else base, PYTHONUNBUFFERED="1")
     if backend == "flashinfer":
         env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "true"  # the flashinfer backend's imports need it

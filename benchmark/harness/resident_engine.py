@@ -22,9 +22,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
-from harness import engine_proc
+from benchmark.harness import engine_proc
 
 
 class EngineGone(RuntimeError):
@@ -34,14 +35,15 @@ class EngineGone(RuntimeError):
 class ResidentEngine:
     """Parent side of one resident engine child.
 
-    ``cmd`` starts the child; it must print ``INFO`` when ready and then serve requests from
-    stdin (:func:`serve`). Every tagged record also goes to ``on_record`` (with ``extra``
-    merged in), INFO and ERROR included, as engine_proc.run_tagged does.
+    ``cmd`` starts the child (in ``cwd``); it must print ``INFO`` when ready and then serve
+    requests from stdin (:func:`serve`). Every tagged record also goes to ``on_record`` (with
+    ``extra`` merged in), INFO and ERROR included, as engine_proc.run_tagged does.
     """
 
     def __init__(self, cmd: Sequence[str], *, name: str, env: Optional[Mapping[str, str]] = None,
                  extra: Optional[Mapping[str, Any]] = None,
-                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None, echo: bool = True):
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None, echo: bool = True,
+                 cwd: Optional[Path] = None):
         self.name, self.extra, self.echo = name, dict(extra or {}), echo
         self.on_record = on_record or (lambda rec: None)
         self._records: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
@@ -49,7 +51,8 @@ class ResidentEngine:
         self.t0 = time.time()
         self.proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=dict(env) if env is not None else None, start_new_session=True)
+                                     env=dict(env) if env is not None else None, start_new_session=True,
+                                     cwd=cwd)
         self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
         self._reader.start()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from harness import engine_proc
+from benchmark.harness import counters, engine_proc
 
 
 def http_call(host: str, port: int, method: str, path: str, body: Any = None,
@@ -78,10 +78,7 @@ class Server:
         return self.get("/server_info", timeout=30)
 
     def granikv(self) -> Optional[Dict[str, Any]]:
-        for state in (self.info() or {}).get("internal_states") or []:
-            if isinstance(state, dict) and isinstance(state.get("granikv"), dict):
-                return state["granikv"]
-        return None
+        return counters.granikv_of(self.info() or {})
 
     def metrics(self) -> Dict[str, float]:
         try:

@@ -18,12 +18,12 @@ too), baselines eagerly as in fi_attn_bench.py (GPU-bound at these sizes); trito
 FLOPs / bf16 matmul rate), both measured at the start of the run; "TB/s" and "TFLOP/s" count
 the unique bytes (each K/V token read once, q read, out written) and the useful FLOPs.
 
-    python benchmark/kernels/bench_attention.py --quick --out DIR     # key points
-    python benchmark/kernels/bench_attention.py --sweep --out DIR     # tile/launch variants (SWEEP)
-    python benchmark/kernels/bench_attention.py --out DIR             # full grid
-    python benchmark/kernels/bench_attention.py --quick --variants descriptor,descriptor_ws --out DIR
+    python -m benchmark.kernels.bench_attention --quick --out DIR     # key points
+    python -m benchmark.kernels.bench_attention --sweep --out DIR     # tile/launch variants (SWEEP)
+    python -m benchmark.kernels.bench_attention --out DIR             # full grid
+    python -m benchmark.kernels.bench_attention --quick --variants descriptor,descriptor_ws --out DIR
                                              # the TMA prefix kernel beside the default and FlashInfer
-    python benchmark/kernels/bench_attention.py --shape qwen2.5-7b --sweep --out DIR
+    python -m benchmark.kernels.bench_attention --shape qwen2.5-7b --sweep --out DIR
                                              # another model's heads (SHAPES): per-shape tile sweep
 
 Writes DIR/kernels.json and DIR/kernels.png (if matplotlib is importable).
@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import time
 import traceback
 
@@ -41,12 +40,14 @@ import numpy as np
 import torch
 import triton
 
+from benchmark.harness.timing import gpu_ms as bench  # (ms, "graph" | "eager")
+from benchmark.harness.timing import host_ms
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
-from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.merge_state import merge_state
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.suffix_attention import suffix_attention
 from granikv.kernels.kernel_config import tile_config
+from granikv.kernels.plan import Grouping
 from granikv.attention.decode.workspace import CascadeWorkspace
 
 DEV = "cuda"
@@ -79,41 +80,14 @@ def ws_max_bs(n_req: int, max_bs: int) -> int:
     return max(n_req, 8, max_bs)
 
 
-def bench(fn, graph=True):
-    """Median ms of fn, as CUDA-graph replays when capturable (else eager); returns (ms, mode)."""
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            g = capture_graph(fn)
-            return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median"), "graph"
-        except Exception as e:  # noqa: BLE001 - fall back to eager timing, reported
-            print("  graph capture failed, eager:", repr(e)[:120], flush=True)
-            torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), "eager"
-
-
-def host_ms(fn, n=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(ts)
-
-
 def ceilings():
     x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    ms, _ = bench(lambda: y.copy_(x), graph=False, warmup=10, rep=50)
     bw = 2 * x.numel() / ms / 1e9  # TB/s, read + write
     a = torch.randn(8192, 8192, dtype=DT, device=DEV)
     b = torch.randn(8192, 8192, dtype=DT, device=DEV)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    ms, _ = bench(lambda: a @ b, graph=False, warmup=10, rep=50)
     tf = 2 * 8192**3 / ms / 1e9
     del x, y, a, b
     torch.cuda.empty_cache()
@@ -153,7 +127,7 @@ class Case:
         for i, r in enumerate(rows):
             self.r2t[i + 1, : len(r)] = r
         self.rpi = torch.arange(1, n_req + 1, device=DEV)
-        self.g = dict(
+        self.g = Grouping(
             group_start=np.asarray(starts, np.int64),
             group_len=np.array([lp for lp, _ in groups], np.int64),
             group_req_indptr=np.cumsum([0] + [n for _, n in groups]).astype(np.int64),
@@ -170,7 +144,7 @@ class Case:
         self.paged_bytes = int(self.seq_lens.sum()) * HKV * D * 2 * 2
 
     def fill(self, ws, **kw):
-        return ws.fill(**self.g, seq_lens=self.seq_lens, req_pool_indices=self.rpi, **kw)
+        return ws.fill(self.g, self.seq_lens, self.rpi, **kw)
 
 
 def run_graniKV(case, row, outs, configs, max_bs):
@@ -180,14 +154,14 @@ def run_graniKV(case, row, outs, configs, max_bs):
         case.fill(ws)
         if name != "default":  # the variant's prefix launch alone (the kernel a variant changes)
             try:
-                f = lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)  # noqa: E731
+                f = lambda: prefix_attention(case.q, case.k, case.v, ws.plan, sm_scale=SCALE)  # noqa: E731
                 row[f"gkv_part_prefix{sfx}_us"] = round(bench(f)[0] * 1e3, 1)
             except Exception as e:  # noqa: BLE001
                 row[f"gkv_part_prefix{sfx}_error"] = repr(e)[:300]
                 traceback.print_exc()
         for path, fn in (("gkv_cascade", cascade_attention), ("gkv_fused", fused_cascade_attention)):
             out = torch.empty_like(case.q)
-            f = lambda: fn(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE, out=out)  # noqa: E731
+            f = lambda: fn(case.q, case.k, case.v, case.r2t, ws.plan, sm_scale=SCALE, out=out)  # noqa: E731
             try:
                 row[path + sfx + "_ms"], _ = bench(f)
                 outs[path + sfx] = out.clone()
@@ -199,9 +173,9 @@ def run_graniKV(case, row, outs, configs, max_bs):
         if name == "default":
             out = torch.empty_like(case.q)
             for part, f in (
-                ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)),
-                ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE)),
-                ("merge", lambda: merge_state(ws, out)),
+                ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws.plan, sm_scale=SCALE)),
+                ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws.plan, sm_scale=SCALE)),
+                ("merge", lambda: merge_state(ws.plan, out)),
             ):
                 row[f"gkv_part_{part}_us"] = round(bench(f)[0] * 1e3, 1)
             row["gkv_plan_us"] = host_ms(lambda: case.fill(ws)) * 1e3
@@ -210,7 +184,7 @@ def run_graniKV(case, row, outs, configs, max_bs):
             row["gkv_suffix_items"] = ws.work_list.num_suffix_items
             case.fill(ws, single_prefix_chunk=True)
             out = torch.empty_like(case.q)
-            f = lambda: bgemm_cascade_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE, out=out)  # noqa
+            f = lambda: bgemm_cascade_attention(case.q, case.k, case.v, case.r2t, ws.plan, sm_scale=SCALE, out=out)  # noqa
             try:
                 row["gkv_bgemm_ms"], _ = bench(f, graph=False)
                 outs["gkv_bgemm"] = out.clone()
@@ -252,17 +226,17 @@ def run_baselines(case, row, outs, ws_bytes):
         w.plan(case.full_indptr, case.full_idx, ones_b, HQ, HKV, D, 1, data_type=DT, q_data_type=DT)
         outs["fi_decode_tc"] = w.run(case.q, kv)
         row["fi_decode_tc_ms"], _ = bench(lambda: w.run(case.q, kv), graph=False)
-        if case.g["group_req_idx"].size == B and all(lp > 0 for lp, _ in case.groups):
+        if case.g.group_req_idx.size == B and all(lp > 0 for lp, _ in case.groups):
             i32 = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device=DEV)  # noqa: E731
             G = len(case.groups)
-            qo0 = i32(case.g["group_req_indptr"])
+            qo0 = i32(case.g.group_req_indptr)
             kv0_ptr = i32(np.cumsum([0] + [lp for lp, _ in case.groups]))
             kv0_idx = torch.cat([torch.arange(s, s + lp, dtype=torch.int32, device=DEV)
-                                 for s, (lp, _) in zip(case.g["group_start"], case.groups)])
+                                 for s, (lp, _) in zip(case.g.group_start, case.groups)])
             qo1 = torch.arange(B + 1, dtype=torch.int32, device=DEV)
-            sfx = torch.as_tensor(case.seq_lens - case.g["prefix_len"])
+            sfx = torch.as_tensor(case.seq_lens - case.g.prefix_len)
             kv1_ptr = i32(np.concatenate([[0], np.cumsum(sfx.numpy())]))
-            kv1_idx = torch.cat([case.r2t[i + 1, case.g["prefix_len"][i] : case.seq_lens[i]] for i in range(B)])
+            kv1_idx = torch.cat([case.r2t[i + 1, case.g.prefix_len[i] : case.seq_lens[i]] for i in range(B)])
             for be, name in (("fa2", "fi_cascade_fa2"), ("auto", "fi_cascade_fa3")):
                 try:
                     c = MultiLevelCascadeAttentionWrapper(2, ws_bytes, "NHD")
@@ -386,9 +360,9 @@ def sweep(args):
                 ref = out.clone() if ref is None else ref
                 row["maxdiff"] = round((out.float() - ref.float()).abs().max().item(), 4)
                 for part, f in (
-                    ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws, sm_scale=SCALE)),
-                    ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws, sm_scale=SCALE)),
-                    ("merge", lambda: merge_state(ws, out)),
+                    ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws.plan, sm_scale=SCALE)),
+                    ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws.plan, sm_scale=SCALE)),
+                    ("merge", lambda: merge_state(ws.plan, out)),
                 ):
                     row[part + "_us"] = round(bench(f)[0] * 1e3, 1)
                 wl = ws.work_list

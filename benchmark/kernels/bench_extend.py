@@ -44,8 +44,8 @@ matched only the first 1K of theirs), the prefix part as GraniKV serves it besid
 Each variant that fails (a FlashInfer module not prebuilt on the offline host, say) is reported
 with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o and lse).
 
-    python benchmark/kernels/bench_extend.py --out $OUT     # GPU
-    python benchmark/kernels/bench_extend.py --forest --out $OUT
+    python -m benchmark.kernels.bench_extend --out $OUT     # GPU
+    python -m benchmark.kernels.bench_extend --forest --out $OUT
 
 Writes OUT/extend.json (OUT/extend_forest.json with --forest). This is a measurement to decide whether to build a shared-prefix extend
 path in the backend; nothing in the serving path uses it.
@@ -57,6 +57,8 @@ import os
 import traceback
 
 import torch
+
+from benchmark.harness.timing import gpu_ms
 
 HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
@@ -117,16 +119,16 @@ def granikv_prefix(q, k, v, start: int, prefix: int, scale: float):
 
     from granikv.kernels.prefix_attention import prefix_attention
     from granikv.attention.decode.workspace import CascadeWorkspace
+    from granikv.kernels.plan import Grouping
 
     n = q.shape[0]
     ws = CascadeWorkspace(n, HQ, HKV, D, DEV)
-    wl = ws.fill(group_start=np.array([start]), group_len=np.array([prefix]), group_req_indptr=np.array([0, n]),
-                 group_req_idx=np.arange(n), prefix_len=np.full(n, prefix), seq_lens=np.full(n, prefix + 1),
-                 req_pool_indices=np.arange(n))
+    grouping = Grouping.of([start], [prefix], [0, n], np.arange(n), np.full(n, prefix))
+    wl = ws.fill(grouping, np.full(n, prefix + 1, dtype=np.int64), np.arange(n))
     chunks = int(wl.pfx_split.max()) + 1  # one group: every member has this many prefix rows, first
 
     def run():
-        prefix_attention(q, k, v, ws, sm_scale=scale)
+        prefix_attention(q, k, v, ws.plan, sm_scale=scale)
 
     def result():
         run()
@@ -138,14 +140,6 @@ def granikv_prefix(q, k, v, start: int, prefix: int, scale: float):
         return o, m / 0.6931471805599453
 
     return run, result
-
-
-def bench_ms(fn) -> float:
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
@@ -164,7 +158,7 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
         try:
             o, lse = fn()
             outs[name] = (o.float(), lse.float())
-            ms = bench_ms(fn)
+            ms, _ = gpu_ms(fn, graph=False)
             row[name + "_ms"] = round(ms, 4)
             row[name + "_TFLOPs"] = round(4 * n_tok * prefix * HQ * D / ms / 1e9, 1)
         except Exception as e:  # noqa: BLE001 - report and go on
@@ -262,7 +256,7 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
                 try:  # timed only (its rows are not in q's order, so it is not compared)
                     fn = paged_mha_run_only()
                     fn()
-                    ms = bench_ms(fn)
+                    ms, _ = gpu_ms(fn, graph=False)
                     row[f"fi_paged_{be}_mha{n_split}_run_ms"] = round(ms, 4)
                     row[f"fi_paged_{be}_mha{n_split}_run_TFLOPs"] = round(4 * n_tok * prefix * HQ * D / ms / 1e9, 1)
                 except Exception as e:  # noqa: BLE001
@@ -272,7 +266,7 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
             run, result = granikv_prefix(q, k, v, start, prefix, scale)
             o, lse = result()
             outs["granikv_prefix"] = (o.float(), lse.float())
-            ms = bench_ms(run)
+            ms, _ = gpu_ms(run, graph=False)
             row["granikv_prefix_ms"] = round(ms, 4)
             row["granikv_prefix_TFLOPs"] = round(4 * n_tok * prefix * HQ * D / ms / 1e9, 1)
         except Exception as e:  # noqa: BLE001
@@ -347,7 +341,7 @@ def run_forest(ws_bytes) -> dict:
     def record(name, fn):
         try:
             outs[name] = tuple(t.float() for t in fn())
-            ms = bench_ms(fn)
+            ms, _ = gpu_ms(fn, graph=False)
             row[name + "_ms"] = round(ms, 4)
             row[name + "_TFLOPs"] = round(flops / ms / 1e9, 1)
         except Exception as e:  # noqa: BLE001 - report and go on

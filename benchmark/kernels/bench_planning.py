@@ -13,7 +13,7 @@ report), ``hook p50/p99`` the wall time of hook + metadata call together, ``cpu 
 CPU time (what the step costs when the host is shared: preemption excluded). Target: plan p50
 <= 30 us, p99 <= 80 us.
 
-    python benchmark/kernels/bench_planning.py [--steps 3000] [--device cuda] [--fresh | --both] [--micro]
+    python -m benchmark.kernels.bench_planning [--steps 3000] [--device cuda] [--fresh | --both] [--micro]
 
 ``--device cuda``: the workspace on the GPU (pinned staging buffers, non-blocking copies, events:
 what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
@@ -32,11 +32,10 @@ import argparse
 import dataclasses
 import os
 import platform
-import statistics
-import time
 
 import numpy as np
 
+from benchmark.harness.timing import HostClock, per_call_us, run_for
 from granikv.attention.cost.cost_model import CostModel
 from granikv.attention.dispatcher import Dispatcher
 from granikv.attention.grouping import BatchDescription, GroupingMemo, group_requests
@@ -59,16 +58,6 @@ def make_desc(bs: int, groups: int, rng) -> BatchDescription:
     )
 
 
-def per_call_us(fn, iters: int, repeats: int) -> float:
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(iters):
-            fn()
-        runs.append((time.perf_counter_ns() - t0) / iters / 1e3)
-    return statistics.median(runs)
-
-
 def work_list_fn(desc: BatchDescription):
     """A closure building the cascade kernels' work list, or None if that module is missing."""
     try:
@@ -80,8 +69,7 @@ def work_list_fn(desc: BatchDescription):
 
     def fn(g):
         return build_work_list(
-            g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len,
-            desc.seq_lens, ratio=4, num_kv_heads=8, config=config, sm_count=132, max_splits=32,
+            g, desc.seq_lens, ratio=4, num_kv_heads=8, config=config, sm_count=132, max_splits=32,
         )  # fmt: skip
 
     return fn
@@ -104,8 +92,7 @@ def step_fn(desc: BatchDescription, dispatcher, *, steady: bool):
         d = BatchDescription(desc.req_pool_indices, desc.seq_lens + step[0], desc.hot_start, desc.hot_len)
         g = memo.group(d, min_group_size=2) if steady else group_requests(d, min_group_size=2)
         dispatcher.choose(g, d)
-        ws.fill(g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx, g.prefix_len, d.seq_lens,
-                d.req_pool_indices)  # fmt: skip
+        ws.fill(g, d.seq_lens, d.req_pool_indices)
 
     return fn
 
@@ -216,6 +203,7 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     cuda = device.startswith("cuda")
     wall = np.zeros(steps)
     cpu = np.zeros(steps)
+    clock = HostClock()
     for i in range(steps):
         host_buf[:bs] += 1  # SGLang's own per-step work (buffer fill), outside the timing
         if fresh:
@@ -226,10 +214,10 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
         view.seq_lens_sum += bs
         if cuda and i % 64 == 0:
             torch.cuda.synchronize()  # the GPU keeps up with the host, as in serving
-        c0, t0 = time.thread_time(), time.perf_counter()
+        clock.start()
         on_run_batch(sched, sbatch, cfg)
         be.init_forward_metadata_out_graph(view)
-        wall[i], cpu[i] = time.perf_counter() - t0, time.thread_time() - c0
+        wall[i], cpu[i] = clock.stop()
     if cuda:
         torch.cuda.synchronize()
     snap = be.stats_snapshot()
@@ -313,9 +301,7 @@ def main():
           f"numpy {np.__version__}, pid {os.getpid()}; us per plan, median of {args.repeats} x "
           f"{args.iters}")  # fmt: skip
     warm = make_desc(256, 16, rng)  # let the CPU clock and numpy's caches settle first
-    t_end = time.perf_counter() + 1.0
-    while time.perf_counter() < t_end:
-        dispatcher.choose(group_requests(warm, min_group_size=2), warm)
+    run_for(1.0, lambda: dispatcher.choose(group_requests(warm, min_group_size=2), warm))
     header = f"{'bs':>4} {'G':>3} {'grp':>4} {'group':>8} {'choose':>8} {'plan':>8}"
     header += "" if args.no_work_list else f" {'work_list':>10} {'total':>8} {'step full':>10} {'step steady':>12}"
     print(header)

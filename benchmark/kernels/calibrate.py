@@ -17,7 +17,7 @@ graph-safe paths are captured in a CUDA graph of one call per layer and replayed
 launch overhead, as under SGLang's decode CUDA graphs); bgemm runs eagerly, as in production.
 Time per call = median replay time / L.
 
-    python benchmark/kernels/calibrate.py [--out PATH] [--paged auto]
+    python -m benchmark.kernels.calibrate [--out PATH] [--paged auto]
 
 Prints every case (measured vs fitted, relative error) and the coefficients; takes < 60 s on
 one H200. Default shapes: Llama-3.1-8B per-GPU heads (32q/8kv/128), bf16.
@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from granikv.kernels.graph_capture import capture_graph
+from benchmark.harness.timing import eager_us, graph_us, host_ms
 from granikv.attention.cost.cost_model import (
     DISABLEABLE_PATHS,
     LAUNCHES,
@@ -121,42 +121,6 @@ class Case:
         self.kv_indptr = torch.from_numpy(indptr).to(torch.int32).to(dev)
 
 
-# ---- timers -------------------------------------------------------------------------------------
-
-
-def time_graph(calls, reps: int = 7) -> float:
-    """Median microseconds of one call, from a CUDA graph holding every call once."""
-    return _median_replay(capture_graph(_call_all(calls)).replay, reps) / len(calls)
-
-
-def time_eager(calls, reps: int = 7) -> float:
-    run = _call_all(calls)
-    run()
-    return _median_replay(run, reps) / len(calls)
-
-
-def _call_all(calls):
-    def run():
-        for f in calls:
-            f()
-
-    return run
-
-
-def _median_replay(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 # ---- paths --------------------------------------------------------------------------------------
 
 
@@ -177,7 +141,7 @@ def paged_flashinfer(case: Case):
         (lambda k=k, v=v: w.run(case.q, (k.view(-1, 1, hkv, d), v.view(-1, 1, hkv, d)), out=case.out))
         for k, v in case.kv
     ]
-    return time_graph(calls)
+    return graph_us(calls)
 
 
 def paged_triton(case: Case):
@@ -195,7 +159,7 @@ def paged_triton(case: Case):
                 case.q, k, v, case.out, case.kv_indptr, idx64, lg, ls, ns, s, case.scale, 1.0, 1.0))
             for k, v in case.kv
         ]  # fmt: skip
-        best = min(best, time_graph(calls))
+        best = min(best, graph_us(calls))
     return best
 
 
@@ -208,21 +172,21 @@ def granikv_paths(case: Case):
     g = case.grouping
     out = {}
     ws = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=max(g.num_groups, 1))
-    ws.fill_grouping(g, case.desc.seq_lens, case.rpi)
+    ws.fill(g, case.desc.seq_lens, case.rpi)
     for name, fn in (("cascade", cascade_attention), ("fused", fused_cascade_attention)):
         calls = [
-            (lambda k=k, v=v, fn=fn: fn(case.q, k, v, case.req_to_token, ws, sm_scale=case.scale, out=case.out))
+            (lambda k=k, v=v, fn=fn: fn(case.q, k, v, case.req_to_token, ws.plan, sm_scale=case.scale, out=case.out))
             for k, v in case.kv
         ]  # fmt: skip
-        out[name] = time_graph(calls)
+        out[name] = graph_us(calls)
     wsb = CascadeWorkspace(case.bs, hq, hkv, d, "cuda", max_groups=max(g.num_groups, 1))
-    wsb.fill_grouping(g, case.desc.seq_lens, case.rpi, single_prefix_chunk=True)
+    wsb.fill(g, case.desc.seq_lens, case.rpi, single_prefix_chunk=True)
     calls = [
-        (lambda k=k, v=v: bgemm_cascade_attention(case.q, k, v, case.req_to_token, wsb, sm_scale=case.scale,
+        (lambda k=k, v=v: bgemm_cascade_attention(case.q, k, v, case.req_to_token, wsb.plan, sm_scale=case.scale,
                                                   out=case.out))
         for k, v in case.kv
     ]  # fmt: skip
-    out["bgemm"] = time_eager(calls)
+    out["bgemm"] = eager_us(calls)
     return out
 
 
@@ -237,18 +201,9 @@ def plan_us(case: Case, dispatcher: Dispatcher, iters: int = 200) -> float:
     def step():
         g = group_requests(desc, min_group_size=2)
         dispatcher.choose(g, desc)
-        ws.fill_grouping(g, desc.seq_lens, desc.req_pool_indices)  # host rows, as the backend passes them
+        ws.fill(g, desc.seq_lens, desc.req_pool_indices)  # host rows, as the backend passes them
 
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_ms(step, n=iters, warmup=10) * 1e3
 
 
 # ---- main ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ stock path under SGLang's flashinfer backend). Prints, per point, the choice, it
 paged time (min of SGLang triton and FlashInfer paged) and the ratio best_paged / chosen; the
 issue-3 target is a ratio >= 0.97 everywhere. Runs on CPU (no kernels run here).
 
-    python benchmark/kernels/dispatch_grid.py docs/results/kernels.json [--eager] [--md OUT.md]
+    python -m benchmark.kernels.dispatch_grid docs/results/kernels.json [--eager] [--md OUT.md]
 
 The dispatcher is built as serving builds it (``dispatcher.build_dispatcher``): per-layer times
 plus the host planning cost amortised over ``--num-layers`` layers (32: Llama-3.1-8B, the

@@ -14,7 +14,7 @@
 # .md with output tok/s, TTFT and TPOT (median, p99) side by side and the ratio.
 #
 # The model is dummy weights from the shipped config plus a generated word-level tokenizer
-# (run.py --write-model-dir), because bench_serving sends text. The client needs aiohttp; the
+# (python -m benchmark.multi_agent.run --write-model-dir), because bench_serving sends text. The client needs aiohttp; the
 # modules it imports but never uses on this dataset (HF datasets, PIL) are stubbed if missing.
 set -euo pipefail
 
@@ -32,11 +32,12 @@ CONFIGS=${CONFIGS:-baseline granikv}
 OUT=${OUT:-docs/results}/bench_serving
 EXTRA_SERVER_ARGS=${EXTRA_SERVER_ARGS:-}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)  # the benchmark package runs from the repository root
 
 mkdir -p "$OUT"
 work=$(mktemp -d /tmp/granikv_bench_serving.XXXXXX)
 model_dir="$work/model"
-"$PY" "$HERE/run.py" --model "$MODEL" --write-model-dir "$model_dir" >/dev/null
+(cd "$ROOT" && "$PY" -m benchmark.multi_agent.run --model "$MODEL" --write-model-dir "$model_dir" >/dev/null)
 
 # Stub client-side imports that the generated-shared-prefix path never calls.
 stubs="$work/stubs"

@@ -36,8 +36,8 @@ would reach the floor. GraniKV also replaces the wrapped backend's attention for
 tokens (its cascade suffix kernel, its FA3 extend under triton), so where that is faster than
 the stock kernel (the triton backend) a row can pass the floor.
 
-    python benchmark/multi_agent/bounds.py docs/results/multi_agent.json [--tflops 650 --tbps 4.8]
-    python benchmark/multi_agent/bounds.py docs/results/multi_agent.json --annotate
+    python3 -m benchmark.multi_agent.bounds docs/results/multi_agent.json [--tflops 650 --tbps 4.8]
+    python3 -m benchmark.multi_agent.bounds docs/results/multi_agent.json --annotate
 """
 
 import argparse
@@ -46,11 +46,13 @@ import os
 import sys
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from benchmark.harness import model_config
+
 CEILING_PREFIX = 256
 KV_BYTES = 2  # bf16
 DEFAULT_TFLOPS = 650.0  # best attention rate measured on the H200 host (FA3 prefill over a HOT extent)
 DEFAULT_TBPS = 4.8  # H200 HBM3e bandwidth
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_DIR = str(model_config.CONFIG_DIR)
 
 
 class Group(NamedTuple):

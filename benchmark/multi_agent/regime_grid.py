@@ -34,11 +34,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-HERE = Path(__file__).resolve().parent
-CONFIG_DIR = HERE / "configs"
+from benchmark.harness.model_config import CONFIG_DIR
+
 CEILING_PREFIX = 256
 HOST_BOUND_OUT = 512  # output tokens of the host-bound model's rows (see default_grid)
 LLAMA_POOL_TOKENS = 294912  # 288K: the KV-bound row's 64 x 6K prompts need 1.33x this

@@ -1,6 +1,6 @@
 """Regime benchmark report: rows from the engines' records, merge of partial runs, md and png.
 
-Pure (no GPU): regimes.py calls :func:`write` after every record; ``regimes.py --merge`` calls
+Pure (no GPU): regimes.py calls :func:`write` after every record; ``regimes --merge`` calls
 :func:`merge_docs` on the partial JSONs of several invocations (one per backend or model
 subset) and writes docs/results/regimes.{json,md,png}.
 
@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import bounds
+from benchmark.harness.records import commands_of, merge_records
+from benchmark.harness.results import pyplot, write_json, write_text
+from benchmark.multi_agent import bounds
 from granikv.attention.step_stats import PlanTimeHistogram
 
 quantile_us = PlanTimeHistogram.quantile_us
@@ -95,26 +97,6 @@ def granikv_facts(rec: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 def _rec_key(r: Mapping[str, Any]) -> Tuple:
     return (r.get("model"), r.get("backend"), r.get("regime"))
-
-
-def merge_records(record_lists: Iterable[Sequence[Mapping[str, Any]]]) -> List[Dict[str, Any]]:
-    """Concatenation; a later measurement of the same (model, backend, config, regime, variant)
-    replaces the earlier one, likewise the info of an engine; every error is kept."""
-    out: Dict[Tuple, Dict[str, Any]] = {}
-    n = 0
-    for records in record_lists:
-        for r in records:
-            kind = r.get("kind")
-            if kind == "row":
-                k = ("row", r.get("config"), r.get("variant")) + _rec_key(r)
-            elif kind == "info":
-                k = ("info", r.get("model"), r.get("backend"), r.get("config"))
-            else:
-                n += 1
-                k = ("error", n)
-            out.pop(k, None)
-            out[k] = dict(r)
-    return list(out.values())
 
 
 def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
@@ -298,8 +280,6 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
 def plot(rows: Sequence[Mapping[str, Any]], path: Path, *, quiet: bool = False) -> bool:
     """Speedup against floor_speedup, one point per row (marker per backend, colour per model),
     the y = x line (the floor) and y = 1 (stock). False when matplotlib is missing."""
-    from harness.results import pyplot
-
     pts = [r for r in rows if r.get("speedup") is not None and r.get("floor_speedup") is not None]
     plt = pyplot(quiet, str(path))
     if plt is None or not pts:
@@ -334,8 +314,6 @@ def write(out_dir: str, stem: str, records: Sequence[Mapping[str, Any]], meta: M
           quiet: bool = False, png: bool = True) -> List[Path]:
     """Writes ``stem``.json (meta, summary, rows, measurements) and .md; with ``png``, the plot
     too when matplotlib is there (the run leaves it to its final write)."""
-    from harness.results import write_json, write_text
-
     out = Path(out_dir)
     rows = assemble(records, meta)
     png_path = out / f"{stem}.png"
@@ -348,14 +326,15 @@ def write(out_dir: str, stem: str, records: Sequence[Mapping[str, Any]], meta: M
 
 def merge_docs(docs: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """Measurements and meta of several partial runs (a later file wins for the same row)."""
-    records = merge_records(d.get("measurements", []) for d in docs)
+    records = merge_records((d.get("measurements", []) for d in docs),
+                            row_key=lambda r: (r.get("config"), r.get("variant")) + _rec_key(r),
+                            info_key=lambda r: (r.get("model"), r.get("backend"), r.get("config")))
     metas = [d.get("meta", {}) for d in docs]
-    commands = [c for m in metas for c in (m.get("commands") or [m.get("command")]) if c]
     dates = [d for m in metas for d in (m.get("dates") or [m.get("date")]) if d]
     skipped = [s for m in metas for s in (m.get("skipped") or [])]
     done = {(r.get("model"), r.get("regime")) for r in records if r.get("kind") == "row"}
     skipped = [s for s in skipped if tuple(s[0].split("/", 1)) not in done]
-    meta = dict(commands=list(dict.fromkeys(commands)), dates=list(dict.fromkeys(dates)),
+    meta = dict(commands=commands_of(metas), dates=list(dict.fromkeys(dates)),
                 backends=sorted({b for m in metas for b in (m.get("backends") or [m.get("backend")]) if b}),
                 skipped=skipped, engine_kwargs={k: v for m in metas for k, v in (m.get("engine_kwargs") or {}).items()})
     return records, meta

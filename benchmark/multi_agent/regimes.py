@@ -1,29 +1,30 @@
 """Regime benchmark: stock SGLang vs SGLang + GraniKV over the regimes that decide whether sharing
 pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one invocation.
 
-    python3 benchmark/multi_agent/regimes.py --backend flashinfer --time-budget-s 0 --out OUT   # ~12 min
-    python3 benchmark/multi_agent/regimes.py --backend flashinfer --models llama-3.1-8b --tag a --out OUT
+    python3 -m benchmark.multi_agent.regimes --backend flashinfer --time-budget-s 0 --out OUT   # ~12 min
+    python3 -m benchmark.multi_agent.regimes --backend flashinfer --models llama-3.1-8b --tag a --out OUT
                                           # one model per invocation where a call is limited to 10 min
-    python3 benchmark/multi_agent/regimes.py --backend triton --out OUT
-    python3 benchmark/multi_agent/regimes.py --merge OUT/regimes_flashinfer.json \
+    python3 -m benchmark.multi_agent.regimes --backend triton --out OUT
+    python3 -m benchmark.multi_agent.regimes --merge OUT/regimes_flashinfer.json \
         OUT/regimes_triton.json --out docs/results                     # regimes.{json,md,png}
-    python3 benchmark/multi_agent/regimes.py --dry-run                 # the grid and its estimate
-    python3 benchmark/multi_agent/regimes.py --rows prefix512_2sharers_x64 --repeats 5 --out OUT
+    python3 -m benchmark.multi_agent.regimes --dry-run                 # the grid and its estimate
+    python3 -m benchmark.multi_agent.regimes --rows prefix512_2sharers_x64 --repeats 5 --out OUT
                                           # short rows: the median of 5 runs per engine
 
 The grid, and how it was chosen, is in regime_grid.py. Per model of the grid (in order) the
 parent starts both engines at once, side by side on the GPU (harness.resident_engine: each a
 subprocess that stays up and measures rows on request; every model's KV pool is capped so two
-fit): the stock engine (``attention_backend=X``, dummy weights, run.py's engine arguments) and
-the GraniKV engine (the same + ``enable_granikv=True``), each capturing decode CUDA graphs only
-for the batch sizes its rows use (``graph_sizes``). The rows then run in turn on both engines,
-taking turns per repeat (stock first on even repeats, GraniKV first on odd ones), so that drift
-of the machine lands on both; each side keeps its median repeat, and the stock repeats' relative
-spread is recorded per row (``baseline_spread``). After each row with a prefix longer than 256
-tokens the stock engine runs its ceiling (the same workload with every shared prefix cut to 256
-tokens) once. A row is measured as in run.py (flush the radix cache, cache each shared prefix
-with one request, submit every agent at once, output tok/s = output tokens / wall time), and the
-GraniKV engine's counters are read before and after it (dispatch paths, extend fallbacks,
+fit): the stock engine (``attention_backend=X``, dummy weights, the benchmarks' engine
+arguments from harness.engine_args) and the GraniKV engine (the same +
+``enable_granikv=True``), each capturing decode CUDA graphs only for the batch sizes its rows
+use (``graph_sizes``). The rows then run in turn on both engines, taking turns per repeat
+(stock first on even repeats, GraniKV first on odd ones), so that drift of the machine lands on
+both; each side keeps its median repeat, and the stock repeats' relative spread is recorded per
+row (``baseline_spread``). After each row with a prefix longer than 256 tokens the stock engine
+runs its ceiling (the same workload with every shared prefix cut to 256 tokens) once. A row is
+measured as in run.py (harness.engine_child: flush the radix cache, cache each shared prefix
+with one request, submit every agent at once, output tok/s = output tokens / wall time), and
+the GraniKV engine's counters are read before and after it (dispatch paths, extend fallbacks,
 promotion skips, planning time).
 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
@@ -48,14 +49,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import regime_grid as grid  # noqa: E402
-import regime_report as report  # noqa: E402
-from harness import engine_proc, resident_engine  # noqa: E402
-from harness.resident_engine import EngineGone, ResidentEngine  # noqa: E402
+from benchmark.harness import engine_child, engine_proc, resident_engine
+from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, apply_extra, parse_engine_args
+from benchmark.harness.resident_engine import EngineGone, ResidentEngine
+from benchmark.multi_agent import regime_grid as grid
+from benchmark.multi_agent import regime_report as report
+from benchmark.multi_agent import workloads as wl
 
 DEFAULT_BUDGET_S = 450.0
 START_GRACE_S = 90.0  # added to every wait on an engine (its start, one row)
@@ -98,19 +97,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def command_line(argv: Sequence[str]) -> str:
-    return " ".join(shlex.quote(a) for a in ["python3", "benchmark/multi_agent/regimes.py", *argv])
+    return " ".join(shlex.quote(a) for a in ["python3", "-m", "benchmark.multi_agent.regimes", *argv])
 
 
 def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str, Any]) -> Dict[str, Any]:
-    """run.py's engine arguments + the model's (e.g. its KV cap) + pass-through ``--engine-arg``."""
-    import run
-
-    kw = dict(run.BASE_ENGINE_KWARGS, attention_backend=backend, tp_size=1, dp_size=1)
+    """The benchmarks' engine arguments (harness.engine_args) + the model's (e.g. its KV cap) +
+    pass-through ``--engine-arg``."""
+    kw = dict(BASE_ENGINE_KWARGS, attention_backend=backend, tp_size=1, dp_size=1)
     kw.update(model.engine_kwargs)
-    kw.update({k: v for k, v in extra.items() if not run.is_granikv_key(k)})
-    if config == "granikv":
-        kw.update(enable_granikv=True, **{k: v for k, v in extra.items() if run.is_granikv_key(k)})
-    return kw
+    return apply_extra(kw, extra, granikv=config == "granikv")
 
 
 def job_rows(rows: Sequence[grid.Regime], config: str) -> List[Dict[str, Any]]:
@@ -162,7 +157,7 @@ class Run:
 def graph_sizes(rows: Sequence[grid.Regime]) -> List[int]:
     """Decode CUDA-graph batch sizes for an engine serving ``rows``: every row's agent count and
     the powers of two below the largest (a batch that shrinks as requests finish pads to the
-    next of these), never above run.py's 256."""
+    next of these), never above the benchmarks' 256 (harness.engine_args)."""
     top = min(256, max(r.agents for r in rows))
     sizes = {1 << k for k in range(9) if (1 << k) <= top} | {min(256, r.agents) for r in rows}
     return sorted(sizes)
@@ -187,10 +182,11 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(job, f)
         engines[config] = ResidentEngine(
-            [sys.executable, str(Path(__file__).resolve()), "--child", f.name],
-            name=f"{model.name}/{args.backend}/{config}", env=engine_proc.engine_env(args.backend),
+            engine_proc.module_command("benchmark.multi_agent.regimes", "--child", f.name),
+            name=f"{model.name}/{args.backend}/{config}",
+            env=engine_proc.engine_env(args.backend, engine_proc.repo_env()),
             extra=dict(model=model.name, backend=args.backend, config=config),
-            on_record=lambda rec: run.add(rec) if rec["kind"] == "info" else None)
+            on_record=lambda rec: run.add(rec) if rec["kind"] == "info" else None, cwd=engine_proc.REPO_ROOT)
         engines[config].job_path = f.name  # type: ignore[attr-defined]
     try:
         for e in engines.values():
@@ -304,8 +300,6 @@ def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline
 
 
 def main_parent(args, argv: Sequence[str]) -> int:
-    from run import parse_engine_args
-
     sel = grid.select(grid.default_grid(), models=args.models, rows=args.rows, budget_s=args.time_budget_s,
                       repeats=args.repeats)
     print_plan(sel, args)
@@ -351,13 +345,10 @@ def main_merge(args) -> int:
 def main_child(job_path: str) -> int:
     """One resident engine (harness.resident_engine): up, warmed, INFO, then every requested
     row (``{"spec": WorkloadSpec json, "tags": {...}}``) measured and answered with its record."""
-    import run
-    import workloads as wl
-
     job = json.loads(Path(job_path).read_text())
     emit = engine_proc.emit
     try:
-        child = run.Child(job)
+        child = engine_child.EngineChild(job)
     except Exception as e:
         traceback.print_exc()
         emit(engine_proc.ERROR_TAG, dict(error=f"engine start: {type(e).__name__}: {e}"))

@@ -1,6 +1,6 @@
 """Multi-agent benchmark report: pairs baseline and GraniKV measurements, writes JSON, markdown, PNG.
 
-    python3 benchmark/multi_agent/report.py docs/results/multi_agent.json [more.json ...] --out DIR
+    python3 -m benchmark.multi_agent.report docs/results/multi_agent.json [more.json ...] --out DIR
 
 run.py calls :func:`write` after every engine; the CLI re-merges the measurements of one or
 more earlier runs (e.g. a flashinfer run and a triton run made separately; for the same
@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmark/: the shared harness
-
-from harness.results import pyplot, write_json  # noqa: E402
+from benchmark.harness.records import commands_of, merge_records
+from benchmark.harness.results import pyplot, write_json
+from benchmark.multi_agent import bounds
 
 LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 SIDE_KEYS = LATENCY_KEYS + ("kv_used_tokens_peak", "cached_tokens", "seconds")
@@ -76,25 +75,6 @@ def _key(r: Mapping[str, Any]) -> Tuple:
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return round(a / b, 3) if a and b else None
-
-
-def merge(record_lists: Iterable[Sequence[Mapping[str, Any]]]) -> List[Dict[str, Any]]:
-    """Concatenates measurement lists; a later row with the same backend/config/workload/
-    prefix/agents replaces the earlier one (infos likewise per backend/config)."""
-    out: Dict[Tuple, Dict[str, Any]] = {}
-    n_errors = 0
-    for records in record_lists:
-        for r in records:
-            if r.get("kind") == "row":
-                k = ("row", r["config"]) + _key(r)
-            elif r.get("kind") == "info":
-                k = ("info", r["backend"], r["config"])
-            else:
-                n_errors += 1
-                k = ("error", n_errors)
-            out.pop(k, None)
-            out[k] = dict(r)
-    return list(out.values())
 
 
 def combine(records: Sequence[Mapping[str, Any]], *, model: str = DEFAULT_MODEL, tp: int = 1,
@@ -239,8 +219,6 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
 def floor_section(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> List[str]:
     """The bounds.py floor of every row it can bound, at its default peak rates (markdown lines;
     none when no row can be bounded or the model's config is not in configs/)."""
-    import bounds
-
     try:
         found = bounds.bound_rows(dict(meta=dict(meta), rows=list(rows)), bounds.DEFAULT_TFLOPS * 1e12,
                                   bounds.DEFAULT_TBPS * 1e12)
@@ -256,8 +234,6 @@ def floor_section(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) ->
 def with_floors(rows: List[Dict[str, Any]], meta: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """Every row with its ``floor_speedup`` / ``floor_fraction`` (bounds.annotate); the rows
     unchanged when the run's model has no config under configs/."""
-    import bounds
-
     try:
         return bounds.annotate(dict(meta=dict(meta), rows=rows))
     except (OSError, KeyError):
@@ -335,10 +311,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     docs = [json.loads(Path(f).read_text()) for f in a.inputs]
-    records = merge(d.get("measurements", []) for d in docs)
+    # a later row with the same backend/config/workload/prefix/agents replaces the earlier one
+    # (infos likewise per backend/config)
+    records = merge_records((d.get("measurements", []) for d in docs), row_key=lambda r: (r["config"],) + _key(r),
+                            info_key=lambda r: (r["backend"], r["config"]))
     metas = [d.get("meta", {}) for d in docs]
-    commands = [c for m in metas for c in (m.get("commands") or [m.get("command")]) if c]
-    meta = dict(metas[-1], commands=list(dict.fromkeys(commands)))
+    meta = dict(metas[-1], commands=commands_of(metas))
     meta.pop("command", None)
     paths = write(a.out, records, meta, tag=a.tag)
     print("wrote", ", ".join(map(str, paths)))

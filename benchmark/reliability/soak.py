@@ -1,7 +1,7 @@
 """GPU soak of a launched SGLang server with GraniKV on, then a baseline server.
 
-    python benchmark/reliability/soak.py --out $OUT
-    python3 benchmark/reliability/soak.py --dry-run          # the plan, nothing launched
+    python3 -m benchmark.reliability.soak --out $OUT
+    python3 -m benchmark.reliability.soak --dry-run          # the plan, nothing launched
 
 Method. One process, stdlib only on the client side (no aiohttp, no sglang import):
 
@@ -72,13 +72,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
-sys.path.insert(0, str(ROOT / "benchmark"))
-
-from harness.engine_proc import engine_env  # noqa: E402
-from harness.server_proc import (  # noqa: E402
+from benchmark.harness.counters import counter_delta
+from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, server_flags
+from benchmark.harness.engine_proc import engine_env
+from benchmark.harness.model_config import write_model_dir
+from benchmark.harness.server_proc import (
     Server,
     free_port,
     http_call,
@@ -89,10 +87,9 @@ from harness.server_proc import (  # noqa: E402
     tail,
     wait_ready,
 )
-from run import BASE_ENGINE_KWARGS, counter_delta, server_flags, write_model_dir  # noqa: E402
-from soak_checks import evaluate, identity, metric_delta, scan_server_log, trim_log  # noqa: E402
-from soak_client import context_tokens, edge_inputs  # noqa: E402
-from soak_load import (  # noqa: E402
+from benchmark.reliability.soak_checks import evaluate, identity, metric_delta, scan_server_log, trim_log
+from benchmark.reliability.soak_client import context_tokens, edge_inputs
+from benchmark.reliability.soak_load import (
     AGENT_FAMILIES,
     AGENT_PREFIXES,
     AGENT_TURNS,
@@ -115,11 +112,10 @@ from soak_load import (  # noqa: E402
     wait_idle,
     warm_up,
 )
-from soak_report import summary_lines, write_report  # noqa: E402
+from benchmark.reliability.soak_report import summary_lines, write_report
+from granikv.config import GraniKVConfig
 
-from granikv.config import GraniKVConfig  # noqa: E402
-
-# Engine settings of the offline GPU host recipe (run.py's BASE_ENGINE_KWARGS), as launch_server
+# Engine settings of the offline GPU host recipe (harness.engine_args.BASE_ENGINE_KWARGS), as launch_server
 # flags; the log level is the soak's own (--log-level).
 BASE_SERVER_FLAGS = server_flags({k: v for k, v in BASE_ENGINE_KWARGS.items() if k != "log_level"})
 GRANIKV_DEFAULT_HOT_FRACTION = GraniKVConfig().hot_fraction
@@ -296,7 +292,7 @@ def hot_fraction_of(args: argparse.Namespace) -> float:
 
 
 def command_line(argv: Sequence[str]) -> str:
-    return shlex.join(["python3", "benchmark/reliability/soak.py", *argv])
+    return shlex.join(["python3", "-m", "benchmark.reliability.soak", *argv])
 
 
 def base_result(args, argv: Sequence[str], plan: Plan, commands: Dict[str, str]) -> Dict[str, Any]:

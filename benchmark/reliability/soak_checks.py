@@ -6,15 +6,11 @@ Pure (no server): ``evaluate`` turns a soak result into one pass/fail line per c
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from harness.server_proc import read_log  # noqa: E402
-from soak_client import EDGE_CASES  # noqa: E402
+from benchmark.harness.server_proc import read_log
+from benchmark.reliability.soak_client import EDGE_CASES
 
 
 # Server log lines that count as errors (SGLang prints no level name: match the message).

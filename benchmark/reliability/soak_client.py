@@ -10,21 +10,15 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "multi_agent"))
-
-from harness.server_proc import Server, http_call  # noqa: E402
-from run import model_config_path  # noqa: E402  (benchmark/multi_agent/run.py)
+from benchmark.harness.model_config import model_config_path
+from benchmark.harness.server_proc import Server, http_call
 
 if TYPE_CHECKING:
-    from soak_load import SoakRequest
+    from benchmark.reliability.soak_load import SoakRequest
 
 
 READ_TIMEOUT_S = 90.0  # per socket read of a soak request (queueing included)

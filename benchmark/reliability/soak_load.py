@@ -12,23 +12,16 @@ from __future__ import annotations
 import http.client
 import random
 import re
-import sys
 import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
-sys.path.insert(0, str(ROOT / "benchmark"))
-
-import workloads as wl  # noqa: E402
-from run import latency_stats  # noqa: E402  (benchmark/multi_agent/run.py)
-from harness.server_proc import Server, http_call  # noqa: E402
-from soak_client import Outcome, generate_batch, stream_generate  # noqa: E402
+from benchmark.harness.latency import latency_stats
+from benchmark.harness.server_proc import Server, http_call
+from benchmark.multi_agent import workloads as wl
+from benchmark.reliability.soak_client import Outcome, generate_batch, stream_generate
 
 
 SHARED_PREFIXES = (2048, 4096, 8192)  # cycled over the shared families

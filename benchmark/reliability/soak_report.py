@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from harness.results import write_json, write_text  # noqa: E402
-from soak_load import ABORT_KINDS  # noqa: E402
+from benchmark.harness.results import write_json, write_text
+from benchmark.reliability.soak_load import ABORT_KINDS
 
 
 def _fmt(x: Any) -> str:

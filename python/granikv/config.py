@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Mapping, Optional, get_args
+from typing import Any, Dict, FrozenSet, List, Literal, Mapping, Optional, Sequence, get_args
 
 AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
 ExtendPath = Literal["auto", "hot", "paged"]
@@ -23,8 +23,12 @@ FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
 
 
-def _opt(default, help: str, *, lo=None, hi=None, choices=None):
+def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
+         choices: Optional[Sequence[str]] = None) -> Any:
     return field(default=default, metadata={"help": help, "lo": lo, "hi": hi, "choices": choices})
+
+
+HOT_FRACTION_RANGE = (0.0, 1.0)  # --granikv-hot-fraction; the allocator checks the same range
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,8 @@ class GraniKVConfig:
         "Cap on the KV slots HOT extents may hold, as a fraction of all KV slots. Extents come "
         "out of the same free slots as every request's KV and return to them when evicted; "
         "nothing is reserved (0 = no promotions).",
-        lo=0.0,
-        hi=1.0,
+        lo=HOT_FRACTION_RANGE[0],
+        hi=HOT_FRACTION_RANGE[1],
     )
     attention_path: AttentionPath = _opt(
         "auto",
@@ -128,7 +132,7 @@ class GraniKVConfig:
         "then turns itself off with a warning and stock SGLang serves)."
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             md = f.metadata
@@ -140,9 +144,16 @@ class GraniKVConfig:
             lo, hi = md.get("lo"), md.get("hi")
             if lo is not None and not (lo <= value <= hi):
                 raise ValueError(f"{flag}={value!r} is outside [{lo}, {hi}]")
-        parse_graph_bs(self.cascade_graph_bs)  # raises ValueError naming the flag
+        # parsed once, here (raises ValueError naming the flag): ``cascade_graph_sizes``
+        object.__setattr__(self, "_graph_sizes", parse_graph_bs(self.cascade_graph_bs))
         if self.cost_model is not None and not os.path.isfile(self.cost_model):
             raise ValueError(f"{cli_flag('cost_model')}={self.cost_model!r}: no such file")
+
+    @property
+    def cascade_graph_sizes(self) -> Optional[FrozenSet[int]]:
+        """``--granikv-cascade-graph-bs`` parsed: None for ``auto``, else the batch sizes."""
+        sizes: Optional[FrozenSet[int]] = self.__dict__["_graph_sizes"]
+        return sizes
 
     # ---- conversions ----------------------------------------------------------------------
 
@@ -169,7 +180,7 @@ class GraniKVConfig:
         return {attr_name(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def parse_graph_bs(spec: str) -> Optional[frozenset]:
+def parse_graph_bs(spec: str) -> Optional[FrozenSet[int]]:
     """``--granikv-cascade-graph-bs``: None for ``auto``, else the set of batch sizes."""
     spec = spec.strip().lower()
     if spec == "auto":
@@ -223,7 +234,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(cli_flag(f.name), dest=attr_name(f.name), action="store_true",
                                default=None, help=help_text)
             continue
-        kind = {int: int, float: float}.get(f.type, str)
+        kinds: Dict[Any, type] = {int: int, float: float}
+        kind = kinds.get(f.type, str)
         group.add_argument(cli_flag(f.name), dest=attr_name(f.name), type=kind, default=None,
                            metavar="{" + ",".join(md["choices"]) + "}" if md.get("choices")
                            else None, help=help_text)

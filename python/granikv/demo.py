@@ -8,8 +8,8 @@ turn), through the REAL SGLang pools (ReqToTokenPool, MHATokenToKVPool on CPU) a
 allocator and radix cache, in SGLang's scheduler call order (the test suite's
 ``scheduler_sim``: it runs from a source checkout). Per decode step it prints HOT/COLD
 occupancy, promotions, the groups the attention planner forms, and the KV bytes one decode step
-of Llama-3.1-8B would read with and without the shared HOT prefix. It ends with an integrity check: every slot free again and every request's KV
-bit-identical to what was written.
+of Llama-3.1-8B would read with and without the shared HOT prefix. It ends with an integrity
+check: every slot free again and every request's KV bit-identical to what was written.
 """
 
 import argparse
@@ -18,8 +18,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from granikv.kernels.plan import Grouping
 
 LLAMA_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K+V, 32 layers, 8 kv heads, dim 128, bf16
 
@@ -40,10 +44,10 @@ multi_agent.{json,md,png} into --out (default: a new temporary folder, printed a
 EPILOG = """\
 The shape options (--agents ... --print-every, --seed) size the CPU walk-through; the GPU
 benchmark has fixed rows (run.py --quick: 16K shared prefix x 64 agents, its no-long-prefix
-ceiling and a no-sharing row). For other GPU rows run benchmark/multi_agent/run.py directly."""
+ceiling and a no-sharing row). For other GPU rows run `python -m benchmark.multi_agent.run` from the checkout's root."""
 
 
-def _parse(argv) -> argparse.Namespace:
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="granikv-demo", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true",
@@ -76,7 +80,7 @@ def _parse(argv) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if not args.cpu and _gpu_available():
         return _run_gpu_benchmark(args)
@@ -107,15 +111,16 @@ def _run_gpu_benchmark(args: argparse.Namespace) -> int:
         print("granikv-demo: a GPU is present, but benchmark/multi_agent/run.py was not found "
               "(run from a GraniKV checkout); falling back to the CPU walk-through.")
         return run_cpu_walkthrough(args)
-    out = _results_dir(args.out, checkout=script.parents[2])
-    cmd = [sys.executable, str(script), "--quick", "--out", str(out)]
+    checkout = script.parents[2]
+    out = _results_dir(args.out, checkout=checkout)
+    cmd = [sys.executable, "-m", "benchmark.multi_agent.run", "--quick", "--out", str(out)]
     print("granikv-demo: GPU found; running the short benchmark:", " ".join(cmd), flush=True)
-    rc = subprocess.call(cmd)
+    rc = subprocess.call(cmd, cwd=checkout)  # the benchmarks run as modules from the checkout's root
     print(f"granikv-demo: results in {out}", flush=True)
     return rc
 
 
-def _results_dir(out, *, checkout: Path) -> Path:
+def _results_dir(out: Optional[str], *, checkout: Path) -> Path:
     """``--out`` or a new temporary folder; never the checkout's checked-in docs/results."""
     if out is None:
         return Path(tempfile.mkdtemp(prefix="granikv-demo-"))
@@ -128,7 +133,7 @@ def _results_dir(out, *, checkout: Path) -> Path:
     return path
 
 
-def _find_benchmark():
+def _find_benchmark() -> Optional[Path]:
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         script = root / "benchmark" / "multi_agent" / "run.py"
         if script.is_file():
@@ -139,7 +144,7 @@ def _find_benchmark():
 # ---- CPU: the walk-through ----------------------------------------------------------------
 
 
-def _scheduler_sim():
+def _scheduler_sim() -> Tuple[Any, Any]:
     """``(Sim, SimConfig)`` of the test suite's scheduler simulator (``test/support``): the CPU
     walk-through runs from a source checkout (``pip install -e .``)."""
     support = Path(__file__).resolve().parents[2] / "test" / "support"
@@ -224,7 +229,7 @@ def run_cpu_walkthrough(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_step(sim, turn, step, g, paged, shared) -> None:
+def _print_step(sim: Any, turn: int, step: int, g: "Grouping", paged: int, shared: int) -> None:
     sim.cache.refresh_gauges()
     m = sim.cache.metrics
     print(f"{turn:>4} {step:>4} | {m.hot_used_tokens:>7}/{m.hot_capacity:<7} "

@@ -24,13 +24,31 @@ Hook map (SGLang 0.5.17 and 0.5.23; what differs between them lives in ``sglang_
     Scheduler.get_internal_state                   AFTER   GraniKV counters in server info
 """
 
+import argparse
 import dataclasses
 import logging
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Set, Type
 
 from granikv import sglang_compat as compat
 from granikv.config import ENABLE_FLAG, GraniKVConfig, cli_flag, given_flags, is_granikv_key
+
+if TYPE_CHECKING:  # the hooks import these lazily: register() loads nothing of SGLang's
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.server_args import ServerArgs
+
+    from granikv.attention.backend import GraniKVAttnBackend
+    from granikv.mem_cache.allocator import GraniKVAllocator
+    from granikv.mem_cache.policy import PromotionPolicy
+    from granikv.mem_cache.radix_cache import GraniKVRadixCache
 
 logger = logging.getLogger("granikv")
 
@@ -92,7 +110,8 @@ def config_of(server_args: Any) -> Optional[GraniKVConfig]:
     return cfg if cfg is not None and cfg.enable else None
 
 
-def _apply_to_server_kwargs(cfg: GraniKVConfig, get, set_) -> None:
+def _apply_to_server_kwargs(cfg: GraniKVConfig, get: Callable[[str], Any],
+                            set_: Callable[[str, Any], None]) -> None:
     """Settings GraniKV needs from SGLang itself (before ServerArgs is built and sealed)."""
     if not cfg.enable:
         return
@@ -113,7 +132,7 @@ def _apply_to_server_kwargs(cfg: GraniKVConfig, get, set_) -> None:
         raise ValueError("--enable-granikv needs the radix cache; drop --disable-radix-cache")
 
 
-_warned: set = set()
+_warned: Set[str] = set()
 
 
 def _warn_once(msg: str) -> None:
@@ -144,13 +163,13 @@ def _log_enabled(cfg: GraniKVConfig) -> None:
         logger.info("GraniKV enabled on SGLang %s: %s", compat.sglang_version(), cfg)
 
 
-def _after_add_cli_args(result, parser):
+def _after_add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
     from granikv.config import add_cli_args
 
     add_cli_args(parser)
 
 
-def _config_from_flags(values) -> GraniKVConfig:
+def _config_from_flags(values: Mapping[str, Any]) -> GraniKVConfig:
     """The config of ``--enable-granikv`` / ``granikv_*`` values: validated when enabled;
     without ``--enable-granikv`` the other values are ignored (one warning names them) and the
     disabled default is returned, so an installed-but-disabled GraniKV changes nothing."""
@@ -163,7 +182,8 @@ def _config_from_flags(values) -> GraniKVConfig:
     return GraniKVConfig.from_mapping(values)
 
 
-def _around_from_cli_args(orig, cls, args):
+def _around_from_cli_args(orig: Callable[..., "ServerArgs"], cls: Type["ServerArgs"],
+                          args: argparse.Namespace) -> "ServerArgs":
     """Command line -> ``server_args._granikv``. An invalid GraniKV value ends the launcher
     with one line, ``error: --granikv-hot-fraction=2.0 is outside [0.0, 1.0]``, and exit
     status 2 (argparse's convention for usage errors), not a traceback."""
@@ -180,7 +200,8 @@ def _around_from_cli_args(orig, cls, args):
     return server_args
 
 
-def _around_server_args_init(orig, self, *args, **kwargs):
+def _around_server_args_init(orig: Callable[..., None], self: "ServerArgs", *args: Any,
+                             **kwargs: Any) -> None:
     """``ServerArgs(**kwargs)`` as ``sglang.Engine(**kwargs)`` builds it: GraniKV keywords
     (``enable_granikv``, ``granikv_*``) are taken out, validated and attached as ``_granikv``.
     (``Engine.__init__`` itself cannot be hooked: it loads the plugins.)"""
@@ -192,7 +213,7 @@ def _around_server_args_init(orig, self, *args, **kwargs):
         _log_enabled(cfg)
 
 
-def _build_engine_server_args(server_args_class, **kwargs):
+def _build_engine_server_args(server_args_class: Callable[..., "ServerArgs"], **kwargs: Any) -> "ServerArgs":
     """``Engine(**kwargs)``'s ServerArgs where it is a msgspec Struct (no ``__init__`` hook):
     the GraniKV keywords are taken out, validated and attached as ``_granikv``."""
     cfg = _take_granikv_kwargs(kwargs)
@@ -202,7 +223,7 @@ def _build_engine_server_args(server_args_class, **kwargs):
     return server_args
 
 
-def _take_granikv_kwargs(kwargs: dict) -> GraniKVConfig:
+def _take_granikv_kwargs(kwargs: Dict[str, Any]) -> GraniKVConfig:
     """Pops the GraniKV keywords off ServerArgs keywords, validates them (version gate
     included) and sets what GraniKV needs from SGLang in the rest."""
     values = {k: kwargs.pop(k) for k in list(kwargs) if is_granikv_key(k)}
@@ -214,7 +235,8 @@ def _take_granikv_kwargs(kwargs: dict) -> GraniKVConfig:
 # ---- storage -------------------------------------------------------------------------------
 
 
-def _after_build_allocator(result, configurator, **kw):
+def _after_build_allocator(result: "BaseTokenToKVPoolAllocator", configurator: "KVCacheConfigurator",
+                           **kw: Any) -> Optional["GraniKVAllocator"]:
     cfg = config_of(configurator.server_args)
     if cfg is None or configurator.is_draft_worker or kw.get("token_to_kv_pool_allocator"):
         return None
@@ -235,7 +257,8 @@ def _after_build_allocator(result, configurator, **kw):
     return allocator
 
 
-def _after_profile_available_bytes(result, configurator, *args, **kw):
+def _after_profile_available_bytes(result: int, configurator: "KVCacheConfigurator", *args: Any,
+                                   **kw: Any) -> Optional[int]:
     """The bytes SGLang will size the KV pool from, less GraniKV's prefill workspace, which is
     allocated here (before the pool) when the prefill backend has none of its own."""
     cfg = config_of(configurator.server_args)
@@ -253,7 +276,7 @@ def _after_profile_available_bytes(result, configurator, *args, **kw):
     return result - reserved if reserved else None
 
 
-def _make_radix_cache(ctx):
+def _make_radix_cache(ctx: "TreeCacheBuildContext") -> "GraniKVRadixCache":
     from granikv.mem_cache.radix_cache import GraniKVRadixCache
 
     cfg = config_of(ctx.server_args)
@@ -266,14 +289,13 @@ def _make_radix_cache(ctx):
                              policy=_promotion_policy(ctx, cfg))
 
 
-def _promotion_policy(ctx, cfg):
+def _promotion_policy(ctx: "TreeCacheBuildContext", cfg: GraniKVConfig) -> "PromotionPolicy":
     """``--granikv-hot-policy``: pays_off asks the attention layer's cost model (through the
     model runner's GraniKV backend, built before the cache) what a promotion is worth."""
+    from granikv.attention import backend_registry
     from granikv.mem_cache.policy import PaysOffPolicy, SharedLongPrefixPolicy
 
-    backend = getattr(getattr(getattr(ctx, "tp_worker", None), "model_runner", None),
-                      "attn_backend", None)
-    dispatcher = getattr(backend, "dispatcher", None)
+    dispatcher = backend_registry.dispatcher_of(compat.model_runner_of_cache_context(ctx))
     if cfg.hot_policy == "threshold" or dispatcher is None:
         if cfg.hot_policy != "threshold":
             logger.warning("GraniKV: no GraniKV attention backend found; promotion policy "
@@ -289,7 +311,8 @@ def _promotion_policy(ctx, cfg):
 # ---- attention -----------------------------------------------------------------------------
 
 
-def _around_build_attn_backend(orig, *, model_runner, backend_str, init_new_workspace):
+def _around_build_attn_backend(orig: Callable[..., "AttentionBackend"], *, model_runner: "ModelRunner",
+                               backend_str: str, init_new_workspace: bool) -> "AttentionBackend":
     inner = orig(model_runner=model_runner, backend_str=backend_str,
                  init_new_workspace=init_new_workspace)
     cfg = config_of(model_runner.server_args)
@@ -308,7 +331,7 @@ def _around_build_attn_backend(orig, *, model_runner, backend_str, init_new_work
 # ---- decode CUDA graphs (graph_variants.py) ---------------------------------------------------
 
 
-def _graph_backend(runner):
+def _graph_backend(runner: "DecodeCudaGraphRunner") -> Optional["GraniKVAttnBackend"]:
     """The GraniKV backend a decode graph runner captures / replays, or None (stock)."""
     backend = getattr(runner, "attn_backend", None)
     if backend is None or getattr(runner, "enable_pdmux", False):
@@ -318,10 +341,14 @@ def _graph_backend(runner):
     return backend if isinstance(backend, GraniKVAttnBackend) else None
 
 
-def _around_capture_one_shape(orig, runner, size, forward, stream_idx=None, variant_label=None):
+def _around_capture_one_shape(orig: Callable[..., Any], runner: "DecodeCudaGraphRunner", size: int,
+                              forward: Callable[..., Any], stream_idx: Optional[int] = None,
+                              variant_label: Optional[str] = None, *more: Any, **kwargs: Any) -> Any:
     """SGLang's capture of one size (the stock graph), then GraniKV's cascade graph of that
-    size under the label ``graph_variants.cascade_label(variant_label)`` where it can pay."""
-    out = orig(runner, size, forward, stream_idx, variant_label)
+    size under the label ``graph_variants.cascade_label(variant_label)`` where it can pay.
+    ``more`` / ``kwargs``: what a release passes after the label (0.5.23: ``attention_variant``),
+    handed to both captures unchanged."""
+    out = orig(runner, size, forward, stream_idx, variant_label, *more, **kwargs)
     backend = _graph_backend(runner)
     if backend is None or getattr(runner, "ragged_verify_mode", False) or not backend.graphs.wants_cascade(size):
         return out
@@ -330,14 +357,15 @@ def _around_capture_one_shape(orig, runner, size, forward, stream_idx=None, vari
     backend.graphs.begin_capture(size)
     ok = False
     try:
-        orig(runner, size, forward, stream_idx, cascade_label(variant_label))
+        orig(runner, size, forward, stream_idx, cascade_label(variant_label), *more, **kwargs)
         ok = True
     finally:
         backend.graphs.end_capture(ok)
     return out
 
 
-def _around_load_batch(orig, runner, forward_batch, *args, **kwargs):
+def _around_load_batch(orig: Callable[..., Any], runner: "DecodeCudaGraphRunner", forward_batch: "ForwardBatch",
+                       *args: Any, **kwargs: Any) -> Any:
     """After SGLang's ``load_batch`` (which runs the backend's plan): the cascade graph's key
     when the plan chose cascade, else SGLang's (stock) key. The choice is reset first: a
     pre-planned batch (``load_batch`` returns before planning; SGLang pre-plans speculative
@@ -353,7 +381,7 @@ def _around_load_batch(orig, runner, forward_batch, *args, **kwargs):
     return out
 
 
-def _after_graph_capture(result, runner, *args, **kwargs):
+def _after_graph_capture(result: None, runner: "DecodeCudaGraphRunner", *args: Any, **kwargs: Any) -> None:
     backend = _graph_backend(runner)
     if backend is not None:
         logger.info("GraniKV decode CUDA graphs: %s", backend.graphs.summary())
@@ -363,7 +391,7 @@ def _after_graph_capture(result, runner, *args, **kwargs):
 # ---- scheduler step ------------------------------------------------------------------------
 
 
-def _before_run_batch(scheduler, batch, *args, **kwargs):
+def _before_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", *args: Any, **kwargs: Any) -> None:
     cfg = config_of(scheduler.server_args)
     if cfg is None:
         return None
@@ -373,7 +401,7 @@ def _before_run_batch(scheduler, batch, *args, **kwargs):
     return None
 
 
-def _around_apply_war_barrier(orig, scheduler, *args, **kwargs):
+def _around_apply_war_barrier(orig: Callable[..., Any], scheduler: "Scheduler", *args: Any, **kwargs: Any) -> Any:
     """GraniKV's captured kernels read ``req_to_token`` during the decode-graph replay, after
     SGLang's early read-done event: make SGLang wait for the whole forward (war_barrier.py)."""
     if config_of(scheduler.server_args) is not None:
@@ -383,7 +411,7 @@ def _around_apply_war_barrier(orig, scheduler, *args, **kwargs):
     return orig(scheduler, *args, **kwargs)
 
 
-def _after_get_internal_state(result, scheduler, *args, **kwargs):
+def _after_get_internal_state(result: Any, scheduler: "Scheduler", *args: Any, **kwargs: Any) -> None:
     """Adds GraniKV's counters to ``GetInternalStateReqOutput.internal_state`` (server info)."""
     state = getattr(result, "internal_state", result)
     if isinstance(state, dict) and config_of(scheduler.server_args) is not None:

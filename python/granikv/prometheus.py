@@ -7,7 +7,10 @@ refreshed at the scheduler-step cadence. Cumulative counts are exported as gauge
 ``*_total`` (they only grow while the server lives).
 """
 
-from typing import Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Optional, Set
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Gauge
 
 STORAGE_GAUGES = {
     "hot_used_tokens": "KV slots used by HOT extents.",
@@ -39,20 +42,20 @@ def metrics_enabled() -> bool:
 class PrometheusExporter:
     """``update(snapshot)`` with ``scheduler_step.metrics_snapshot``'s dict."""
 
-    def __init__(self, labels: Mapping[str, str], *, registry=None):
+    def __init__(self, labels: Mapping[str, str], *, registry: Optional["CollectorRegistry"] = None) -> None:
         from prometheus_client import REGISTRY, Gauge
 
         reg = registry if registry is not None else REGISTRY
         self.labels = dict(labels)
         names = list(self.labels)
 
-        def gauge(name, doc, extra=()):
+        def gauge(name: str, doc: str, extra: Iterable[str] = ()) -> "Gauge":
             """One of GraniKV's gauges: the server's labels (+ ``extra``), the most recent value
             across processes."""
             return Gauge(name, doc, labelnames=names + list(extra), multiprocess_mode="mostrecent",
                          registry=reg)
 
-        self._storage: Dict[str, object] = {}
+        self._storage: Dict[str, "Gauge"] = {}
         for key, doc in STORAGE_GAUGES.items():
             name = f"granikv:{key}{'_total' if key in TOTALS else ''}"
             self._storage[key] = gauge(name, doc)
@@ -72,7 +75,7 @@ class PrometheusExporter:
         self._plan_bucket = gauge("granikv:plan_us_bucket",
                                   "Decode steps whose planning took at most 'le' microseconds (cumulative "
                                   "histogram since start; bucket deltas give any window's percentiles).", ("le",))
-        self._bucket_edges = set()  # histogram edges published so far
+        self._bucket_edges: Set[str] = set()  # histogram edges published so far
         self._reuse = gauge("granikv:work_list_fills_total",
                             "Decode-step workspace fills: 'built' from scratch or 'reused' from the previous step.",
                             ("kind",))
@@ -94,11 +97,11 @@ class PrometheusExporter:
         self._backends = gauge("granikv:attention_backends",
                                "GraniKV attention backends the scheduler stages (0: attention is stock).")
 
-    def update(self, snapshot: Mapping[str, object]) -> None:
+    def update(self, snapshot: Mapping[str, Any]) -> None:
         for key, gauge in self._storage.items():
             if key in snapshot:
                 gauge.labels(**self.labels).set(float(snapshot[key]))
-        attention: Optional[Mapping] = snapshot.get("attention")
+        attention: Optional[Mapping[str, Any]] = snapshot.get("attention")
         self._backends.labels(**self.labels).set(float(attention.get("backends", 1)) if attention else 0.0)
         if attention:
             self._unplanned.labels(**self.labels).set(float(attention.get("unplanned_steps", 0)))

@@ -5,11 +5,11 @@ its KV slots are allocated (``alloc_for_extend`` / ``alloc_for_decode`` ran), an
 not been launched, which makes it the safe point to:
 
 1. register the requests of an extend batch (their HOT run goes to the HotPrefixTable, and
-   their locks count as sharers), then run queued promotions (copy a shared prefix into a HOT extent, rewrite the rows of the
-   requests that hold it). Under the overlap scheduler the previous batch's forward may still
-   be running on the forward stream and reading ``req_to_token``; the schedule stream waits for
-   it first (a device-side wait, no host sync), and the next forward waits for the schedule
-   stream as SGLang already arranges;
+   their locks count as sharers), then run queued promotions (copy a shared prefix into a HOT
+   extent, rewrite the rows of the requests that hold it). Under the overlap scheduler the
+   previous batch's forward may still be running on the forward stream and reading
+   ``req_to_token``; the schedule stream waits for it first (a device-side wait, no host sync),
+   and the next forward waits for the schedule stream as SGLang already arranges;
 2. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan (decode:
    grouping and path; extend: the prefix part over HOT extents);
 3. optionally check integrity, compare the TP ranks' storage decisions (tp_consistency.py,
@@ -19,6 +19,7 @@ not been launched, which makes it the safe point to:
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -26,10 +27,21 @@ import torch
 from granikv import sglang_compat as compat
 from granikv.attention.step_stats import MAXIMA
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+    from granikv.attention.backend import GraniKVAttnBackend
+    from granikv.config import GraniKVConfig
+    from granikv.mem_cache.radix_cache import GraniKVRadixCache
+    from granikv.prometheus import PrometheusExporter
+    from granikv.tp_consistency import TPConsistencyCheck
+
 logger = logging.getLogger("granikv")
 
 
-def on_run_batch(scheduler, batch, cfg) -> None:
+def on_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", cfg: "GraniKVConfig") -> None:
     cache = scheduler.tree_cache
     if not hasattr(cache, "apply_pending_promotions"):
         return
@@ -57,10 +69,10 @@ def on_run_batch(scheduler, batch, cfg) -> None:
         _maybe_report(scheduler, cache, backend, cfg.log_interval, n)
 
 
-_ROWS_VIEW = [None, None]  # (SGLang's rows tensor, its numpy view) of the last step
+_ROWS_VIEW: List[Any] = [None, None]  # (SGLang's rows tensor, its numpy view) of the last step
 
 
-def batch_rows(batch) -> np.ndarray:
+def batch_rows(batch: "ScheduleBatch") -> np.ndarray:
     """The batch's ``req_pool_idx`` per request, in batch order (int64, host).
 
     SGLang keeps them on the host as ``ScheduleBatch.req_pool_indices_cpu`` (int64, replaced by
@@ -77,7 +89,7 @@ def batch_rows(batch) -> np.ndarray:
                        count=len(batch.reqs))
 
 
-def _tp_check(scheduler, cfg):
+def _tp_check(scheduler: "Scheduler", cfg: "GraniKVConfig") -> "TPConsistencyCheck":
     """The scheduler's cross-rank decision check, created on first use."""
     check = getattr(scheduler, "_granikv_tp_check", None)
     if check is None:
@@ -87,13 +99,14 @@ def _tp_check(scheduler, cfg):
     return check
 
 
-def _wait_for_forward_stream(scheduler) -> None:
+def _wait_for_forward_stream(scheduler: "Scheduler") -> None:
     fwd = getattr(scheduler, "forward_stream", None)
     if getattr(scheduler, "enable_overlap", False) and fwd is not None and torch.cuda.is_available():
         torch.cuda.current_stream().wait_stream(fwd)
 
 
-def granikv_backends(scheduler, cache=None) -> list:
+def granikv_backends(scheduler: "Scheduler", cache: Optional["BasePrefixCache"] = None
+                     ) -> List["GraniKVAttnBackend"]:
     """The model runner's GraniKV backends, looked up once: every instance wrapped for it
     (backend_registry: hybrid prefill/decode, two-batch overlap, pdmux), else its
     ``attn_backend`` if that is one. None found: GraniKV's attention cannot run, so the first
@@ -126,19 +139,20 @@ class _AttentionStats:
     summed, ``max_*`` and ``step_stats.MAXIMA`` maxima, means and rates of the busiest backend
     (most decode steps)."""
 
-    def __init__(self, backends):
+    def __init__(self, backends: List["GraniKVAttnBackend"]) -> None:
         self.backends = backends
 
-    def stats_snapshot(self) -> dict:
-        snaps = [b.stats_snapshot() for b in self.backends]
+    def stats_snapshot(self) -> Dict[str, Any]:
+        snaps: List[Dict[str, Any]] = [b.stats_snapshot() for b in self.backends]
         if len(snaps) == 1:
             return snaps[0]
-        out = dict(max(snaps, key=lambda s: s.get("decode_steps", 0)))
+        busiest = max(snaps, key=lambda s: s.get("decode_steps", 0))
+        out = dict(busiest)
         for key, value in out.items():
             if key.startswith("max_") or key.endswith("_max") or key in MAXIMA:
                 out[key] = max(s.get(key, 0) for s in snaps)
             elif isinstance(value, dict):
-                merged = {}
+                merged: Dict[Any, Any] = {}
                 for s in snaps:
                     for k, v in (s.get(key) or {}).items():
                         merged[k] = merged.get(k, 0) + v
@@ -153,7 +167,8 @@ class _AttentionStats:
 METRICS_INTERVAL = 40  # decode steps between /metrics refreshes when logging is off
 
 
-def _maybe_report(scheduler, cache, backend, log_interval: int, n: int) -> None:
+def _maybe_report(scheduler: "Scheduler", cache: "GraniKVRadixCache", backend: Optional[_AttentionStats],
+                  log_interval: int, n: int) -> None:
     """Every ``log_interval`` decode steps (``n``: this one's number): a log line, and the
     /metrics gauges if enabled."""
     if n % (log_interval or METRICS_INTERVAL):
@@ -167,7 +182,7 @@ def _maybe_report(scheduler, cache, backend, log_interval: int, n: int) -> None:
         exporter.update(metrics_snapshot(scheduler, refresh=False))
 
 
-def _exporter(scheduler):
+def _exporter(scheduler: "Scheduler") -> Optional["PrometheusExporter"]:
     """The scheduler's Prometheus exporter, created on first use; None if metrics are off."""
     if not hasattr(scheduler, "_granikv_exporter"):
         from granikv.prometheus import PrometheusExporter, metrics_enabled
@@ -182,7 +197,7 @@ def _exporter(scheduler):
     return scheduler._granikv_exporter
 
 
-def metrics_snapshot(scheduler, *, refresh: bool = True) -> dict:
+def metrics_snapshot(scheduler: "Scheduler", *, refresh: bool = True) -> Dict[str, Any]:
     """Storage and attention counters, for server info / the metrics endpoint."""
     cache = scheduler.tree_cache
     if not hasattr(cache, "refresh_gauges"):

@@ -20,9 +20,18 @@ What differs (0.5.17 -> 0.5.23):
 """
 
 import re
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+    from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
 
 SUPPORTED: Tuple[str, ...] = ("0.5.17", "0.5.23")
 
@@ -70,36 +79,36 @@ class _Release:
     server_args_is_struct = False
 
     # request state
-    def req_pool_idx(self, req) -> Optional[int]:
+    def req_pool_idx(self, req: "Req") -> Optional[int]:
         return req.req_pool_idx
 
-    def cache_protected_len(self, req, default: int = 0) -> int:
+    def cache_protected_len(self, req: "Req", default: int = 0) -> int:
         return getattr(req, "cache_protected_len", default)
 
-    def kv_allocated_len(self, req) -> int:
+    def kv_allocated_len(self, req: "Req") -> int:
         kv = getattr(req, "kv", None)
         return kv.kv_allocated_len if kv is not None else 0
 
-    def splice_prefix_indices(self, req, new: torch.Tensor) -> None:
+    def splice_prefix_indices(self, req: "Req", new: torch.Tensor) -> None:
         """Replace the first ``len(new)`` entries of the request's matched-prefix indices."""
         req.prefix_indices = _splice(req.prefix_indices, new)
 
     # match results
-    def match_length(self, result) -> int:
+    def match_length(self, result: "MatchResult") -> int:
         return len(result.device_indices)
 
-    def match_indices(self, cache, result) -> torch.Tensor:
+    def match_indices(self, cache: "RadixCache", result: "MatchResult") -> torch.Tensor:
         return result.device_indices
 
     # tree events
-    def record_remove(self, cache, node) -> None:
+    def record_remove(self, cache: "RadixCache", node: "TreeNode") -> None:
         cache._record_remove_event(node)
 
     # allocator
-    def free_group_parts(self, allocator) -> list:
+    def free_group_parts(self, allocator: "TokenToKVPoolAllocator") -> List[torch.Tensor]:
         return list(allocator.free_group)
 
-    def outside_free_group(self, allocator) -> bool:
+    def outside_free_group(self, allocator: "TokenToKVPoolAllocator") -> bool:
         """No ``free_group_begin`` / ``free_group_end`` bracket is open on ``allocator``."""
         return allocator.is_not_in_free_group
 
@@ -107,7 +116,7 @@ class _Release:
     #: the attribute a wrapped backend sets when its kernels may read translated slot ids
     kv_translation_attr = "_translate_kv_loc"
 
-    def backend_translates_kv_slots(self, backend) -> bool:
+    def backend_translates_kv_slots(self, backend: "AttentionBackend") -> bool:
         """Whether ``backend`` reads KV through a virtual-to-physical slot translation (its
         pool's ``req_to_token`` ids are not the K/V buffer rows). 0.5.17: the backend holds
         the allocator's translate function, ``None`` on a plain pool."""
@@ -119,13 +128,13 @@ class _Release:
     #: that runner's attribute holding the event (None: the barrier waits for the whole forward)
     war_event_attr = "war_fastpath_read_done_event"
 
-    def war_read_done_runner(self, worker):
+    def war_read_done_runner(self, worker: Any) -> Optional["ModelRunner"]:
         """The model runner owning the read-done event ``Scheduler._apply_war_barrier`` waits
         on (None if ``worker`` has none)."""
         return getattr(worker, self.war_runner_attr, None)
 
     # offline API
-    def install_engine_server_args(self, build) -> None:
+    def install_engine_server_args(self, build: Callable[..., "ServerArgs"]) -> None:
         """Route ``sglang.Engine(**kwargs)``'s ServerArgs through ``build(cls, **kwargs)``.
         0.5.17: nothing to do, the plugin hooks ``ServerArgs.__init__`` instead."""
 
@@ -135,34 +144,34 @@ class _Release0523(_Release):
     lifecycle = "checkpoint"
     server_args_is_struct = True
 
-    def req_pool_idx(self, req) -> Optional[int]:
+    def req_pool_idx(self, req: "Req") -> Optional[int]:
         return req.kv.req_pool_idx
 
-    def cache_protected_len(self, req, default: int = 0) -> int:
+    def cache_protected_len(self, req: "Req", default: int = 0) -> int:
         kv = getattr(req, "kv", None)
         return kv.cache_protected_len if kv is not None else default
 
-    def splice_prefix_indices(self, req, new: torch.Tensor) -> None:
+    def splice_prefix_indices(self, req: "Req", new: torch.Tensor) -> None:
         """No such tensor: a request's matched prefix is its row (``prefix_device_indices``)."""
 
-    def match_length(self, result) -> int:
+    def match_length(self, result: "MatchResult") -> int:
         return result.device_prefix_len
 
-    def match_indices(self, cache, result) -> torch.Tensor:
+    def match_indices(self, cache: "RadixCache", result: "MatchResult") -> torch.Tensor:
         return cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
 
-    def record_remove(self, cache, node) -> None:
+    def record_remove(self, cache: "RadixCache", node: "TreeNode") -> None:
         cache.kv_events.record_remove(node)
 
-    def free_group_parts(self, allocator) -> list:
+    def free_group_parts(self, allocator: "TokenToKVPoolAllocator") -> List[torch.Tensor]:
         return list(allocator.free_group or [])
 
-    def outside_free_group(self, allocator) -> bool:
+    def outside_free_group(self, allocator: "TokenToKVPoolAllocator") -> bool:
         return allocator.free_group is None
 
     kv_translation_attr = "kv_index_translator"
 
-    def backend_translates_kv_slots(self, backend) -> bool:
+    def backend_translates_kv_slots(self, backend: "AttentionBackend") -> bool:
         """0.5.23: the backend holds the model runner's ``KVIndexTranslator``, which says
         ``is_translating`` (a unified pool); a plain pool's translator is the identity."""
         translator = getattr(backend, "kv_index_translator", None)
@@ -171,7 +180,7 @@ class _Release0523(_Release):
     war_runner_attr = "last_shared_read_runner"
     war_event_attr = "shared_read_done_event"
 
-    def install_engine_server_args(self, build) -> None:
+    def install_engine_server_args(self, build: Callable[..., "ServerArgs"]) -> None:
         """A msgspec ServerArgs rejects unknown keywords before any hook runs, and
         ``Engine.__init__`` loads the plugins itself (too late to wrap it). Engine builds its
         ServerArgs through the class attribute ``server_args_class``, read AFTER the plugins
@@ -218,7 +227,13 @@ WAR_EVENT_ATTR = release.war_event_attr
 war_read_done_runner = release.war_read_done_runner
 
 
-def _splice(indices: Optional[torch.Tensor], new: torch.Tensor):
+def model_runner_of_cache_context(ctx: Any) -> Optional["ModelRunner"]:
+    """The model runner of a tree-cache build context (its ``tp_worker``'s; the same in both
+    releases), None when the context has none (tests, other cache builders)."""
+    return getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
+
+
+def _splice(indices: Optional[torch.Tensor], new: torch.Tensor) -> Optional[torch.Tensor]:
     """``indices`` with its first ``min(len(indices), len(new))`` entries replaced by ``new``'s
     (a new tensor; ``None`` stays ``None``)."""
     if indices is None:
@@ -240,22 +255,30 @@ def lifecycle_mixin() -> type:
     return _CheckpointLifecycle if LIFECYCLE == "checkpoint" else _FinishedReqLifecycle
 
 
-class _FinishedReqLifecycle:
-    def cache_unfinished_req(self, req, chunked=False):
+# To the type checker the mixins derive from SGLang's RadixCache (their ``super()`` calls and the
+# two callbacks resolve there and in the class they are mixed into); at run time from object.
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.radix_cache import RadixCache as _CacheBase
+else:
+    _CacheBase = object
+
+
+class _FinishedReqLifecycle(_CacheBase):
+    def cache_unfinished_req(self, req: "Req", chunked: bool = False) -> None:
         super().cache_unfinished_req(req, chunked=chunked)
         self._after_insert(req)
 
-    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+    def cache_finished_req(self, req: "Req", is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         idx = req.req_pool_idx
         super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         self._after_release(idx, req)
 
 
-class _CheckpointLifecycle:
-    def checkpoint(self, req, *, up_to: int, **kwargs):
+class _CheckpointLifecycle(_CacheBase):
+    def checkpoint(self, req: "Req", *, up_to: int, **kwargs: Any) -> None:
         super().checkpoint(req, up_to=up_to, **kwargs)
         self._after_insert(req)
 
-    def on_release(self, req, *, checkpointed: bool) -> None:
+    def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._after_release(req.kv.req_pool_idx, req)

@@ -24,9 +24,15 @@ the group runs in the same order, so the collective never waits for a rank that 
 
 import hashlib
 import logging
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+    from torch.distributed import ProcessGroup
+
+    from granikv.mem_cache.radix_cache import GraniKVRadixCache
 
 logger = logging.getLogger("granikv")
 
@@ -37,7 +43,7 @@ DECISION_COUNTERS = ("promotions", "promotions_skipped", "promoted_tokens", "sha
 _FAILED = "fingerprint_failed"  # the key a rank sends instead of its fingerprint when that raised
 
 
-def fingerprint(cache) -> Dict[str, Any]:
+def fingerprint(cache: "GraniKVRadixCache") -> Dict[str, Any]:
     """What every TP rank must agree on, from ``cache`` (a GraniKVRadixCache)."""
     m = cache.metrics
     extents = cache.hot_pool.extents()
@@ -54,9 +60,9 @@ def fingerprint(cache) -> Dict[str, Any]:
 
 def differences(prints: List[Dict[str, Any]]) -> Dict[str, list]:
     """Fields whose values differ across ranks -> the per-rank values ({} if all agree)."""
-    out = {}
+    out: Dict[str, list] = {}
     for key in prints[0]:
-        values = [p.get(key) for p in prints]
+        values: List[Any] = [p.get(key) for p in prints]
         if any(v != values[0] for v in values[1:]):
             if key == "counters":  # name the counters that differ
                 for i, name in enumerate(DECISION_COUNTERS):
@@ -75,7 +81,7 @@ class TPConsistencyCheck:
     of ``world_size`` ranks; with one rank (or interval 0) the check is off.
     """
 
-    def __init__(self, group, world_size: int, interval: int):
+    def __init__(self, group: Optional["ProcessGroup"], world_size: int, interval: int) -> None:
         self.group = group
         self.world_size = int(world_size)
         self.interval = int(interval)
@@ -85,7 +91,7 @@ class TPConsistencyCheck:
     def enabled(self) -> bool:
         return self.interval > 0 and self.world_size > 1 and self.group is not None
 
-    def on_decode_step(self, cache, step: int) -> Optional[bool]:
+    def on_decode_step(self, cache: "GraniKVRadixCache", step: int) -> Optional[bool]:
         """Decode step number ``step`` (counted by the caller, the same on every rank): every
         ``interval`` steps gather and compare. Returns True (all ranks agree), False (a
         divergence, handled) or None (no check this step, or the collective failed: the check
@@ -94,7 +100,7 @@ class TPConsistencyCheck:
             return None
         return self.check(cache, step)
 
-    def check(self, cache, step: int) -> Optional[bool]:
+    def check(self, cache: "GraniKVRadixCache", step: int) -> Optional[bool]:
         """One comparison. A rank that cannot compute its fingerprint still takes part in the
         collective (with a failure marker instead), so every rank learns of it in the same call
         and all turn the check off together: none is left blocked at a later all-gather."""
@@ -108,14 +114,16 @@ class TPConsistencyCheck:
         try:
             dist.all_gather_object(prints, mine, group=self.group)
         except Exception as exc:  # a failed gloo call must not fail the scheduler step
-            return self._turn_off(f"{type(exc).__name__}: {exc}")
+            self._turn_off(f"{type(exc).__name__}: {exc}")
+            return None
         failed = {r: p.get(_FAILED) if p else "no fingerprint" for r, p in enumerate(prints)
                   if not p or _FAILED in p}
         if failed:
-            return self._turn_off(f"rank(s) could not compute a fingerprint: {failed}")
+            self._turn_off(f"rank(s) could not compute a fingerprint: {failed}")
+            return None
         m = cache.metrics
         m.tp_checks += 1
-        diff = differences(prints)
+        diff = differences(cast(List[Dict[str, Any]], prints))  # no None left: ``failed`` is empty
         if not diff:
             return True
         m.tp_divergences += 1
@@ -137,7 +145,7 @@ class TPConsistencyCheck:
         return None
 
 
-def for_scheduler(scheduler, interval: int) -> TPConsistencyCheck:
+def for_scheduler(scheduler: "Scheduler", interval: int) -> TPConsistencyCheck:
     """The check of one SGLang scheduler: its attention-TP CPU group (the ranks that hold the
     same requests; with DP attention, only those)."""
     group = getattr(scheduler, "attn_tp_cpu_group", None) or getattr(scheduler, "tp_cpu_group", None)

@@ -12,16 +12,21 @@ schedule stream waits for the whole forward stream).
     schedule stream:                  ^ stock fast path waits here   ^ coarse path waits here
 """
 
+from typing import TYPE_CHECKING
+
 from granikv import sglang_compat as compat
 from granikv.scheduler_step import granikv_backends
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
 
-def reads_during_replay(scheduler) -> bool:
+
+def reads_during_replay(scheduler: "Scheduler") -> bool:
     """Whether a decode-graph replay of this scheduler's model may run GraniKV's kernels."""
     return any(b.reads_req_to_token_during_replay() for b in granikv_backends(scheduler))
 
 
-def drop_early_read_done(scheduler) -> bool:
+def drop_early_read_done(scheduler: "Scheduler") -> bool:
     """Before ``Scheduler._apply_war_barrier``: clears the pre-replay read-done event when GraniKV's
     kernels may read ``req_to_token`` during the replay. Returns True if it cleared one. The
     runner and its event are named per release (``sglang_compat.war_read_done_runner``)."""

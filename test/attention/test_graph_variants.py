@@ -66,6 +66,24 @@ def test_hooks_match_sglangs_signatures():
         assert plugin._TARGETS[key].startswith(plugin._DGR)
 
 
+def test_the_capture_hook_hands_both_captures_what_sglang_passes_after_the_label():
+    """0.5.23 calls ``capture_one_shape(bs, forward, stream_idx, variant_label, attention_variant)``
+    (one positional more than 0.5.17): the hook takes it and passes it to the stock and the
+    cascade capture alike (on the GPU the missing parameter failed every engine start)."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+    seen = []
+
+    def cap(runner, size, forward, stream_idx=None, variant_label=None, *more, **kw):
+        seen.append((variant_label, more, kw))
+        return _capture_orig(lambda s: _replay_view(fb, 8))(runner, size, forward, stream_idx, variant_label)
+
+    plugin._around_capture_one_shape(cap, gr, 8, None, None, None, "decode_variant", extra=1)
+    assert seen == [(None, ("decode_variant",), {"extra": 1}), (CASCADE_LABEL, ("decode_variant",), {"extra": 1})]
+    real = list(inspect.signature(DecodeCudaGraphRunner.capture_one_shape).parameters)[1:]
+    bound = inspect.signature(plugin._around_capture_one_shape).bind(cap, gr, *range(len(real)))
+    assert len(bound.arguments) >= 2  # every parameter the running release declares is accepted
+
+
 def _bs8_cascade(capture_bs=(8,)):
     """A cascade-path backend with a cascade graph for batch size 8 only, its graph state, the
     5-request batch (requests 0, 2, 3 share the HOT run) and a fake graph runner."""

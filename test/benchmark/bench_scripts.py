@@ -1,4 +1,5 @@
-"""Loading a benchmark script (benchmark/... is not a package) as a module, for the tests here."""
+"""A fresh copy of a benchmark module, for the tests here that change its module state (e.g.
+bench_attention.set_shape); others import ``benchmark.…`` directly."""
 
 import importlib.util
 from pathlib import Path

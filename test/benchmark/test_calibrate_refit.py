@@ -3,17 +3,14 @@ measurements, the data-driven choice of disabled paths, and the offline refit.""
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmark.kernels import calibrate as cal
+from granikv.attention.cost.cost_model import CostModel
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark" / "kernels"))
-
-import calibrate as cal  # noqa: E402
-
-from granikv.attention.cost.cost_model import CostModel  # noqa: E402
 
 H200 = ROOT / "python" / "granikv" / "data" / "cost_model_nvidia-h200.json"
 

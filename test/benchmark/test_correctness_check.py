@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT / "benchmark" / "correctness"
-sys.path.insert(0, str(CHECK))
-sys.path.insert(1, str(ROOT / "benchmark" / "multi_agent"))
+from benchmark.correctness import check, checkpoint, metrics, results
 
-import check  # noqa: E402
-import checkpoint  # noqa: E402
-import metrics  # noqa: E402
-import results  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- metrics -------------------------------------------------------------------------------
@@ -346,9 +340,9 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
     env.pop("GRANIKV_DEBUG_FAULT", None)
     out = tmp_path / "out"
-    cmd = [sys.executable, str(CHECK / "check.py"), "--model-dir", str(tmp_path / "model"),
+    cmd = [sys.executable, "-m", "benchmark.correctness.check", "--model-dir", str(tmp_path / "model"),
            "--out-tokens", "8", "--scale", "1", "--out", str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "correctness.json").read_text())
     assert {(r["workload"], r["backend"]) for r in doc["rows"]} == {
@@ -371,7 +365,7 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
 
     # the fault engines skipped: no fault column, and the run still passes
     res = subprocess.run(cmd[:-1] + [str(tmp_path / "out2"), "--no-fault", "--backends", "triton"],
-                         env=env, capture_output=True, text=True, timeout=180)
+                         env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     doc = json.loads((tmp_path / "out2" / "correctness.json").read_text())
     assert res.returncode == 1  # one backend: no cross-backend reference, nothing can pass
     assert all(r["passed"] is None for r in doc["rows"])

@@ -2,15 +2,10 @@
 
 import gzip
 import json
-import sys
 
 import pytest
 
-from bench_scripts import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmark"))
-
-from harness import gpu_idle  # noqa: E402
+from benchmark.harness import gpu_idle
 
 
 def ev(ts, dur, cat="kernel"):

@@ -6,19 +6,21 @@ import sys
 
 import pytest
 
-from bench_scripts import ROOT, load
-
-sys.path.insert(0, str(ROOT / "benchmark"))
+from benchmark.harness.engine_proc import REPO_ROOT as ROOT
 
 
 @pytest.fixture(scope="module")
 def suite():
-    return load("gpu_suite.py")
+    from benchmark import gpu_suite
+
+    return gpu_suite
 
 
 @pytest.fixture(scope="module")
 def smoke():
-    return load("smoke.py")
+    from benchmark import smoke
+
+    return smoke
 
 
 def test_parts_and_their_commands(suite, tmp_path):
@@ -27,6 +29,9 @@ def test_parts_and_their_commands(suite, tmp_path):
     assert args.parts == list(suite.PARTS)  # all
     cmds = suite.part_commands(args, tmp_path)
     assert cmds["tests"][0][1:5] == ["-m", "pytest", "-m", "gpu"]
+    # every benchmark part runs as a module (from the repository root: run_commands' cwd)
+    assert cmds["correctness"][0][:3] == [sys.executable, "-m", "benchmark.correctness.check"]
+    assert all(c[:3] == [sys.executable, "-m", "benchmark.multi_agent.regimes"] for c in cmds["grid"])
     assert [c[c.index("--backend") + 1] for c in cmds["grid"]] == ["flashinfer", "triton"]
     g = cmds["grid"][0]
     assert g[g.index("--time-budget-s") + 1] == "300" and g[g.index("--models") + 1] == "llama-3.1-8b"
@@ -42,7 +47,7 @@ def test_a_run_writes_its_summary_and_a_failing_part_fails_it(suite, tmp_path, m
     doc = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert doc["commit"] == "abc" and [p["name"] for p in doc["parts"]] == ["tests", "correctness"]
     assert [p["passed"] for p in doc["parts"]] == [True, False]
-    assert all(p["wall_s"] >= 0 for p in doc["parts"]) and "gpu_suite.py" in doc["command"]
+    assert all(p["wall_s"] >= 0 for p in doc["parts"]) and "-m benchmark.gpu_suite" in doc["command"]
     assert "correctness: FAILED" in capsys.readouterr().out
 
     def broken():

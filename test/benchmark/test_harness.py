@@ -3,17 +3,14 @@ child's whole process group (a grandchild included), atomic JSON."""
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark"))
-
-from harness import engine_proc, results  # noqa: E402
+from benchmark.harness import engine_proc, results
 
 
 def _child(tmp_path, body: str) -> list:
@@ -23,20 +20,19 @@ def _child(tmp_path, body: str) -> list:
 
 
 def test_run_tagged_parses_records_and_reports_status(tmp_path):
-    cmd = _child(tmp_path, f"""
+    cmd = _child(tmp_path, """
         import sys
-        sys.path.insert(0, {str(ROOT / 'benchmark')!r})
-        from harness.engine_proc import ERROR_TAG, INFO_TAG, ROW_TAG, emit
+        from benchmark.harness.engine_proc import ERROR_TAG, INFO_TAG, ROW_TAG, emit
         print("plain line")
-        emit(INFO_TAG, {{"gpu": "none"}})
-        emit(ROW_TAG, {{"x": 1}})
-        print("ROW {{not json")
-        emit(ERROR_TAG, {{"error": "boom"}})
+        emit(INFO_TAG, {"gpu": "none"})
+        emit(ROW_TAG, {"x": 1})
+        print("ROW {not json")
+        emit(ERROR_TAG, {"error": "boom"})
         sys.exit(3)
     """)
     got = []
     res = engine_proc.run_tagged(cmd, name="t", on_record=got.append, timeout=60, extra=dict(config="c"),
-                                 echo=False)
+                                 echo=False, env=engine_proc.repo_env(), cwd=tmp_path)
     assert [(r["kind"], r["config"]) for r in got] == [("info", "c"), ("row", "c"), ("error", "c")]
     assert got[1]["x"] == 1 and res.returncode == 3 and res.errors == 1 and not res.timed_out
 
@@ -67,6 +63,16 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"grandchild {pid} still alive after the group kill")
+
+
+def test_module_children_find_the_package_from_any_directory(tmp_path):
+    env = engine_proc.repo_env({"PYTHONPATH": os.pathsep.join(["/elsewhere", str(engine_proc.REPO_ROOT)])})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(engine_proc.REPO_ROOT), "/elsewhere"]
+    cmd = engine_proc.module_command("benchmark.multi_agent.bounds", "--help")
+    assert cmd[:3] == [sys.executable, "-m", "benchmark.multi_agent.bounds"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=engine_proc.repo_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "usage" in res.stdout, res.stderr[-2000:]
 
 
 def test_parse_line_and_env():

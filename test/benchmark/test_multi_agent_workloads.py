@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmark" / "multi_agent"
-sys.path.insert(0, str(BENCH))
+from benchmark.harness import engine_args, engine_child, latency, model_config
+from benchmark.multi_agent import report, run
+from benchmark.multi_agent import workloads as wl
 
-import report  # noqa: E402
-import run  # noqa: E402
-import workloads as wl  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [sys.executable, "-m", "benchmark.multi_agent.run"]  # from ROOT
 
 
 # ---- workloads -----------------------------------------------------------------------------
@@ -113,7 +112,7 @@ def test_plan_orders_ceiling_first_and_roundtrips():
     assert specs[2].build().prefix_len == 4096
 
 
-# ---- run.py argument handling ------------------------------------------------------------------
+# ---- run's argument handling, the engine arguments, the shipped configs -------------------------
 
 
 def test_quick_and_engine_args():
@@ -130,14 +129,14 @@ def test_quick_and_engine_args():
     assert "enable_granikv" not in base and "granikv_hot_min_tokens" not in base
     assert gkv["enable_granikv"] is True and gkv["granikv_hot_min_tokens"] == 2048
     with pytest.raises(ValueError, match="key=value"):
-        run.parse_engine_args(["oops"])
+        engine_args.parse_engine_args(["oops"])
 
 
 def test_model_configs_shipped():
     for name, arch, layers in [("llama-3.1-8b", "LlamaForCausalLM", 32),
                                ("qwen2.5-14b", "Qwen2ForCausalLM", 48),
                                ("qwen2.5-32b", "Qwen2ForCausalLM", 64)]:
-        cfg = json.loads(run.model_config_path(name).read_text())
+        cfg = json.loads(model_config.model_config_path(name).read_text())
         assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == layers
         assert cfg["num_key_value_heads"] == 8
         assert cfg["hidden_size"] // cfg["num_attention_heads"] == cfg["head_dim"] == 128
@@ -146,11 +145,11 @@ def test_model_configs_shipped():
 
 def test_percentile_matches_numpy():
     np = pytest.importorskip("numpy")
-    assert run.percentile([], 50) is None
-    assert run.percentile([3.0], 99) == 3.0
+    assert latency.percentile([], 50) is None
+    assert latency.percentile([3.0], 99) == 3.0
     for xs in (list(range(1, 101)), [5.0, 1.0, 3.0], [0.1 * i * i for i in range(37)]):
         for q in (0, 50, 99, 100):
-            assert run.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+            assert latency.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
 
 
 def test_dry_run_prints_plan(capsys):
@@ -207,7 +206,7 @@ def test_combine_ratios():
 
 
 def test_write_json_and_markdown(tmp_path):
-    meta = dict(command="python3 benchmark/multi_agent/run.py --quick", date="2026-11-29",
+    meta = dict(command="python3 -m benchmark.multi_agent.run --quick", date="2026-11-29",
                 model="llama-3.1-8b", tp=1, dp=1)
     paths = report.write(str(tmp_path), _records(), meta)
     doc = json.loads((tmp_path / "multi_agent.json").read_text())
@@ -217,7 +216,7 @@ def test_write_json_and_markdown(tmp_path):
     md = (tmp_path / "multi_agent.md").read_text()
     assert "| homogeneous | 16,384 | 64 | flashinfer | 2,500 | 6,500 | 2.60x ✓ | ≥2.50x | 81% / 31% |" in md
     assert "| no_sharing | 0 | 64 | flashinfer | 3,000 | 2,940 | 0.98x ✓ | ≥0.97x |" in md
-    assert "python3 benchmark/multi_agent/run.py --quick" in md and "H200" in md
+    assert "python3 -m benchmark.multi_agent.run --quick" in md and "H200" in md
     assert "flashinfer/granikv: boom" in md
     try:
         import matplotlib  # noqa: F401
@@ -284,7 +283,7 @@ class FakeEngine:
         return [{"output_ids": [1] * n, "meta_info": {"cached_tokens": 0}} for _ in input_ids]
 
     async def async_generate(self, input_ids, sampling_params, stream, routed_dp_rank=None):
-        assert stream and sampling_params["stream_interval"] == run.STREAM_INTERVAL
+        assert stream and sampling_params["stream_interval"] == engine_child.STREAM_INTERVAL
         self.prompts.append(list(input_ids))
         self.routes = getattr(self, "routes", []) + [routed_dp_rank]
         n = sampling_params["max_new_tokens"]
@@ -303,7 +302,7 @@ class FakeEngine:
 
 
 def _fake_child(latency="stream", dp=1, **job):
-    child = run.Child.__new__(run.Child)
+    child = engine_child.EngineChild.__new__(engine_child.EngineChild)
     child.job = {"latency": latency, "engine_kwargs": {"dp_size": dp}, **job}
     child.engine = FakeEngine()
     child.loop = child.engine.loop
@@ -378,10 +377,10 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     (fake / "__init__.py").write_text(FAKE_SGLANG)
     out = tmp_path / "out"
     env = dict(__import__("os").environ, PYTHONPATH=str(tmp_path / "fake"))
-    cmd = [sys.executable, str(BENCH / "run.py"), "--backends", "triton", "--agents", "4",
-           "--prefix", "512", "--workloads", "homogeneous,ceiling,no_sharing,agent_loop",
-           "--no-sharing-len", "64", "--turns", "2", "--out", str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    cmd = RUN + ["--backends", "triton", "--agents", "4",
+                 "--prefix", "512", "--workloads", "homogeneous,ceiling,no_sharing,agent_loop",
+                 "--no-sharing-len", "64", "--turns", "2", "--out", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "multi_agent.json").read_text())
     rows = {r["workload"]: r for r in doc["rows"]}
@@ -391,13 +390,13 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     assert h["speedup"] > 1.5  # the fake granikv engine is 3x faster per token of context
     assert h["ceiling_ratio"] is not None and h["baseline_kv_capacity_tokens"] == 1000
     assert rows["agent_loop"]["turns"] == 2
-    assert "run.py --backends triton" in doc["meta"]["command"]
+    assert "-m benchmark.multi_agent.run --backends triton" in doc["meta"]["command"]
     assert (out / "multi_agent.md").exists()
 
     # a granikv engine that cannot start: the baseline rows survive, the error is reported
     res = subprocess.run(cmd[:-2] + ["--out", str(tmp_path / "out2"), "--workloads", "ceiling",
                                      "--engine-arg", "granikv_fail=1"],
-                         env=env, capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 1
     doc = json.loads((tmp_path / "out2" / "multi_agent.json").read_text())
     assert doc["rows"][0]["baseline_out_tok_s"] > 0 and doc["rows"][0]["granikv_out_tok_s"] is None
@@ -411,25 +410,25 @@ def test_parent_budget_and_timeout_with_fake_engine(tmp_path):
     assert "        self.kw = kw\n" in FAKE_SGLANG
     (fake / "__init__.py").write_text(FAKE_SGLANG.replace("        self.kw = kw\n", hang))
     env = dict(__import__("os").environ, PYTHONPATH=str(tmp_path / "fake"))
-    base = [sys.executable, str(BENCH / "run.py"), "--backends", "triton", "--agents", "4",
-            "--workloads", "ceiling,no_sharing", "--no-sharing-len", "64"]
+    base = RUN + ["--backends", "triton", "--agents", "4",
+                  "--workloads", "ceiling,no_sharing", "--no-sharing-len", "64"]
     # a hung engine is killed after --child-timeout; the baseline's rows are kept
     res = subprocess.run(base + ["--out", str(tmp_path / "a"), "--child-timeout", "6",
                                  "--engine-arg", "granikv_hang=1"],
-                         env=env, capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 1
     doc = json.loads((tmp_path / "a" / "multi_agent.json").read_text())
     assert all(r["baseline_out_tok_s"] for r in doc["rows"])
     assert "killed after --child-timeout 6 s" in (tmp_path / "a" / "multi_agent.md").read_text()
     # a spent budget skips rows, and says so
     res = subprocess.run(base + ["--out", str(tmp_path / "b"), "--budget-s", "0.001"],
-                         env=env, capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 1
     assert "--budget-s spent" in (tmp_path / "b" / "multi_agent.md").read_text()
 
 
 def test_agreement_summary_counts_tokens_until_divergence():
-    import agreement
+    from benchmark.multi_agent import agreement
 
     base = {"agreement_runs": [
         {"ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "logprobs": [[-1.0] * 4, [-2.0] * 4]},

@@ -4,19 +4,15 @@ parent / child loops with the engines replaced."""
 
 import json
 import sys
-
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark" / "multi_agent"))
-sys.path.insert(0, str(ROOT / "benchmark"))
+from benchmark.harness import engine_child, engine_proc, resident_engine
+from benchmark.multi_agent import regime_grid, regime_report, workloads
+from benchmark.multi_agent import regimes as regimes_mod
 
-import regime_grid  # noqa: E402
-import regime_report  # noqa: E402
-import regimes as regimes_mod  # noqa: E402
-import workloads  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +271,9 @@ class FakeResident:
     log: list = []
     answer = None
 
-    def __init__(self, cmd, *, name, env, extra, on_record, echo=True):
+    def __init__(self, cmd, *, name, env, extra, on_record, echo=True, cwd=None):
+        # a child of this benchmark module, from the repository root
+        assert cmd[1:4] == ["-m", "benchmark.multi_agent.regimes", "--child"] and cwd == engine_proc.REPO_ROOT
         self.job = json.loads(open(cmd[-1]).read())
         self.extra, self.on_record = extra, on_record
         self.k = {}
@@ -377,8 +375,6 @@ def test_graph_sizes_cover_every_row_and_the_powers_below(regimes, grid):
 def test_resident_child_answers_every_request_then_stops(regimes, monkeypatch, capsys, tmp_path):
     import io
 
-    from harness import resident_engine
-
     def run_row(spec):
         if spec.agents == 13:
             raise RuntimeError("bad row")
@@ -404,13 +400,10 @@ def test_resident_child_answers_every_request_then_stops(regimes, monkeypatch, c
 def test_resident_engine_round_trip_with_a_real_child(tmp_path):
     """ResidentEngine against a real subprocess speaking the protocol: ready, requests answered
     by id, a child that dies is reported as EngineGone, not a hang."""
-    from harness import resident_engine
-
     child = tmp_path / "child.py"
     child.write_text(
         "import sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'benchmark')!r})\n"
-        "from harness import engine_proc, resident_engine\n"
+        "from benchmark.harness import engine_proc, resident_engine\n"
         "print('starting up')\n"
         "engine_proc.emit(engine_proc.INFO_TAG, dict(up=1))\n"
         "def handle(req):\n"
@@ -419,23 +412,24 @@ def test_resident_engine_round_trip_with_a_real_child(tmp_path):
         "    return dict(double=2 * req['x'])\n"
         "sys.exit(resident_engine.serve(handle))\n")
     seen = []
+    env = engine_proc.repo_env()  # the child, a script in tmp_path, imports the benchmark package
     e = resident_engine.ResidentEngine([sys.executable, str(child)], name="t", extra=dict(model="m"),
-                                       on_record=seen.append, echo=False)
+                                       on_record=seen.append, echo=False, env=env, cwd=tmp_path)
     assert e.wait_ready(30)["up"] == 1 and seen[0]["model"] == "m"
     assert e.request(dict(x=4), 30)["double"] == 8
     assert e.request(dict(x=5), 30)["double"] == 10
     with pytest.raises(resident_engine.EngineGone, match="exited"):
         e.request(dict(die=True), 30)
     e.shutdown(grace_s=1)
-    e2 = resident_engine.ResidentEngine([sys.executable, str(child)], name="t2", echo=False)
+    e2 = resident_engine.ResidentEngine([sys.executable, str(child)], name="t2", echo=False, env=env)
     e2.wait_ready(30)
     e2.shutdown(grace_s=10)
     assert e2.proc.returncode == 0
 
 
 def _fake_child(monkeypatch, run_row):
-    """run.Child replaced by an engine-less child whose ``run(spec)`` is ``run_row(spec)``."""
-    import run as run_mod
+    """harness.engine_child.EngineChild replaced by an engine-less child whose ``run(spec)`` is
+    ``run_row(spec)``."""
 
     class FakeEngine:
         def generate(self, **_):
@@ -454,7 +448,7 @@ def _fake_child(monkeypatch, run_row):
         def run(self, spec):
             return run_row(spec)
 
-    monkeypatch.setattr(run_mod, "Child", FakeChild)
+    monkeypatch.setattr(engine_child, "EngineChild", FakeChild)
 
 
 def test_end_to_end_with_a_fake_engine(tmp_path):
@@ -469,10 +463,10 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
     (fake / "__init__.py").write_text(FAKE_SGLANG)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(ROOT / "python")]))
     out = tmp_path / "out"
-    script = ROOT / "benchmark" / "multi_agent" / "regimes.py"
-    cmd = [sys.executable, str(script), "--backend", "triton", "--models", "llama-3.1-8b-4layers",
-           "--rows", "hom4k_x64,no_sharing_1k_x64", "--time-budget-s", "0", "--out", str(out), "--tag", "t"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    module = [sys.executable, "-m", "benchmark.multi_agent.regimes"]  # run from ROOT
+    cmd = module + ["--backend", "triton", "--models", "llama-3.1-8b-4layers",
+                    "--rows", "hom4k_x64,no_sharing_1k_x64", "--time-budget-s", "0", "--out", str(out), "--tag", "t"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "regimes_triton_t.json").read_text())
     rows = {r["workload"]: r for r in doc["rows"]}
@@ -485,8 +479,8 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
     assert {(m["config"], m["variant"]) for m in doc["measurements"] if m["kind"] == "row"
             and m["regime"] == "hom4k_x64"} == {("baseline", "main"), ("baseline", "ceiling"), ("granikv", "main")}
     merged = tmp_path / "merged"
-    res = subprocess.run([sys.executable, str(script), "--merge", str(out / "regimes_triton_t.json"),
-                          "--out", str(merged)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(module + ["--merge", str(out / "regimes_triton_t.json"), "--out", str(merged)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((merged / "regimes.json").read_text())["rows"] == doc["rows"]
     assert "| llama-3.1-8b-4layers | triton | hom4k_x64 | 64 |" in (merged / "regimes.md").read_text()

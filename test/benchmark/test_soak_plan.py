@@ -10,15 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
-sys.path.insert(0, str(ROOT / "benchmark"))
+from benchmark.harness import server_proc
+from benchmark.reliability import soak, soak_checks, soak_load, soak_report
 
-import soak  # noqa: E402
-import soak_checks  # noqa: E402
-import soak_load  # noqa: E402
-import soak_report  # noqa: E402
-from harness import server_proc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +237,7 @@ def test_compare_outputs():
 
 def _result(**over):
     r = {
-        "meta": {"command": "python3 benchmark/reliability/soak.py", "date": "2026-11-29",
+        "meta": {"command": "python3 -m benchmark.reliability.soak", "date": "2026-11-29",
                  "model": "llama-3.1-8b", "backend": "flashinfer", "concurrency": 64,
                  "abort_frac": 0.1, "seed": 0, "kv_budget": soak_load.kv_budget(98304, 0.25),
                  "server_commands": {"granikv": "python -m sglang.launch_server --enable-granikv"}},
@@ -386,9 +381,8 @@ def test_server_commands_differ_by_granikv_flags_and_budget():
 
 
 def test_dry_run_prints_the_plan_and_launches_nothing():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmark" / "reliability" / "soak.py"),
-                          "--dry-run", "--requests", "300"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "benchmark.reliability.soak", "--dry-run", "--requests", "300"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "plan: 300 requests" in out.stdout and "sglang.launch_server" in out.stdout
     assert "--enable-granikv" in out.stdout and "first 8 requests" in out.stdout

@@ -16,7 +16,7 @@ KV views are checked bit-exact after every step (``Sim.check``).
 
 import random
 
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 AGENTS, TURNS, OUT, TOOL = 4, 4, 5, 6
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from scheduler_sim import Sim, SimConfig, overlap_schedule
+from support.scheduler_sim import Sim, SimConfig, overlap_schedule
 
 from granikv import sglang_compat as compat
 

@@ -66,7 +66,7 @@ def test_pays_off_policy_in_the_cache_skips_what_does_not_pay():
     from types import SimpleNamespace
 
     from granikv.mem_cache.policy import PaysOffPolicy
-    from scheduler_sim import Sim
+    from support.scheduler_sim import Sim
 
     sim = Sim()
     sim.cache.policy = PaysOffPolicy(_Estimate(), min_tokens=16, min_sharers=2, default_steps=200)

@@ -1,7 +1,7 @@
 """promotions_skipped counts distinct skips: a promotion that waits for an unknown holder over
 many scheduler steps is one skip, not one per retry."""
 
-from scheduler_sim import Sim
+from support.scheduler_sim import Sim
 
 P = [(7 * i + 3) % 61 for i in range(41)]  # a 41-token shared prefix (token ids < the Sim's vocab 61)
 

@@ -9,7 +9,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from granikv.mem_cache.hot_pool import IntegrityError
 from granikv.mem_cache.radix_cache import GraniKVRadixCache
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 
 def _tokens(seed, n, vocab=61):

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 
 def _tokens(seed, n, vocab=61):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 SLOW = os.environ.get("GRANIKV_SLOW_TESTS") == "1"
 CFG = SimConfig(kv_size=320, max_reqs=10, max_context=120, hot_fraction=0.3, min_tokens=16)

@@ -6,7 +6,7 @@ import pytest
 
 from granikv.mem_cache.policy import PaysOffPolicy
 from granikv.mem_cache.step_context import StepContext
-from scheduler_sim import Sim
+from support.scheduler_sim import Sim
 
 
 class _Node:  # what StepContext reads of SGLang's TreeNode (hashed by identity, like it)
@@ -145,19 +145,14 @@ def test_the_regime_grids_forest_is_promoted_through_the_cache():
     pay alone (test_promotion_in_step.py prices them). Then two agents sharing 64 more
     tokens below a HOT prefix: served in that prefix's group already, they are not promoted
     apart (``within``)."""
-    import sys
-    from pathlib import Path
-
     import torch
 
+    from benchmark.multi_agent import regime_grid
     from granikv.config import GraniKVConfig
     from granikv.attention.cost.cost_model import CostModel
     from granikv.attention.dispatcher import Dispatcher
     from granikv.attention.promotion_estimate import PromotionEstimate
-    from scheduler_sim import SimConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "multi_agent"))
-    import regime_grid
+    from support.scheduler_sim import SimConfig
 
     forest = regime_grid._forest16()
     cfg = GraniKVConfig()

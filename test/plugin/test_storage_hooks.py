@@ -103,8 +103,11 @@ def test_cache_factory_wires_the_pays_off_policy_to_the_backends_cost_model():
 
     dispatcher = Dispatcher(CostModel.load(None, "NVIDIA H200"), num_q_heads=32, num_kv_heads=8,
                             head_dim=128, kv_dtype_bytes=2, num_layers=32)
-    worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=SimpleNamespace(
-        dispatcher=dispatcher)))
+    from granikv.attention import backend_registry
+
+    runner = SimpleNamespace()
+    backend_registry.register(runner, SimpleNamespace(dispatcher=dispatcher))  # as the attention hook does
+    worker = SimpleNamespace(model_runner=runner)
 
     def build(tp_worker, **cfg):
         kv, req, stock, conf, alloc = _build(True)

@@ -27,7 +27,7 @@ import random
 from collections import Counter
 from typing import Dict, List, Optional
 
-from scheduler_sim import Sim, SimReq
+from support.scheduler_sim import Sim, SimReq
 
 EVENTS = {"join": 24, "forward": 14, "next_chunk": 8, "decode": 20, "finish": 14, "abort": 7,
           "lock": 2, "unlock": 4, "rotate": 3, "match": 3, "evict": 2}

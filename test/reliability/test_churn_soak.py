@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from churn_workload import ChurnWorkload
 
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 SLOW = os.environ.get("GRANIKV_SLOW_TESTS") == "1"
 CFG = SimConfig(kv_size=400, hot_fraction=0.5, max_reqs=16)

@@ -12,8 +12,6 @@ float32 KV and math, atol = rtol = 1e-4.
 """
 
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,11 +20,10 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from granikv.config import GraniKVConfig
 from granikv.attention.backend import GraniKVAttnBackend
-from scheduler_sim import Sim, SimConfig
 from granikv.scheduler_step import on_run_batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
-from extend_standin import FlashInferExtendStandIn, attend  # noqa: E402
+from attention.extend_standin import FlashInferExtendStandIn, attend
+from support.scheduler_sim import Sim, SimConfig
 
 HKV, D, RATIO = 2, 16, 2
 HQ = HKV * RATIO

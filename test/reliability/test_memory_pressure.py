@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 CFG = SimConfig(kv_size=400, max_reqs=40, max_context=120, hot_fraction=0.3, min_tokens=16)
 

@@ -14,12 +14,14 @@ import pytest
 from granikv.tp_consistency import DECISION_COUNTERS, TPConsistencyCheck, differences
 
 WORKER = Path(__file__).with_name("tp_check_worker.py")
+TEST_DIR = Path(__file__).resolve().parents[1]
 EVENTS = 600
 
 
 def run_ranks(tmp_path, diverge, world: int = 2) -> list:
     init = tmp_path / "gloo_init"
     env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TEST_DIR), env.get("PYTHONPATH")]))  # support.*
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(init), str(EVENTS),
                                {True: "1", False: "0"}.get(diverge, diverge)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in range(world)]
@@ -73,7 +75,7 @@ def test_check_is_off_with_one_rank_or_interval_zero(world, interval):
 
 def test_a_failing_collective_turns_the_check_off_without_raising(caplog):
     """Without an initialised process group all_gather_object raises: the step goes on."""
-    from scheduler_sim import Sim, SimConfig
+    from support.scheduler_sim import Sim, SimConfig
 
     sim = Sim(SimConfig())
     check = TPConsistencyCheck(object(), 2, 1)

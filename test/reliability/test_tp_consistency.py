@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 from churn_workload import ChurnWorkload
 
-from scheduler_sim import Sim, SimConfig
+from support.scheduler_sim import Sim, SimConfig
 
 CFG = SimConfig(kv_size=400, hot_fraction=0.5, max_reqs=16)
 SEEDS = (0, 1, 2)

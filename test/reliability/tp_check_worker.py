@@ -2,7 +2,7 @@
 GraniKVRadixCache (scheduler_sim.Sim), the churn workload, and TPConsistencyCheck every 10
 events. Prints one JSON line with what the rank saw.
 
-    python tp_check_worker.py RANK WORLD INIT_FILE EVENTS MODE(0|1|fail)
+    PYTHONPATH=test python test/reliability/tp_check_worker.py RANK WORLD INIT_FILE EVENTS MODE(0|1|fail)
 
 MODE 1: the last rank uses another promotion threshold; fail: the last rank's fingerprint
 raises at its third check.
@@ -13,16 +13,13 @@ import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
+from churn_workload import ChurnWorkload  # beside this file (run as a script)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
-from churn_workload import ChurnWorkload  # noqa: E402
-from scheduler_sim import Sim, SimConfig  # noqa: E402
-
-from granikv import tp_consistency  # noqa: E402
-from granikv.tp_consistency import TPConsistencyCheck  # noqa: E402
+from granikv import tp_consistency
+from granikv.tp_consistency import TPConsistencyCheck
+from support.scheduler_sim import Sim, SimConfig  # test/ is on PYTHONPATH (test_tp_check.py)
 
 
 def main() -> None:

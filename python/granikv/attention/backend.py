@@ -33,20 +33,31 @@ The per-step host input is staged by the scheduler hook (``stage_batch``: the ba
 ``HotPrefixTable`` numpy mirror.
 """
 
+from __future__ import annotations
+
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import numpy as np
 import torch
 
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug.compare import DebugCompare
+from granikv.attention.decode.graph_variants import GraphVariants
 from granikv.attention.decode.planner import DecodePlanner
+from granikv.attention.dispatcher import Dispatcher, Path, build_dispatcher
+from granikv.attention.eligibility import LayerEligibility, unsupported_reason
 from granikv.attention.extend.paths import ExtendPaths
 from granikv.attention.forwarding import ForwardingBackend
-from granikv.attention.eligibility import LayerEligibility, unsupported_reason
 from granikv.attention.step_stats import StepStats
-from granikv.attention.dispatcher import Dispatcher, Path, build_dispatcher
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from granikv.config import GraniKVConfig
 
 logger = logging.getLogger("granikv")
 
@@ -62,7 +73,8 @@ class GraniKVAttnBackend(ForwardingBackend):
     """
 
     @classmethod
-    def wrap(cls, inner, *, model_runner, cfg, backend_name: str):
+    def wrap(cls, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig,
+             backend_name: str) -> AttentionBackend:
         """Wraps ``inner``, or returns it unchanged (with a log line) when GraniKV cannot serve."""
         reason = unsupported_reason(model_runner, cfg)
         if reason is not None:
@@ -71,7 +83,7 @@ class GraniKVAttnBackend(ForwardingBackend):
             return inner
         return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name)
 
-    def __init__(self, inner, *, model_runner, cfg, backend_name: str):
+    def __init__(self, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig, backend_name: str):
         dispatcher = build_dispatcher(model_runner, cfg, backend_name)
         geo = dispatcher.geometry
         # the one owner of what the parts below read (they get the context, never this object)
@@ -117,12 +129,12 @@ class GraniKVAttnBackend(ForwardingBackend):
         self.decode.use_dispatcher(value)
 
     @property
-    def graphs(self):
+    def graphs(self) -> GraphVariants:
         """The decode CUDA-graph variants (``graph_variants.GraphVariants``), used by the hooks."""
         return self.decode.graphs
 
     @graphs.setter
-    def graphs(self, value):
+    def graphs(self, value: GraphVariants) -> None:
         self.decode.graphs = value
 
     def stats_snapshot(self) -> dict:
@@ -131,25 +143,25 @@ class GraniKVAttnBackend(ForwardingBackend):
         out.update(self.decode.reuse_counts())
         return out
 
-    def stage_batch(self, req_pool_indices: np.ndarray, *, seconds: float = 0.0) -> None:
+    def stage_batch(self, req_pool_indices: Optional[np.ndarray], *, seconds: float = 0.0) -> None:
         """The next decode or extend batch's ``req_pool_idx`` per request, in batch order
-        (host ints); ``seconds``: the host time the caller spent building it (counted in the
-        step's planning time)."""
+        (host ints), or None (a batch that is neither: nothing staged); ``seconds``: the host
+        time the caller spent building it (counted in the step's planning time)."""
         self._staged = req_pool_indices
         self._stage_seconds = seconds
 
-    def _take_staged(self):
+    def _take_staged(self) -> Tuple[Optional[np.ndarray], float]:
         staged, self._staged = self._staged, None
         seconds, self._stage_seconds = self._stage_seconds, 0.0
         return staged, seconds
 
-    def _plan_decode(self, fb, *, graph: bool):
+    def _plan_decode(self, fb: ForwardBatch, *, graph: bool) -> Any:
         staged, seconds = self._take_staged()
         return self.decode.plan_step(fb, staged, stage_seconds=seconds, graph=graph)
 
     # ---- AttentionBackend metadata contract ---------------------------------------------
 
-    def init_forward_metadata(self, forward_batch):
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
             staged, self._staged = self._staged, None
             self.decode.stock_step(extend=True)
@@ -160,7 +172,7 @@ class GraniKVAttnBackend(ForwardingBackend):
         view = self._plan_decode(forward_batch, graph=False)
         self.inner.init_forward_metadata(self.compare.plan_decode(forward_batch, view))
 
-    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         self.decode.begin_graph_metadata()
         self.compare.no_decode_compare()  # a replay runs no Python
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
@@ -171,17 +183,17 @@ class GraniKVAttnBackend(ForwardingBackend):
         view = self._plan_decode(forward_batch, graph=True)
         self.inner.init_forward_metadata_out_graph(view)
 
-    def init_forward_metadata_in_graph(self, forward_batch):
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata_in_graph(forward_batch)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
         self.decode.init_graph_state(max_bs)
 
-    def get_cuda_graph_seq_len_fill_value(self):
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.inner.get_cuda_graph_seq_len_fill_value()
 
-    def on_after_cuda_graph_warmup(self):
+    def on_after_cuda_graph_warmup(self) -> None:
         return self.inner.on_after_cuda_graph_warmup()
 
     def reads_req_to_token_during_replay(self) -> bool:
@@ -193,10 +205,12 @@ class GraniKVAttnBackend(ForwardingBackend):
 
     # ---- compute --------------------------------------------------------------------------
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         return self.extend.forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
         if self.decode.path is not Path.PAGED:  # paged: the stock work only
@@ -208,7 +222,7 @@ class GraniKVAttnBackend(ForwardingBackend):
                 self.compare.compare_decode(q, layer, forward_batch, o, self.decode.path, stock)
         return o
 
-    def _unscanned_decode_feature(self, layer, reason) -> None:
+    def _unscanned_decode_feature(self, layer: RadixAttention, reason: Optional[str]) -> None:
         """A decode call carries a feature the wrap-time scan did not see (an argument only
         the call shows, or a layer outside the scanned model). This step's wrapped backend was
         planned with ``seq_len = 1``: the output cannot be repaired here, so decode stays stock

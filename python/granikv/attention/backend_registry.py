@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from granikv.attention.backend import GraniKVAttnBackend
+    from granikv.attention.dispatcher import Dispatcher
 
 _ATTR = "_granikv_backends"
 
@@ -32,3 +33,11 @@ def backends_of(model_runner: Optional[ModelRunner]) -> List[GraniKVAttnBackend]
     if model_runner is None:
         return []
     return list(getattr(model_runner, "__dict__", {}).get(_ATTR, ()))
+
+
+def dispatcher_of(model_runner: Optional[ModelRunner]) -> Optional[Dispatcher]:
+    """The dispatcher (cost model and head shapes) of the first GraniKV backend wrapped for
+    ``model_runner``, which the pays_off promotion policy prices promotions with (None: no
+    GraniKV attention on that runner)."""
+    backends = backends_of(model_runner)
+    return backends[0].dispatcher if backends else None

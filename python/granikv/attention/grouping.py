@@ -24,11 +24,17 @@ Planning runs once per decode step on the host and must cost microseconds: every
 a handful of vectorised numpy calls (benchmark/kernels/bench_planning.py measures it).
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np
 
 from granikv.kernels.plan import Grouping
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BatchDescription", "Grouping", "GroupingMemo", "group_requests", "verify_same_slots"]
 
@@ -51,7 +57,7 @@ class BatchDescription:
     hot_start: np.ndarray
     hot_len: np.ndarray
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         bs = self.req_pool_indices.shape
         for name in ("seq_lens", "hot_start", "hot_len"):
             shape = getattr(self, name).shape
@@ -62,7 +68,8 @@ class BatchDescription:
                 )
 
     @classmethod
-    def unchecked(cls, req_pool_indices, seq_lens, hot_start, hot_len) -> "BatchDescription":
+    def unchecked(cls, req_pool_indices: np.ndarray, seq_lens: np.ndarray, hot_start: np.ndarray,
+                  hot_len: np.ndarray) -> BatchDescription:
         """The constructor without the shape checks, for arrays the caller already knows to
         match (the planner's steady steps: the rows and HOT runs of a checked description, and
         ``seq_lens`` sliced to the same length)."""
@@ -163,9 +170,9 @@ class GroupingMemo:
     grouping depends only on ``(hot_start, hot_len, min_group_size)``, which is the memo key.
     """
 
-    def __init__(self):
-        self._key = None
-        self._grouping = None
+    def __init__(self) -> None:
+        self._key: Optional[Tuple[int, bytes, bytes]] = None
+        self._grouping: Optional[Grouping] = None
         self.hits = self.misses = 0
 
     def group(self, desc: BatchDescription, *, min_group_size: int) -> "Grouping":
@@ -173,7 +180,7 @@ class GroupingMemo:
             self.misses += 1
             return group_requests(desc, min_group_size=min_group_size)
         key = (min_group_size, desc.hot_start.tobytes(), desc.hot_len.tobytes())
-        if key == self._key:
+        if key == self._key and self._grouping is not None:
             self.hits += 1
             return self._grouping
         self.misses += 1
@@ -182,7 +189,7 @@ class GroupingMemo:
         return self._grouping
 
 
-def _single_group(members: np.ndarray, start: np.ndarray, length, bs: int) -> Grouping:
+def _single_group(members: np.ndarray, start: np.ndarray, length: Union[int, np.integer], bs: int) -> Grouping:
     """Every candidate (ascending batch positions ``members``) shares one start."""
     prefix_len = np.zeros(bs, dtype=np.int64)
     prefix_len[members] = length
@@ -195,7 +202,7 @@ def _single_group(members: np.ndarray, start: np.ndarray, length, bs: int) -> Gr
     )
 
 
-def verify_same_slots(grouping: Grouping, desc: BatchDescription, req_to_token) -> bool:
+def verify_same_slots(grouping: Grouping, desc: BatchDescription, req_to_token: torch.Tensor) -> bool:
     """True iff every grouped request's ``req_to_token`` row starts with its group's slots.
 
     For each group g and each member i, checks

@@ -51,13 +51,12 @@ Inputs are the model geometry per attention-TP rank, identical on every rank of 
 """
 
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence
 
 from granikv.attention.cost.cost_model import Workload
 from granikv.attention.dispatcher import Dispatcher, Path
 from granikv.config import GraniKVConfig
-
-Group = Tuple[int, int]  # (prefix_len, sharers)
+from granikv.mem_cache.policy import Group
 
 
 class PromotionEstimate:

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
-
 from granikv.kernels.prefix_attention import LOG2E, _prefix_item, input_precision
 from granikv.kernels.suffix_attention import _suffix_item
 

@@ -8,7 +8,7 @@ in ``SHAPE_TILES``.
 """
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Dict, Literal, Tuple, Union
 
 __all__ = ["KernelConfig", "SHAPE_TILES", "tile_config", "default_config"]
 
@@ -78,7 +78,7 @@ class KernelConfig:
     16 heads per program) does not (282 KB asked, 227 KB available). ``tile_config`` scales it
     by 128 / head_dim."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.prefix_kernel not in ("pointer", "descriptor"):
             raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer' or 'descriptor'")
         for name in ("block_m", "block_n", "suffix_block_n"):
@@ -87,7 +87,7 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be a power of two >= 16")
 
 
-SHAPE_TILES = {
+SHAPE_TILES: Dict[Union[str, Tuple[int, int]], Dict[str, Any]] = {
     # head_dim > 128: smaller tiles to fit the register file (untuned)
     "head_dim>128": dict(block_m=32, block_n=32, prefix_warps=4, suffix_block_n=16),
 }

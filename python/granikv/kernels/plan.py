@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from granikv.kernels.kernel_config import KernelConfig
@@ -51,7 +52,8 @@ class Grouping:
         return cls(_EMPTY, _EMPTY, _ZERO_INDPTR, _EMPTY, np.zeros(batch_size, dtype=np.int64))
 
     @classmethod
-    def of(cls, group_start, group_len, group_req_indptr, group_req_idx, prefix_len) -> Grouping:
+    def of(cls, group_start: npt.ArrayLike, group_len: npt.ArrayLike, group_req_indptr: npt.ArrayLike,
+           group_req_idx: npt.ArrayLike, prefix_len: npt.ArrayLike) -> Grouping:
         """From any int sequences (lists in tests and benchmarks), as int64 numpy arrays."""
         a = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
         return cls(a(group_start), a(group_len), a(group_req_indptr), a(group_req_idx), a(prefix_len))

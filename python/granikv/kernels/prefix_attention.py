@@ -11,6 +11,8 @@ partial state (o, lse) per row into the workspace's partial table (see work_list
     tile 1  item(0,1) -> split 0  item(1,1) -> split 1
 """
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -168,7 +170,7 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
                        HEAD_DIM)
 
 
-def _kv_descriptor(buf: torch.Tensor, block_n: int):
+def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:  # triton's TensorDescriptor
     """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``."""
     slots, hkv, d = buf.shape
     if buf.stride() != (hkv * d, d, 1):

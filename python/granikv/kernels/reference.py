@@ -5,10 +5,15 @@ the others map it over requests / work items. LSE is the natural log of the sum 
 exp(scaled scores); an empty key set gives o = 0, lse = -inf.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, NamedTuple, Sequence, Union
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from granikv.attention.decode.work_list import WorkList
 
 __all__ = [
     "AttentionState",
@@ -26,6 +31,9 @@ class AttentionState(NamedTuple):
     lse: torch.Tensor  # float64 [..., Hq]
 
 
+IntVector = Union[torch.Tensor, np.ndarray, Sequence[int]]  # per request / group ints: device, host or a list
+
+
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> AttentionState:
     """q [Hq, D], k/v [n, Hkv, D] -> o [Hq, D], lse [Hq] (float64, on q's device); GQA: q-head j
     uses kv head j // (Hq // Hkv)."""
@@ -41,30 +49,33 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: floa
     return AttentionState(o.reshape(hq, d), lse.reshape(hq))
 
 
-def _stack(states) -> AttentionState:
+def _stack(states: Sequence[AttentionState]) -> AttentionState:
     return AttentionState(torch.stack([s.o for s in states]), torch.stack([s.lse for s in states]))
 
 
-def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale) -> AttentionState:
+def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                         req_pool_indices: IntVector, seq_lens: IntVector, sm_scale: float) -> AttentionState:
     """Plain paged decode: request i attends to slots req_to_token[rpi[i], :seq_lens[i]]."""
     return suffix_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                                 [0] * q.shape[0], sm_scale)
 
 
-def prefix_attention_ref(q, k_buffer, v_buffer, group_start, group_len, group_req_indptr, group_req_idx,
-                         sm_scale) -> AttentionState:
+def prefix_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group_start: IntVector,
+                         group_len: IntVector, group_req_indptr: IntVector, group_req_idx: IntVector,
+                         sm_scale: float) -> AttentionState:
     """Per batch position: attention over its group's extent [start, start+len); -inf if ungrouped."""
     empty = k_buffer[:0]
     states = [attend_ref(q[i], empty, empty, sm_scale) for i in range(q.shape[0])]
     for g in range(len(group_start)):
         s, n = int(group_start[g]), int(group_len[g])
-        for i in group_req_idx[group_req_indptr[g] : group_req_indptr[g + 1]]:
+        for i in group_req_idx[int(group_req_indptr[g]) : int(group_req_indptr[g + 1])]:
             states[int(i)] = attend_ref(q[int(i)], k_buffer[s : s + n], v_buffer[s : s + n], sm_scale)
     return _stack(states)
 
 
-def suffix_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix_len,
-                         sm_scale) -> AttentionState:
+def suffix_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                         req_pool_indices: IntVector, seq_lens: IntVector, prefix_len: IntVector,
+                         sm_scale: float) -> AttentionState:
     """Per batch position: attention over tokens [prefix_len[i], seq_lens[i]) via req_to_token."""
     r2t = req_to_token.long()
     states = []
@@ -85,7 +96,8 @@ def merge_state_ref(o: torch.Tensor, lse: torch.Tensor) -> AttentionState:
     return AttentionState(out, torch.log(s) + m_safe)
 
 
-def partials_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, work_list, sm_scale) -> dict:
+def partials_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                 req_pool_indices: IntVector, work_list: WorkList, sm_scale: float) -> Dict[int, AttentionState]:
     """Expected partial state of every row a work list writes: {row: AttentionState [Hq, D]}.
 
     Prefix items: rows part_indptr[b] + split over slots [slot_lo, slot_lo + n_kv) for every
@@ -97,11 +109,12 @@ def partials_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, work_lis
     ratio = q.shape[1] // k_buffer.shape[1]
     r2t = req_to_token.long()
     rpi = np.asarray(req_pool_indices.cpu() if isinstance(req_pool_indices, torch.Tensor) else req_pool_indices)
-    out = {}
-    for r_lo, r_hi, s0, n, sp in zip(wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split):
+    out: Dict[int, AttentionState] = {}
+    for r_lo, r_hi, s0, n, sp in zip(wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split,
+                                     strict=False):
         for b in wl.group_req_idx[r_lo // ratio : -(-r_hi // ratio)]:
             out[int(wl.part_indptr[b] + sp)] = attend_ref(q[b], k_buffer[s0 : s0 + n], v_buffer[s0 : s0 + n], sm_scale)
-    for b, lo, hi, row in zip(wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row):
+    for b, lo, hi, row in zip(wl.sfx_req, wl.sfx_lo, wl.sfx_hi, wl.sfx_row, strict=False):
         slots = r2t[int(rpi[b]), lo:hi]
         out[int(row)] = attend_ref(q[b], k_buffer[slots], v_buffer[slots], sm_scale)
     return out

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
-
 from granikv.kernels.prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
 
 __all__ = ["suffix_attention"]

@@ -25,27 +25,32 @@ an extent's. ``free(tensor)`` only ever receives COLD slots; ``debug_checks=True
 (that check syncs the device, so it is off by default).
 """
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from granikv import sglang_compat as compat
+from granikv.config import HOT_FRACTION_RANGE
 from granikv.mem_cache.hot_pool import HotPool, IntegrityError
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 from granikv.mem_cache.slot_window import Window, find_window
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import KVCache
+
 
 def hot_cap(size: int, hot_fraction: float) -> int:
     """The most slots HOT extents may hold in a pool of ``size`` slots."""
-    if not 0.0 <= hot_fraction <= 1.0:
-        raise ValueError(f"hot_fraction={hot_fraction} is outside [0, 1]")
+    lo, hi = HOT_FRACTION_RANGE
+    if not lo <= hot_fraction <= hi:
+        raise ValueError(f"hot_fraction={hot_fraction} is outside [{lo:g}, {hi:g}]")
     return int(size * hot_fraction)
 
 
 class GraniKVAllocator(TokenToKVPoolAllocator):
-    def __init__(self, size: int, dtype: torch.dtype, device, kvcache, need_sort: bool, *,
-                 hot_fraction: float, debug_checks: bool = False):
+    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: "KVCache", need_sort: bool, *,
+                 hot_fraction: float, debug_checks: bool = False) -> None:
         self.hot_fraction = hot_fraction
         self.debug_checks = debug_checks
         self.hot_pool = HotPool(1, size)  # laid out by clear()
@@ -68,13 +73,13 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
 
     # ---- SGLang interface ------------------------------------------------------------------
 
-    def clear(self):
+    def clear(self) -> None:
         # also reached through resize(): the cap follows the (new) size; every extent goes
         super().clear()  # free_pages = arange(1, size + 1), free groups, release pages
         self.hot_capacity = hot_cap(self.size, self.hot_fraction)
         self.hot_pool.reset(1, self.size)
 
-    def free(self, free_index: torch.Tensor):
+    def free(self, free_index: torch.Tensor) -> None:
         if self.debug_checks and free_index.numel():
             inside = self._in_extent(free_index)
             assert not bool(inside.any()), (

@@ -9,7 +9,7 @@ HOT extents == size), the per-request table == the tree's HOT runs, and lock cou
 holders (strict).
 """
 
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
@@ -19,7 +19,10 @@ from granikv.mem_cache.allocator import GraniKVAllocator
 from granikv.mem_cache.hot_pool import IntegrityError
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
     from granikv.mem_cache.radix_cache import GraniKVRadixCache
+
 
 def check_cache(cache: "GraniKVRadixCache", *, strict: bool) -> None:
     alloc = cache.token_to_kv_pool_allocator
@@ -35,7 +38,7 @@ def check_cache(cache: "GraniKVRadixCache", *, strict: bool) -> None:
     _check_ownership(alloc, owned, exact=strict)
 
 
-def _check_tree(cache: "GraniKVRadixCache") -> list:
+def _check_tree(cache: "GraniKVRadixCache") -> List[TreeNode]:
     """Structure, values, lock counts and size counters of every node; returns the nodes."""
     nodes, stack = [], [(c, 0) for c in cache.root_node.children.values()]
     evictable = protected = 0
@@ -87,7 +90,7 @@ def _check_hot_node(cache: "GraniKVRadixCache", node: TreeNode, depth: int, wher
         raise IntegrityError(f"{where}: HOT value is not arange({start}, {start + len(v)})")
 
 
-def _check_hot_extents(cache: "GraniKVRadixCache", nodes: list) -> None:
+def _check_hot_extents(cache: "GraniKVRadixCache", nodes: List[TreeNode]) -> None:
     """HOT node extents (shadow heads included) == the hot pool's extents, none twice."""
     in_tree = set(nodes)
     for node in cache._hot_start:
@@ -106,7 +109,7 @@ def _check_hot_extents(cache: "GraniKVRadixCache", nodes: list) -> None:
                              f"{sorted(by_pool.items())[:8]}")
 
 
-def _check_ownership(alloc: GraniKVAllocator, owned: Dict[str, list], *, exact: bool) -> None:
+def _check_ownership(alloc: GraniKVAllocator, owned: Dict[str, List[torch.Tensor]], *, exact: bool) -> None:
     """No slot owned twice among the free list and ``owned`` (COLD tree, HOT extents and,
     exact, live requests' private slots); exact: together they are every slot of
     ``[1, size]``."""
@@ -124,13 +127,13 @@ def _check_ownership(alloc: GraniKVAllocator, owned: Dict[str, list], *, exact: 
                              f"({alloc.size - every.numel()} leaked)")
 
 
-def _private_slots(cache: "GraniKVRadixCache", req) -> torch.Tensor:
+def _private_slots(cache: "GraniKVRadixCache", req: "Req") -> torch.Tensor:
     """The slots a live request owns itself: row[cache_protected_len : kv_allocated_len]."""
     row = cache.req_to_token_pool.req_to_token[compat.req_pool_idx(req)]
     return row[compat.cache_protected_len(req) : compat.kv_allocated_len(req)]
 
 
-def _check_live(cache: "GraniKVRadixCache", nodes: list, *, strict: bool) -> None:
+def _check_live(cache: "GraniKVRadixCache", nodes: List[TreeNode], *, strict: bool) -> None:
     table, r2t = cache.hot_prefix_table, cache.req_to_token_pool.req_to_token
     for idx, req in cache._live.items():
         if compat.req_pool_idx(req) != idx:
@@ -149,7 +152,7 @@ def _check_live(cache: "GraniKVRadixCache", nodes: list, *, strict: bool) -> Non
         _check_lock_counts(cache, nodes)
 
 
-def _check_lock_counts(cache: "GraniKVRadixCache", nodes: list) -> None:
+def _check_lock_counts(cache: "GraniKVRadixCache", nodes: List[TreeNode]) -> None:
     holders: Dict[TreeNode, int] = {}
     for req in cache._live.values():
         for node in cache._path(req.last_node):

@@ -63,13 +63,13 @@ def is_attached(node: TreeNode) -> bool:
 class HotNodes:
     """The HOT node registry: node -> ``node.value[0]`` and node -> shadow head length."""
 
-    def __init__(self, hot_pool: HotPool, root: Callable[[], TreeNode]):
+    def __init__(self, hot_pool: HotPool, root: Callable[[], TreeNode]) -> None:
         self.hot_pool = hot_pool
         self.root = root  # the cache's current root (``reset`` makes a new one)
         self.start: Dict[TreeNode, int] = {}  # HOT node -> node.value[0]
         self.head: Dict[TreeNode, int] = {}  # HOT node -> shadow head length (only if > 0)
 
-    def __contains__(self, node) -> bool:
+    def __contains__(self, node: TreeNode) -> bool:
         return node in self.start
 
     def clear(self) -> None:

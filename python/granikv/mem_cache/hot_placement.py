@@ -7,7 +7,7 @@ reserves it (allocator); unlocked COLD KV inside the chosen window is moved out
 into the extent.
 """
 
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
@@ -16,6 +16,9 @@ from granikv.mem_cache.allocator import GraniKVAllocator
 from granikv.mem_cache.hot_nodes import HotExtent, HotNodes
 from granikv.mem_cache.kv_copy import copy_kv_slots, move_kv_slots
 from granikv.mem_cache.metrics import GraniKVMetrics
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
 class Placement(NamedTuple):
@@ -30,8 +33,9 @@ class Placement(NamedTuple):
 
 
 class HotPlacement:
-    def __init__(self, allocator: GraniKVAllocator, kv_pool, hot: HotNodes, metrics: GraniKVMetrics,
-                 *, evict: Callable[[int], object], evict_hot: Callable[[int], int]):
+    def __init__(self, allocator: GraniKVAllocator, kv_pool: "MHATokenToKVPool", hot: HotNodes,
+                 metrics: GraniKVMetrics, *, evict: Callable[[int], object],
+                 evict_hot: Callable[[int], int]) -> None:
         self.allocator = allocator
         self.kv_pool = kv_pool
         self.hot = hot
@@ -89,7 +93,8 @@ class HotPlacement:
                 return False
         return True
 
-    def reserve_extent(self, node: TreeNode, n: int):
+    def reserve_extent(self, node: TreeNode, n: int
+                       ) -> Optional[Tuple[int, Optional[Tuple[int, int, torch.Tensor]]]]:
         """A fresh extent of ``n`` slots off the common free list: the window with the
         fewest movable slots (unlocked COLD KV, to move out first: ``relocate``); if none,
         LRU eviction (any unlocked leaf while free slots are short, then unlocked HOT
@@ -115,7 +120,7 @@ class HotPlacement:
         """bool ``[size + 1]``: slots of unlocked COLD nodes (no live row reads them)."""
         return self.slot_mask([n.value for n in self.movable_nodes()])
 
-    def slot_mask(self, values: list) -> torch.Tensor:
+    def slot_mask(self, values: List[torch.Tensor]) -> torch.Tensor:
         alloc = self.allocator
         mask = torch.zeros(alloc.size + 1, dtype=torch.bool, device=alloc.device)
         if values:
@@ -150,7 +155,7 @@ class HotPlacement:
         self.metrics.bytes_copied += move_kv_slots(self.kv_pool, src, dst)
         values = values.clone()
         values[inside] = dst.to(values.dtype)
-        for nd, v in zip(nodes, torch.split(values, [len(nd.value) for nd in nodes])):
+        for nd, v in zip(nodes, torch.split(values, [len(nd.value) for nd in nodes]), strict=True):
             nd.value = v.clone()
         self.metrics.compactions += 1
         self.metrics.compaction_moves += int(src.numel())

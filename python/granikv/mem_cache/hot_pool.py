@@ -16,7 +16,7 @@ never touch (coalesced on ``free``), the used counter == the sum of extent lengt
 """
 
 import bisect
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
 class IntegrityError(AssertionError):
@@ -30,7 +30,7 @@ class HotPool:
     must agree).
     """
 
-    def __init__(self, base: int, span: int):
+    def __init__(self, base: int, span: int) -> None:
         self.reset(base, span)
 
     def reset(self, base: int, span: int) -> None:
@@ -59,9 +59,9 @@ class HotPool:
         """A copy of the extents, ``start -> length``."""
         return dict(self._extents)
 
-    def gaps(self) -> List[tuple]:
+    def gaps(self) -> List[Tuple[int, int]]:
         """``(start, length)`` of every maximal span that no extent holds."""
-        return list(zip(self._gap_starts, self._gap_lens))
+        return list(zip(self._gap_starts, self._gap_lens, strict=True))
 
     def overlaps(self, start: int, n: int) -> bool:
         """Whether ``[start, start + n)`` intersects an extent (or leaves the range)."""
@@ -135,7 +135,7 @@ class HotPool:
 
     def check_integrity(self) -> None:
         spans = [(s, n, "extent") for s, n in self._extents.items()]
-        spans += [(s, n, "gap") for s, n in zip(self._gap_starts, self._gap_lens)]
+        spans += [(s, n, "gap") for s, n in zip(self._gap_starts, self._gap_lens, strict=True)]
         spans.sort()
         cursor = self.base
         for start, length, kind in spans:

@@ -9,13 +9,16 @@ uploads what the kernels need into their workspace). Row 0 is SGLang's padding r
 (0, 0); a row without a HOT run is stored as (0, 0).
 """
 
+from typing import Tuple
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from granikv.mem_cache.hot_pool import IntegrityError
 
 
 class HotPrefixTable:
-    def __init__(self, num_rows: int):
+    def __init__(self, num_rows: int) -> None:
         if num_rows < 1:
             raise ValueError(f"HotPrefixTable needs num_rows >= 1 (row 0 is padding), got {num_rows}")
         self.num_rows = num_rows
@@ -23,7 +26,7 @@ class HotPrefixTable:
         self.length_np = np.zeros(num_rows, dtype=np.int64)
         self.version = 0  # +1 on every change (readers cache what they derived from the table)
 
-    def get(self, row: int) -> tuple:
+    def get(self, row: int) -> Tuple[int, int]:
         return int(self.start_np[row]), int(self.length_np[row])
 
     def set(self, row: int, start: int, length: int) -> None:
@@ -32,22 +35,22 @@ class HotPrefixTable:
     def clear(self, row: int) -> None:
         self.set_many([row], [0], [0])
 
-    def set_many(self, rows, starts, lengths) -> None:
+    def set_many(self, rows: ArrayLike, starts: ArrayLike, lengths: ArrayLike) -> None:
         """Set several rows at once."""
-        rows = np.asarray(rows, dtype=np.int64)
-        starts = np.asarray(starts, dtype=np.int64)
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if rows.size and (rows.min() < 1 or rows.max() >= self.num_rows):
+        row_arr = np.asarray(rows, dtype=np.int64)
+        start_arr = np.asarray(starts, dtype=np.int64)
+        len_arr = np.asarray(lengths, dtype=np.int64)
+        if row_arr.size and (row_arr.min() < 1 or row_arr.max() >= self.num_rows):
             raise ValueError(f"HotPrefixTable rows must be in [1, {self.num_rows}), got "
-                             f"[{rows.min()}, {rows.max()}]")
-        starts = np.where(lengths > 0, starts, 0)  # (start, 0) is stored as (0, 0)
-        changed = (self.start_np[rows] != starts) | (self.length_np[rows] != lengths)
+                             f"[{row_arr.min()}, {row_arr.max()}]")
+        start_arr = np.where(len_arr > 0, start_arr, 0)  # (start, 0) is stored as (0, 0)
+        changed = (self.start_np[row_arr] != start_arr) | (self.length_np[row_arr] != len_arr)
         if not changed.any():
             return
-        rows, starts, lengths = rows[changed], starts[changed], lengths[changed]
+        row_arr, start_arr, len_arr = row_arr[changed], start_arr[changed], len_arr[changed]
         self.version += 1
-        self.start_np[rows] = starts
-        self.length_np[rows] = lengths
+        self.start_np[row_arr] = start_arr
+        self.length_np[row_arr] = len_arr
 
     def reset(self) -> None:
         self.version += 1

@@ -6,7 +6,7 @@ The HOT run of a request walks its path from the root (``HotNodes.run_of``), cap
 ``prefix_indices``) point at the run.
 """
 
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -15,22 +15,26 @@ from granikv.mem_cache.hot_nodes import HotNodes, Run
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 from granikv.mem_cache.metrics import GraniKVMetrics
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
 
 class HotPublisher:
-    def __init__(self, table: HotPrefixTable, hot: HotNodes, req_to_token_pool,
-                 metrics: GraniKVMetrics, device: Optional[torch.device]):
+    def __init__(self, table: HotPrefixTable, hot: HotNodes, req_to_token_pool: "ReqToTokenPool",
+                 metrics: GraniKVMetrics, device: Optional[torch.device]) -> None:
         self.table = table
         self.hot = hot
         self.req_to_token_pool = req_to_token_pool
         self.metrics = metrics
         self.device = device
-        self.live: Dict[int, object] = {}  # req_pool_idx -> Req
+        self.live: Dict[int, "Req"] = {}  # req_pool_idx -> Req
 
     def reset(self) -> None:
         self.live.clear()
         self.table.reset()
 
-    def update(self, reqs) -> None:
+    def update(self, reqs: Iterable["Req"]) -> None:
         """Register ``reqs`` as live, point their rows at their HOT runs, publish the runs.
 
         SGLang writes ``prefix_indices`` (the tree's values) into a new request's row, so
@@ -39,25 +43,25 @@ class HotPublisher:
         """
         reqs = [r for r in reqs if compat.req_pool_idx(r) is not None]
         for req in reqs:
-            self.live[compat.req_pool_idx(req)] = req
+            self.live[_row(req)] = req
         runs = [self.run(r) for r in reqs]
-        self.repoint([(r, run) for r, run in zip(reqs, runs) if run.head])
+        self.repoint([(r, run) for r, run in zip(reqs, runs, strict=True) if run.head])
         self.publish(reqs, runs)
 
-    def release(self, idx: Optional[int], req) -> None:
+    def release(self, idx: Optional[int], req: "Req") -> None:
         """The request gave row ``idx`` back (finish, abort, retract): forget it."""
         if idx is not None and self.live.get(idx) is req:
             del self.live[idx]
         if idx is not None:
             self.table.clear(idx)
 
-    def run(self, req) -> Run:
+    def run(self, req: "Req") -> Run:
         """``req``'s HOT run, capped at ``cache_protected_len`` (never its private slots)."""
         run = self.hot.run_of(getattr(req, "last_node", None))
         limit = compat.cache_protected_len(req, run.length)
         return run if run.length <= limit else Run(run.start, max(limit, 0), min(run.head, limit))
 
-    def repoint(self, reqs_runs: list) -> None:
+    def repoint(self, reqs_runs: List[Tuple["Req", Run]]) -> None:
         """Point each request's row and ``prefix_indices`` at its HOT run: one device-side
         masked write for all rows (no host sync).
 
@@ -85,11 +89,11 @@ class HotPublisher:
         r2t[rows, :width] = torch.where(cols < lens[:, None], new, block)
         self.metrics.rows_rewritten += len(reqs_runs)
 
-    def publish(self, reqs, runs) -> None:
-        self.table.set_many([compat.req_pool_idx(r) for r in reqs],
+    def publish(self, reqs: Sequence["Req"], runs: Sequence[Run]) -> None:
+        self.table.set_many([_row(r) for r in reqs],
                             [run.start for run in runs], [run.length for run in runs])
 
-    def live_reqs(self) -> list:
+    def live_reqs(self) -> List["Req"]:
         stale = [i for i, r in self.live.items() if compat.req_pool_idx(r) != i]
         for i in stale:  # released through a path that bypassed the release callback
             del self.live[i]
@@ -98,3 +102,8 @@ class HotPublisher:
 
     def arange(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, dtype=torch.int64, device=self.device)
+
+
+def _row(req: "Req") -> int:
+    """``req``'s ``req_pool_idx``: set for every request registered or published here."""
+    return cast(int, compat.req_pool_idx(req))

@@ -10,17 +10,20 @@ sync). One gather + one scatter per layer per buffer; a fused Triton kernel that
 layers in one launch is future work (promotions are rare, the copy is bandwidth bound).
 """
 
-from typing import List
+from typing import TYPE_CHECKING, List
 
 import torch
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool
 
-def kv_layer_buffers(kv_pool) -> List[torch.Tensor]:
+
+def kv_layer_buffers(kv_pool: "MHATokenToKVPool") -> List[torch.Tensor]:
     """Every per-layer tensor whose dim 0 is the slot index (K then V)."""
     return list(kv_pool.k_buffer) + list(kv_pool.v_buffer)
 
 
-def check_kv_layout(kv_pool) -> None:
+def check_kv_layout(kv_pool: "KVCache") -> None:
     """Raise ``ValueError`` unless ``kv_pool`` has the slot-major layout GraniKV copies."""
     for name in ("k_buffer", "v_buffer"):
         bufs = getattr(kv_pool, name, None)
@@ -36,12 +39,12 @@ def check_kv_layout(kv_pool) -> None:
                 f"got {tuple(buf.shape)} (HND / paged layouts are not supported)")
 
 
-def slot_bytes(kv_pool) -> int:
+def slot_bytes(kv_pool: "MHATokenToKVPool") -> int:
     """Bytes one slot occupies across all layers, K and V."""
     return sum(buf[0].numel() * buf.element_size() for buf in kv_layer_buffers(kv_pool))
 
 
-def copy_kv_slots(kv_pool, src_slots: torch.Tensor, dst_start: int) -> int:
+def copy_kv_slots(kv_pool: "MHATokenToKVPool", src_slots: torch.Tensor, dst_start: int) -> int:
     """Copy the KV of ``src_slots`` into the dense range ``[dst_start, dst_start + n)``.
 
     Args:
@@ -64,7 +67,7 @@ def copy_kv_slots(kv_pool, src_slots: torch.Tensor, dst_start: int) -> int:
     return n * slot_bytes(kv_pool)
 
 
-def move_kv_slots(kv_pool, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> int:
+def move_kv_slots(kv_pool: "MHATokenToKVPool", src_slots: torch.Tensor, dst_slots: torch.Tensor) -> int:
     """Copy the KV of ``src_slots[i]`` into ``dst_slots[i]`` (both scattered, same length,
     disjoint sets). Used to move COLD KV out of the window a new HOT extent takes.
 

@@ -47,7 +47,8 @@ class GraniKVMetrics:
         return (
             f"GraniKV: hot {self.hot_used_tokens}/{self.hot_capacity} ({hot_pct:.1f}%) "
             f"in {self.hot_extents} extents, cold {self.cold_used_tokens}/{self.cold_capacity} "
-            f"({cold_pct:.1f}%), promotions {self.promotions} (adopted {self.adopted}, in place {self.extended_in_place}, "
+            f"({cold_pct:.1f}%), promotions {self.promotions} (adopted {self.adopted}, "
+            f"in place {self.extended_in_place}, "
             f"skipped {self.promotions_skipped}), "
             f"hot evictions {self.hot_evictions}, splits {self.hot_splits}, "
             f"compactions {self.compactions}, copied {self.bytes_copied / 2**20:.1f} MiB"

@@ -23,7 +23,10 @@ a step that already serves the others.
 """
 
 import math
-from typing import Iterable, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Tuple
+
+if TYPE_CHECKING:
+    from granikv.config import GraniKVConfig
 
 Group = Tuple[int, int]  # (prefix_len, sharers) of one group of a step
 
@@ -64,14 +67,14 @@ class SharedLongPrefixPolicy(PromotionPolicy):
     """Promote a prefix of at least ``min_tokens`` (from the root) held by at least
     ``min_sharers`` live requests."""
 
-    def __init__(self, *, min_tokens: int, min_sharers: int):
+    def __init__(self, *, min_tokens: int, min_sharers: int) -> None:
         if min_tokens < 1 or min_sharers < 1:
             raise ValueError(f"min_tokens={min_tokens} and min_sharers={min_sharers} must be >= 1")
         self.min_tokens = min_tokens
         self.min_sharers = min_sharers
 
     @classmethod
-    def from_config(cls, config) -> "SharedLongPrefixPolicy":
+    def from_config(cls, config: "GraniKVConfig") -> "SharedLongPrefixPolicy":
         return cls(min_tokens=config.hot_min_tokens, min_sharers=config.hot_min_sharers)
 
     def should_promote(self, prefix_len: int, num_sharers: int, *, hit_count: int = 0,
@@ -83,7 +86,7 @@ class SharedLongPrefixPolicy(PromotionPolicy):
         return f"SharedLongPrefixPolicy(min_tokens={self.min_tokens}, min_sharers={self.min_sharers})"
 
 
-class PromotionEstimate(Protocol):
+class DecodeSavingEstimate(Protocol):
     """What a promotion is worth, from the attention layer's cost model (passed in by the
     plugin wiring: the storage layer does not import the dispatcher). Microseconds."""
 
@@ -122,8 +125,8 @@ class PaysOffPolicy(PromotionPolicy):
 
     uses_context = True
 
-    def __init__(self, estimate: PromotionEstimate, *, min_tokens: int, min_sharers: int,
-                 default_steps: float, slot_us: float = 0.0):
+    def __init__(self, estimate: DecodeSavingEstimate, *, min_tokens: int, min_sharers: int,
+                 default_steps: float, slot_us: float = 0.0) -> None:
         if default_steps <= 0 or slot_us < 0:
             raise ValueError(f"default_steps={default_steps} must be > 0 and slot_us={slot_us} >= 0")
         self.floor = SharedLongPrefixPolicy(min_tokens=min_tokens, min_sharers=min_sharers)
@@ -132,7 +135,7 @@ class PaysOffPolicy(PromotionPolicy):
         self.slot_us = slot_us
 
     @classmethod
-    def from_config(cls, config, estimate: PromotionEstimate) -> "PaysOffPolicy":
+    def from_config(cls, config: "GraniKVConfig", estimate: DecodeSavingEstimate) -> "PaysOffPolicy":
         return cls(estimate, min_tokens=config.hot_min_tokens, min_sharers=config.hot_min_sharers,
                    default_steps=config.hot_expected_decode_steps)
 

@@ -8,7 +8,7 @@ for a later call and which are dropped, and hands each one to promote to the cac
 """
 
 from collections import deque
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Final, Iterable, List, Literal, Optional, Set, Tuple, Union
 
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
@@ -18,13 +18,15 @@ from granikv.mem_cache.metrics import GraniKVMetrics
 from granikv.mem_cache.policy import PromotionPolicy
 from granikv.mem_cache.step_context import StepContext
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
 
-RETRY = "retry"
+RETRY: Final = "retry"
 
 
 class PromotionQueue:
     def __init__(self, policy: PromotionPolicy, metrics: GraniKVMetrics, hot: HotNodes,
-                 allocator: GraniKVAllocator, live_reqs: Callable[[], list]):
+                 allocator: GraniKVAllocator, live_reqs: Callable[[], List["Req"]]) -> None:
         self.policy = policy
         self.metrics = metrics
         self.hot = hot
@@ -32,7 +34,7 @@ class PromotionQueue:
         self.live_reqs = live_reqs  # the registered live requests (HotPublisher.live_reqs)
         self.pending: Dict[TreeNode, None] = {}  # insertion-ordered set: deterministic
         self.retry_counted: Dict[TreeNode, None] = {}  # queued nodes whose unknown_holders skip is counted
-        self.candidates: tuple = ()  # the queue as drain found it
+        self.candidates: Tuple[TreeNode, ...] = ()  # the queue as drain found it
         self.step: Optional[StepContext] = None  # built from the tree once per drain
         self.frozen: Optional[str] = None  # why no new promotion is queued, if so
 
@@ -47,19 +49,20 @@ class PromotionQueue:
         if target is not None and target not in self.hot.start:
             self.pending[target] = None
 
-    def drain(self, promote: Callable[[TreeNode, list], bool]) -> int:
+    def drain(self, promote: Callable[[TreeNode, List["Req"]], bool]) -> int:
         """Decide every queued candidate; ``promote(node, holders)`` places and materializes
         one (``False``: no room, counted there). Returns how many nodes became HOT."""
         work, self.pending = deque(self.pending), {}
         self.candidates, self.step = tuple(work), None
-        seen, promoted = set(), 0
+        seen: Set[TreeNode] = set()
+        promoted = 0
         while work:
             node = work.popleft()
             if node in seen:
                 continue
             seen.add(node)
             holders = self.holders(node)
-            if holders is RETRY:
+            if holders == RETRY:
                 self.pending[node] = None  # e.g. a holder registers later this step
                 continue
             if holders is None:
@@ -85,7 +88,7 @@ class PromotionQueue:
             end -= len(n.key)
         return None
 
-    def holders(self, node: TreeNode):
+    def holders(self, node: TreeNode) -> Union[List["Req"], Literal["retry"], None]:
         """The live requests holding ``node`` if it may be promoted now; ``None`` to drop the
         queue entry; ``RETRY`` to keep it queued for the next call."""
         if not is_attached(node) or node in self.hot.start:
@@ -111,7 +114,7 @@ class PromotionQueue:
             return None
         return holders
 
-    def step_context(self, node: TreeNode) -> dict:
+    def step_context(self, node: TreeNode) -> Dict[str, Any]:
         """``context`` / ``within`` of the step ``node`` would be served in (``StepContext``):
         HOT nodes with live holders + the queued candidates that pass ``may_promote``."""
         if not self.policy.uses_context:
@@ -123,7 +126,7 @@ class PromotionQueue:
             self.step = StepContext([*hot, *queued, node], root=self.hot.root())
         return dict(context=self.step.context_for(node), within=self.step.within(node))
 
-    def superseded_by(self, node: TreeNode, holders: list) -> Optional[list]:
+    def superseded_by(self, node: TreeNode, holders: List["Req"]) -> Optional[List[TreeNode]]:
         """``None`` if some holder's deepest accepted node is ``node``; otherwise the holders'
         deeper COLD targets (promoting ``node`` too would copy KV nobody's run would use)."""
         targets = dict.fromkeys(self.target(r.last_node) for r in holders)
@@ -132,7 +135,7 @@ class PromotionQueue:
         return [t for t in targets if t is not None and t not in self.hot.start]
 
 
-def remaining_steps(reqs) -> Optional[float]:
+def remaining_steps(reqs: Iterable["Req"]) -> Optional[float]:
     """Mean decode steps ``reqs`` may still run (``max_new_tokens`` minus tokens output so
     far); ``None`` if some request does not say."""
     left = []

@@ -47,7 +47,7 @@ This class is what SGLang sees (its RadixCache, the tree and eviction); it compo
 
 import heapq
 import time
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -65,13 +65,24 @@ from granikv.mem_cache.metrics import GraniKVMetrics
 from granikv.mem_cache.policy import PromotionPolicy, SharedLongPrefixPolicy
 from granikv.mem_cache.promotion_queue import PromotionQueue
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from granikv.config import GraniKVConfig
+
 __all__ = ["GraniKVRadixCache", "HotExtent"]
 
 
-class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
-    def __init__(self, params: CacheInitParams, config, kv_pool,
+# the running release's prefix-cache lifecycle overrides (a class chosen at import time)
+_Lifecycle: Any = compat.lifecycle_mixin()
+
+
+class GraniKVRadixCache(_Lifecycle, RadixCache):
+    def __init__(self, params: CacheInitParams, config: "GraniKVConfig", kv_pool: "MHATokenToKVPool",
                  hot_prefix_table: HotPrefixTable, *, policy: Optional[PromotionPolicy] = None,
-                 metrics: Optional[GraniKVMetrics] = None):
+                 metrics: Optional[GraniKVMetrics] = None) -> None:
         allocator = params.token_to_kv_pool_allocator
         if not isinstance(allocator, GraniKVAllocator):
             raise ValueError(
@@ -104,13 +115,15 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         self.refresh_gauges()
 
     @classmethod
-    def create(cls, params: CacheInitParams, config, kv_pool, **kwargs) -> "GraniKVRadixCache":
+    def create(cls, params: CacheInitParams, config: "GraniKVConfig", kv_pool: "MHATokenToKVPool",
+               **kwargs: Any) -> "GraniKVRadixCache":
         """Build with the allocator's HotPrefixTable (created for ``params.req_to_token_pool``)."""
         alloc = params.token_to_kv_pool_allocator
         table = None  # the constructor rejects anything but a GraniKVAllocator
         if isinstance(alloc, GraniKVAllocator):
             table = alloc.ensure_hot_prefix_table(params.req_to_token_pool.req_to_token.shape[0])
-        return cls(params, config, kv_pool, table, **kwargs)
+        # None only with an allocator the constructor rejects before using the table
+        return cls(params, config, kv_pool, cast(HotPrefixTable, table), **kwargs)
 
     # ---- state of the collaborators, under the names the checks and tests read -------------
 
@@ -137,7 +150,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
 
     # ---- SGLang API overrides --------------------------------------------------------------
 
-    def reset(self):
+    def reset(self) -> None:
         # every HOT extent belongs to a node (check_integrity), so all of them go, whether or
         # not the allocator was cleared first
         self.hot_pool.reset(self.hot_pool.base, self.hot_pool.span)
@@ -146,18 +159,18 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         self._publisher.reset()
         super().reset()
 
-    def inc_lock_ref(self, node: TreeNode):
+    def inc_lock_ref(self, node: TreeNode) -> Any:  # SGLang's result (IncLockRefResult)
         result = super().inc_lock_ref(node)
         self._queue.queue(node)
         return result
 
     # lifecycle callbacks (``sglang_compat.lifecycle_mixin`` maps SGLang's calls onto them)
 
-    def _after_insert(self, req) -> None:
+    def _after_insert(self, req: "Req") -> None:
         """The request's KV went into the tree (a chunk, a prefill, a finish): re-publish."""
         self.update_request_hot_prefix(req)
 
-    def _after_release(self, idx: Optional[int], req) -> None:
+    def _after_release(self, idx: Optional[int], req: "Req") -> None:
         """The request gave row ``idx`` back (finish, abort, retract): forget it."""
         self._publisher.release(idx, req)
 
@@ -174,14 +187,14 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
             self.refresh_gauges()
         return EvictResult(num_tokens_evicted=num)
 
-    def evictable_size(self):
+    def evictable_size(self) -> int:
         """Tokens of unlocked nodes (SGLang's counter, HOT included) + their shadow heads."""
         return self.evictable_size_ + self.hot.head_slots(locked=False)
 
-    def protected_size(self):
+    def protected_size(self) -> int:
         return self.protected_size_ + self.hot.head_slots(locked=True)
 
-    def _split_node(self, key, child: TreeNode, split_len: int):
+    def _split_node(self, key: "RadixKey", child: TreeNode, split_len: int) -> TreeNode:
         """A HOT ``child`` splits its extent: the upper half keeps the shadow head
         (``HotNodes.split``)."""
         new_node = super()._split_node(key, child, split_len)
@@ -191,21 +204,21 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
 
     # ---- GraniKV API -----------------------------------------------------------------------
 
-    def update_request_hot_prefix(self, req) -> None:
+    def update_request_hot_prefix(self, req: "Req") -> None:
         """Register ``req`` as live and publish its HOT run (call after ``alloc_for_extend``)."""
         self.update_requests_hot_prefix([req])
 
-    def update_requests_hot_prefix(self, reqs) -> None:
+    def update_requests_hot_prefix(self, reqs: Sequence["Req"]) -> None:
         """Register ``reqs`` as live, point their rows at their HOT runs, publish the runs
         (``HotPublisher.update``)."""
         self._publisher.update(reqs)
 
-    def hot_run(self, req) -> tuple:
+    def hot_run(self, req: "Req") -> Tuple[int, int]:
         """``(start, length)`` of the HOT run ``req``'s KV starts with; ``(0, 0)`` if none."""
         run = self._run(req)
         return run.start, run.length
 
-    def apply_pending_promotions(self, register=()) -> int:
+    def apply_pending_promotions(self, register: Sequence["Req"] = ()) -> int:
         """Execute queued promotions; returns how many nodes became HOT.
 
         ``register``: requests to register (``update_requests_hot_prefix``) first, e.g. the
@@ -262,7 +275,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
     def hot_extent_of(self, node: TreeNode) -> Optional[HotExtent]:
         return self._extent(node) if node in self.hot.start else None
 
-    def live_requests(self) -> Dict[int, object]:
+    def live_requests(self) -> Dict[int, "Req"]:
         return dict(self._publisher.live)
 
     def refresh_gauges(self) -> None:
@@ -288,7 +301,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
 
     # ---- promotion: place, move, copy, repoint (the queue decides which nodes) -------------
 
-    def _promote(self, node: TreeNode, holders: list) -> bool:
+    def _promote(self, node: TreeNode, holders: List["Req"]) -> bool:
         placement = self._place(node)
         if placement is None:
             return False  # counted by the placement
@@ -305,7 +318,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
     def _relocate(self, start: int, n: int, dst: torch.Tensor) -> None:
         self._placement.relocate(start, n, dst)
 
-    def _materialize(self, node: TreeNode, placement: Placement, holders: list) -> None:
+    def _materialize(self, node: TreeNode, placement: Placement, holders: List["Req"]) -> None:
         """Copy the path's last ``ext.size`` tokens of KV (ancestors, then ``node``) into ``ext``
         (adopted: only the shadow head) and repoint at it.
 
@@ -322,7 +335,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
         node.value = self._publisher.arange(ext.node_start, ext.length)
         self.hot.add(node, ext)
         runs = [self._run(r) for r in holders]
-        self._publisher.repoint(list(zip(holders, runs)))
+        self._publisher.repoint(list(zip(holders, runs, strict=True)))
         if old is not None:  # the node's old slots, except those the extent now holds
             outside = (old < ext.start) | (old >= ext.start + ext.size)
             self.token_to_kv_pool_allocator.free(old[outside])
@@ -333,7 +346,8 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
 
     # ---- eviction --------------------------------------------------------------------------
 
-    def _evict_lru(self, num_tokens: int, *, eligible, counts) -> int:
+    def _evict_lru(self, num_tokens: int, *, eligible: Callable[[TreeNode], bool],
+                   counts: Callable[[TreeNode], int]) -> int:
         """Evict ``eligible`` leaves in LRU order until ``counts`` (slots freed per node, taken
         before the node goes) adds up to ``num_tokens``; parents that become leaves join."""
         prio = self.eviction_strategy.get_priority
@@ -372,7 +386,7 @@ class GraniKVRadixCache(compat.lifecycle_mixin(), RadixCache):
 
     # ---- thin delegates (cache_integrity.py, tests and test support read these) ------------
 
-    def _run(self, req) -> Run:
+    def _run(self, req: "Req") -> Run:
         return self._publisher.run(req)
 
     def _movable_nodes(self) -> List[TreeNode]:

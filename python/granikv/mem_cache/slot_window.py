@@ -49,7 +49,7 @@ def find_window(free: torch.Tensor, movable: torch.Tensor, n: int,
         return None
     zero = torch.zeros(1, dtype=torch.int64, device=free.device)
 
-    def per_window(mask):  # [num - n + 1]: count of ``mask`` in window w = [w, w + n)
+    def per_window(mask: torch.Tensor) -> torch.Tensor:  # [num - n + 1]: count of ``mask`` in window w = [w, w + n)
         c = torch.cat([zero, torch.cumsum(mask.to(torch.int64), 0)])
         return c[n:] - c[:-n]
 

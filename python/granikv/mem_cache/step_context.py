@@ -23,33 +23,37 @@ count minus the lock counts of the nearest group nodes below it::
     context_for(B) = (groups elsewhere in the tree)      within(B) = (|A|, 6)
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
-Group = Tuple[int, int]  # (prefix_len, sharers)
+from granikv.mem_cache.policy import Group
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.radix_cache import TreeNode
+
 
 
 class StepContext:
-    def __init__(self, nodes: Iterable, *, root):
-        self._members: Dict[object, None] = dict.fromkeys(nodes)
+    def __init__(self, nodes: Iterable["TreeNode"], *, root: "TreeNode") -> None:
+        self._members: Dict["TreeNode", None] = dict.fromkeys(nodes)
         self._members.pop(root, None)
-        self.prefix_len: Dict[object, int] = {}
-        self.sharers: Dict[object, int] = {n: n.lock_ref for n in self._members}
-        self._below: Dict[object, List[object]] = {}  # member -> members right below it
-        self._up: Dict[object, Optional[object]] = {}  # member -> the nearest member above
+        self.prefix_len: Dict["TreeNode", int] = {}
+        self.sharers: Dict["TreeNode", int] = {n: n.lock_ref for n in self._members}
+        self._below: Dict["TreeNode", List["TreeNode"]] = {}  # member -> members right below it
+        self._up: Dict["TreeNode", Optional["TreeNode"]] = {}  # member -> the nearest member above
         for n in self._members:
             up = self._up[n] = self._nearest_member_above(n, root)
             if up is not None:
                 self.sharers[up] -= n.lock_ref
                 self._below.setdefault(up, []).append(n)
 
-    def __contains__(self, node) -> bool:
+    def __contains__(self, node: "TreeNode") -> bool:
         return node in self._members
 
     def groups(self) -> List[Group]:
         """Every group with sharers left, in the nodes' order."""
         return [(self.prefix_len[n], s) for n, s in self.sharers.items() if s > 0]
 
-    def context_for(self, node) -> Tuple[Group, ...]:
+    def context_for(self, node: "TreeNode") -> Tuple[Group, ...]:
         """The groups of the step other than ``node`` (a member), the members below it and
         the nearest member above it (``within``)."""
         if node not in self._members:
@@ -62,13 +66,13 @@ class StepContext:
         return tuple((self.prefix_len[n], s) for n, s in self.sharers.items()
                      if s > 0 and n not in skip)
 
-    def within(self, node) -> Optional[Group]:
+    def within(self, node: "TreeNode") -> Optional[Group]:
         """``(prefix_len, sharers)`` of the nearest member above ``node``, its sharers
         without ``node``'s holders (``None``: no member above)."""
         up = self._up[node]
         return None if up is None else (self.prefix_len[up], max(self.sharers[up], 0))
 
-    def _nearest_member_above(self, node, root) -> Optional[object]:
+    def _nearest_member_above(self, node: "TreeNode", root: "TreeNode") -> Optional["TreeNode"]:
         """Walks ``node``'s path once: records its prefix length, returns the nearest member
         ancestor (``None``: none)."""
         total, up, p = len(node.key), None, node.parent

@@ -36,13 +36,22 @@ the reference is ``ref64`` and the tolerance its floor.
 from it at each call (the backend may replace them while serving).
 """
 
+from __future__ import annotations
+
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
 
 from granikv.attention.context import AttentionContext
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from granikv.attention.dispatcher import Path
+    from granikv.attention.extend.hot_extend import Attended
+    from granikv.attention.extend.plan import ExtendPlan
 
 logger = logging.getLogger("granikv")
 
@@ -77,7 +86,7 @@ class DebugCompare:
 
     # ---- decode ----------------------------------------------------------------------------
 
-    def plan_decode(self, fb, view):
+    def plan_decode(self, fb: Any, view: Any) -> Any:
         """The batch the wrapped backend plans an eager decode step with (``view``: the
         planner's choice, ``fb`` itself on paged steps). Every N-th step (``stats.steps``, just
         counted by the plan) that runs GraniKV's kernels is compared: the wrapped backend then
@@ -91,17 +100,18 @@ class DebugCompare:
         """This step is not compared (a graph replay, capture or an extend batch)."""
         self._decode_due = self._stock_valid = False
 
-    def decode_due(self, layer) -> bool:
+    def decode_due(self, layer: RadixAttention) -> bool:
         """Whether this layer's decode output is compared: every layer of a compared eager step."""
         capturing = torch.cuda.is_current_stream_capturing() if torch.cuda.is_available() else False
         return self._decode_due and not capturing
 
-    def stock_output(self, o) -> Optional[torch.Tensor]:
+    def stock_output(self, o: torch.Tensor) -> Optional[torch.Tensor]:
         """A copy of the wrapped backend's output ``o`` when it is the step's stock output (the
         wrapped backend planned the real batch), before GraniKV's kernels overwrite it; else None."""
         return o.clone() if self._stock_valid else None
 
-    def compare_decode(self, q, layer, fb, o, path, stock: Optional[torch.Tensor] = None) -> float:
+    def compare_decode(self, q: torch.Tensor, layer: RadixAttention, fb: Any, o: torch.Tensor, path: Path,
+                       stock: Optional[torch.Tensor] = None) -> float:
         """The chosen ``path``'s output ``o`` of ``layer`` against ``stock`` (the wrapped backend's
         output for the same step), or the float64 paged reference where ``stock`` is None;
         records it (``StepStats.record_layer_compare``) and returns the deviation."""
@@ -143,11 +153,11 @@ class DebugCompare:
         n = self.ctx.cfg.debug_compare_every
         return bool(n) and (self.ctx.stats.extend_hot_batches - 1) % n == 0
 
-    def prefix_part_callback(self, plan):
+    def prefix_part_callback(self, plan: ExtendPlan) -> Callable[[Attended, Attended], None]:
         """The proxies' ``on_compare``: layer 0's dense prefix part against the stock paged one."""
         stats = self.ctx.stats
 
-        def compare(ours, stock):
+        def compare(ours: Attended, stock: Attended) -> None:
             parts = [g.token_idx for g in plan.groups] + ([plan.paged.token_idx] if plan.paged else [])
             rows = torch.from_numpy(np.unique(np.concatenate(parts))).to(ours[0].device)
             d_o = (ours[0].index_select(0, rows).float() - stock[0].index_select(0, rows).float()).abs().max()
@@ -159,7 +169,8 @@ class DebugCompare:
                         plan.hot_tokens, len(plan.groups), float(d_o), float(d_l))
         return compare
 
-    def compare_full_extend(self, ours, q, k, v, layer, fb, kwargs, *, hot_tokens: int) -> None:
+    def compare_full_extend(self, ours: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            layer: RadixAttention, fb: Any, kwargs: Mapping[str, Any], *, hot_tokens: int) -> None:
         """Layer 0's extend output ``ours`` against the wrapped backend's."""
         ctx = self.ctx
         stock = ctx.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)

@@ -26,13 +26,18 @@ size (all requests sharing one prefix of the model's context length, capped at
 one would cost memory for nothing. ``none`` or an explicit list bound graph memory further.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Optional, Set
 
 import numpy as np
 
 from granikv.attention.grouping import BatchDescription, group_requests
+
+if TYPE_CHECKING:
+    from granikv.attention.dispatcher import Dispatcher
 
 logger = logging.getLogger("granikv")
 
@@ -50,7 +55,7 @@ def cascade_label(variant_label: Optional[str]) -> str:
     return CASCADE_LABEL if variant_label is None else f"{variant_label}+{CASCADE_LABEL}"
 
 
-def cascade_can_win(dispatcher, bs: int, *, prefix_tokens: int, min_group_size: int) -> bool:
+def cascade_can_win(dispatcher: Dispatcher, bs: int, *, prefix_tokens: int, min_group_size: int) -> bool:
     """True iff the cost model puts cascade below paged for ``bs`` requests sharing one
     ``prefix_tokens``-long HOT prefix with ``AUTO_SUFFIX_TOKENS`` private tokens each."""
     if bs < min_group_size or prefix_tokens < 1:
@@ -75,17 +80,18 @@ class GraphVariants:
     the bound device buffer or the workspace's metadata, whatever a later step binds).
     """
 
-    def __init__(self, sizes: Optional[frozenset], *, can_win):
+    def __init__(self, sizes: Optional[FrozenSet[int]], *, can_win: Callable[[int], bool]) -> None:
         """``sizes``: explicit batch sizes (``config.parse_graph_bs``), or None for auto, where
         ``can_win(bs)`` decides (``cascade_can_win`` bound to the dispatcher)."""
         self._sizes = sizes
         self._can_win = can_win
-        self.captured = set()
-        self.stock_only = set()
+        self.captured: Set[int] = set()
+        self.stock_only: Set[int] = set()
         self.capturing: Optional[int] = None
         self.planned_cascade = False
-        self.ends_bound = {}  # bs -> the cascade capture of bs bound its suffix ends (None: not recorded)
-        self._capture_ends = None  # the binding recorded during the capture in progress
+        # bs -> the cascade capture of bs bound its suffix ends (None: not recorded)
+        self.ends_bound: Dict[int, Optional[bool]] = {}
+        self._capture_ends: Optional[bool] = None  # the binding recorded during the capture in progress
         self.memory_bytes = 0  # device memory the cascade captures took (CUDA; 0 elsewhere)
 
     def wants_cascade(self, bs: int) -> bool:
@@ -108,6 +114,7 @@ class GraphVariants:
 
     def end_capture(self, ok: bool) -> None:
         bs, self.capturing = self.capturing, None
+        assert bs is not None, "end_capture without a begin_capture"
         if ok:
             self.captured.add(bs)
             self.ends_bound[bs] = self._capture_ends
@@ -134,7 +141,7 @@ class GraphVariants:
         plan chose cascade, else None (the stock graph SGLang picked)."""
         return cascade_label(variant_label) if self.planned_cascade else None
 
-    def replay_key(self, key):
+    def replay_key(self, key: Any) -> Any:
         """SGLang's replay ``ShapeKey`` for this step (``dataclasses.replace`` of its label)."""
         label = self.replay_label(key.variant_label)
         return key if label is None else dataclasses.replace(key, variant_label=label)

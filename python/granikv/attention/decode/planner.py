@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,35 +33,13 @@ from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.attention.decode.step_clock import StepClock
+from granikv.attention.decode.step_plan import HeldRows, StepPlan
 from granikv.attention.decode.workspace import CascadeWorkspace
-from granikv.attention.dispatcher import Decision, Dispatcher, Path, SteadyChooser
+from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
-from granikv.config import parse_graph_bs
 from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
-
-
-@dataclass(frozen=True, eq=False)
-class StepPlan:
-    """A decode step planned for a GraniKV path: its grouping, batch and the path decision."""
-
-    grouping: Grouping
-    desc: BatchDescription
-    decision: Decision
-
-
-@dataclass(eq=False)
-class HeldRows:
-    """The rows of the last planned step and what was derived from them while the HOT-prefix
-    table keeps its ``version``: their HOT runs and, once known not to depend on ``seq_lens``,
-    their grouping (steady steps reuse all three)."""
-
-    rows: np.ndarray
-    version: Any
-    hot_start: Optional[np.ndarray]
-    hot_len: np.ndarray
-    grouping: Optional[Grouping] = None
 
 
 class DecodePlanner:
@@ -70,7 +47,7 @@ class DecodePlanner:
         self.ctx = ctx
         self.chooser = SteadyChooser(ctx.dispatcher)  # steady steps: O(1) path choice
         self.clock = StepClock()  # measured end-to-end step time per path (overrules the model to paged)
-        self._clock_key = None  # (batch size, groups) of the step being planned
+        self._clock_key: Optional[Tuple[int, int]] = None  # (batch size, groups) of the step being planned
         self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self.path = Path.PAGED  # path of the current step
         self.workspace: Optional[CascadeWorkspace] = None  # the graph one once graphs exist
@@ -78,18 +55,20 @@ class DecodePlanner:
         self.ws: Optional[CascadeWorkspace] = None  # the workspace of the current step
         self.launch: Optional[CascadePlan] = None  # what the kernels of the current step read
         self.graph_mode = False  # True once CUDA-graph state exists
-        self.graphs = GraphVariants(parse_graph_bs(ctx.cfg.cascade_graph_bs), can_win=self.cascade_can_win)
+        self.graphs = GraphVariants(ctx.cfg.cascade_graph_sizes, can_win=self.cascade_can_win)
         self._held: Optional[HeldRows] = None  # the rows of the last plan and what they gave
         self.last_desc: Optional[BatchDescription] = None  # of the last plan (reused while its arrays are)
-        self._seq_view = None  # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
+        # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
+        self._seq_view: Optional[Tuple[Tuple[int, int], torch.dtype, np.ndarray]] = None
         self._capture_metadata: Dict[int, Any] = {}  # bs -> the wrapped backend's metadata of its stock capture
         self._ones: Optional[torch.Tensor] = None
-        self._ones_views: Dict[Tuple[Any, ...], Tuple[torch.Tensor, torch.Tensor]] = {}  # (bs, dtypes) -> seq_lens of ones
+        # (bs, dtypes) -> the (device, host) seq_lens of ones of a seq_len = 1 view
+        self._ones_views: Dict[Tuple[Any, ...], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.filled_grouping: Optional[Grouping] = None  # grouping of the last fill
         self._filled_ws: Optional[CascadeWorkspace] = None  # workspace of the last fill
-        self._t_choose = None  # perf_counter when this step's path choice began (plan_step's sections)
-        self._pad_fill = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
-        self._ends = None  # the step's device seq_lens, if the workspace can bind them (_plan)
+        self._t_choose: Optional[float] = None  # perf_counter when this step's path choice began (plan_step's sections)
+        self._pad_fill: Optional[int] = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
+        self._ends: Optional[torch.Tensor] = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
@@ -233,9 +212,11 @@ class DecodePlanner:
             if (hot_len <= seq_lens).all():  # then the grouping does not depend on seq_lens
                 held.grouping = grouping
         else:  # the arrays of the step that made this grouping: known to match
-            desc = self.last_desc
-            if (desc is None or desc.seq_lens is not seq_lens or desc.hot_len is not hot_len
-                    or desc.req_pool_indices is not staged):
+            last = self.last_desc
+            if (last is not None and last.seq_lens is seq_lens and last.hot_len is hot_len
+                    and last.req_pool_indices is staged):
+                desc = last
+            else:
                 desc = BatchDescription.unchecked(staged, seq_lens, hot_start, hot_len)
             self.grouping_memo.hits += 1
         self.last_desc = desc
@@ -280,10 +261,12 @@ class DecodePlanner:
         a replay view's total includes its padding rows at the wrapped backend's fill value.
         None when unknown (the chooser then sums the array; it also checks this one)."""
         total = getattr(fb, "seq_lens_sum", None)
-        pad = getattr(fb, "num_padding", 0)
-        if total is None or (pad and self._pad_fill is None):
+        pad, fill = getattr(fb, "num_padding", 0), self._pad_fill
+        if total is None:
             return None
-        return total - pad * self._pad_fill if pad else total
+        if not pad:
+            return total
+        return None if fill is None else total - pad * fill
 
     def _seq_lens_view(self, seq_lens_cpu: torch.Tensor, bs: int) -> Optional[np.ndarray]:
         """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
@@ -333,6 +316,7 @@ class DecodePlanner:
         key = (bs, fb.seq_lens.dtype, fb.seq_lens_cpu.dtype)
         ones = self._ones_views.get(key)
         if ones is None:  # per batch size, made once (read-only for the wrapped backend)
+            assert self._ones is not None  # workspace_for made it for this size
             ones = self._ones_views[key] = (self._ones[:bs].to(fb.seq_lens.dtype),
                                             torch.ones(bs, dtype=fb.seq_lens_cpu.dtype))
         view.seq_lens, view.seq_lens_cpu = ones

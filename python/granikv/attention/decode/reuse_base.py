@@ -5,7 +5,7 @@ request's last suffix chunk end to the new ``seq_len`` (``CascadeWorkspace.advan
 ``ReuseBase`` is the full build plus the indices that make that one scatter.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ class ReuseBase(NamedTuple):
     rows: Optional[np.ndarray]  # the build's host rows (None: they came from the device)
 
     @classmethod
-    def of(cls, items: PrefixItems, wl: WorkList, rows, *, single: bool, factor: float,
+    def of(cls, items: PrefixItems, wl: WorkList, rows: Union[np.ndarray, torch.Tensor], *, single: bool, factor: float,
            sfx_hi_offset: int) -> Optional["ReuseBase"]:
         """None when the build cannot be advanced (no request, or one without suffix chunks)."""
         if factor <= 0 or not wl.bs:

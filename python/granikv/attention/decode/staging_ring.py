@@ -8,9 +8,18 @@ uploads. The last ``max_rows`` ints of the block hold the batch's request-pool r
 from the host or copied device-to-device (``_copy_up``).
 """
 
-import time
+from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING, List, Optional, Tuple, Union
+
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from granikv.attention.decode.reuse_base import ReuseBase
+
+StagedRows = Tuple[np.ndarray, int]  # a host rows array and how many of its rows a buffer holds
 
 
 class StagingRing:
@@ -32,14 +41,16 @@ class StagingRing:
         self._rows_offset = rows_offset
         self._host = [torch.zeros(meta_len, dtype=torch.int32, pin_memory=pin) for _ in range(nbuf)]
         self._host_np = [h.numpy() for h in self._host]
-        self._events = [None] * nbuf  # event recorded after the last copy out of each buffer
+        # event recorded after the last copy out of each buffer
+        self._events: List[Optional[torch.cuda.Event]] = [None] * nbuf
         self._buf_upload = [-1] * nbuf  # number of the upload that last read each buffer
         self._uploads = 0  # uploads issued so far (the next one's number)
         self._done_upto = -1  # every upload numbered <= this one has completed (see _claim)
         self._flip = 0  # the next staging buffer (the ring's position)
-        self._host_base = [None] * nbuf  # the build whose work list each pinned buffer holds
-        self._host_rows = [None] * nbuf  # (rows array, n) each staging buffer holds (see _copy_up)
-        self._rows_up = None  # (host rows array, n) of the last upload (None: device rows)
+        # the build whose work list each pinned buffer holds
+        self._host_base: List[Optional[ReuseBase]] = [None] * nbuf
+        self._host_rows: List[Optional[StagedRows]] = [None] * nbuf  # (rows array, n) each buffer holds (_copy_up)
+        self._rows_up: Optional[StagedRows] = None  # (host rows array, n) of the last upload (None: device rows)
         self.meta = torch.zeros(meta_len, dtype=torch.int32, device=device)
         self.req_pool_indices = self.meta[rows_offset : rows_offset + max_rows]
         self.upload_wait_seconds = 0.0  # host time spent waiting for a staging buffer's last copy
@@ -83,18 +94,18 @@ class StagingRing:
         self.upload_seconds += dt
         self._done_upto = target
 
-    def _copy_up(self, k: int, n: int, req_pool_indices) -> None:
+    def _copy_up(self, k: int, n: int, req_pool_indices: Union[np.ndarray, torch.Tensor]) -> None:
         """Buffer ``k`` (written but for the rows) to ``meta``, with the first ``n`` rows. Host
         rows are written unless the buffer holds that very array already (same object, same n,
         since the last full write of the buffer)."""
         t0 = time.perf_counter()
         rpi = self._rows_offset
-        from_device = isinstance(req_pool_indices, torch.Tensor)
+        host = None if isinstance(req_pool_indices, torch.Tensor) else req_pool_indices  # None: device rows
         held = self._host_rows[k]
-        if not from_device and (held is None or held[0] is not req_pool_indices or held[1] != n):
-            self._host_np[k][rpi : rpi + n] = req_pool_indices[:n]
-            self._host_rows[k] = (req_pool_indices, n)
-        self._rows_up = None if from_device else (req_pool_indices, n)
+        if host is not None and (held is None or held[0] is not host or held[1] != n):
+            self._host_np[k][rpi : rpi + n] = host[:n]
+            self._host_rows[k] = (host, n)
+        self._rows_up = None if host is None else (host, n)
         if self._cuda:
             self.meta.copy_(self._host[k], non_blocking=True)
             ev = self._events[k]
@@ -105,6 +116,6 @@ class StagingRing:
             self.meta.copy_(self._host[k])
         self._buf_upload[k] = self._uploads
         self._uploads += 1
-        if from_device:
+        if isinstance(req_pool_indices, torch.Tensor):
             self.req_pool_indices[:n].copy_(req_pool_indices[:n], non_blocking=True)
         self.upload_seconds += time.perf_counter() - t0

@@ -8,7 +8,7 @@ uploads no metadata at all (``CascadeWorkspace.advance``). Unbound (``bound is N
 kernels use the ends in the workspace's metadata, as a direct kernel call does.
 """
 
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ class SuffixEnds:
         self.device = device
         self.buffer = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.bound: Optional[torch.Tensor] = None  # what the kernels read: ``buffer`` once bound
-        self._views = {}  # bs -> buffer[:bs]
+        self._views: Dict[int, torch.Tensor] = {}  # bs -> buffer[:bs]
 
     def fits(self, t: torch.Tensor, bs: int) -> bool:
         """``t`` can be bound as the ends of a batch of ``bs``: an int32/int64 vector of at

@@ -36,7 +36,7 @@ forest's long prefixes get more items and short ones fewer, all about the same s
 The device workspace these lists are copied into: ``cascade_workspace.CascadeWorkspace``.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple, Union, overload
 
 import numpy as np
 
@@ -139,13 +139,18 @@ class WorkList(NamedTuple):
         assert (self.pfx_n_kv > 0).all() and (self.sfx_hi > self.sfx_lo).all(), "empty work item"
         cover = np.zeros((self.num_partials, ratio), np.int64)  # writes per (partial row, q-head)
         cover[self.sfx_row] += 1
-        for lo, hi, sp in zip(self.pfx_row_lo, self.pfx_row_hi, self.pfx_split):
+        for lo, hi, sp in zip(self.pfx_row_lo, self.pfx_row_hi, self.pfx_split, strict=False):
             f = np.arange(lo, hi)
             np.add.at(cover, (self.part_indptr[self.group_req_idx[f // ratio]] + sp, f % ratio), 1)
         assert (cover == 1).all(), "partial rows not written exactly once (per q-head)"
 
 
-def cdiv(a, b):
+@overload
+def cdiv(a: int, b: int) -> int: ...
+@overload
+def cdiv(a: np.ndarray, b: Union[int, np.ndarray]) -> np.ndarray: ...
+def cdiv(a: Union[int, np.ndarray], b: Union[int, np.ndarray]) -> Union[int, np.ndarray]:
+    """``ceil(a / b)`` of ints or int arrays (elementwise)."""
     return -(-a // b)
 
 
@@ -153,7 +158,7 @@ def _round_up(x: int, m: int) -> int:
     return cdiv(x, m) * m
 
 
-def _segment_arange(counts: np.ndarray) -> tuple:
+def _segment_arange(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """For counts [3, 1, 2] return owners [0,0,0,1,2,2] and local [0,1,2,0,0,1]."""
     total = int(counts.sum())
     owner = np.repeat(np.arange(len(counts)), counts)
@@ -227,10 +232,10 @@ def build_work_list(
     """Cut a grouped decode batch into prefix items, suffix items and partial rows.
 
     ``grouping``: the step's groups (docs/contracts.md; its ``prefix_len[bs]`` is the
-    ``group_len`` of each request's group, 0 if none); ``seq_lens[bs]`` numpy ints. ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills
-    those rows itself). ``prefix_items``: ``build_prefix_items`` of the same grouping, reused
-    (decode steps keep their grouping while ``seq_lens`` grow). Vectorised: no Python loop over
-    requests or groups.
+    ``group_len`` of each request's group, 0 if none); ``seq_lens[bs]`` numpy ints.
+    ``single_prefix_chunk`` plans one chunk per group (the bgemm path fills those rows itself).
+    ``prefix_items``: ``build_prefix_items`` of the same grouping, reused (decode steps keep their
+    grouping while ``seq_lens`` grow). Vectorised: no Python loop over requests or groups.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     prefix_len = grouping.prefix_len

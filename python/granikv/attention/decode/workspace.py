@@ -10,13 +10,11 @@ correctly: grids are fixed at capacity and programs read the live item counts fr
 Work items and their layout: ``work_list``; what a steady step reuses: ``reuse_base``.
 """
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from granikv.kernels.kernel_config import KernelConfig, tile_config
-from granikv.kernels.plan import BgemmMembers, CascadeBuffers, CascadePlan, Grouping
 from granikv.attention.decode.reuse_base import ReuseBase, last_item_bound
 from granikv.attention.decode.staging_ring import StagingRing
 from granikv.attention.decode.suffix_ends import SuffixEnds
@@ -29,10 +27,14 @@ from granikv.attention.decode.work_list import (
     suffix_heads,
     suffix_tile_rows,
 )
+from granikv.kernels.kernel_config import KernelConfig, tile_config
+from granikv.kernels.plan import BgemmMembers, CascadeBuffers, CascadePlan, Grouping
 
 _NO_REQUEST = Grouping.empty(0)  # the grouping of a step with no request
 _NO_SEQ = np.zeros(0, np.int64)
 Rows = Union[np.ndarray, torch.Tensor]  # req_pool_indices: host (numpy) or device
+PrefixKey = Tuple[Union[int, bool, bytes], ...]  # (bs, single chunk, the group arrays' bytes)
+Advance = Tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (n, last_lo1[:n], hi_pos[:n], scratch [n])
 
 
 class CascadeWorkspace(StagingRing):
@@ -60,7 +62,7 @@ class CascadeWorkspace(StagingRing):
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        device,
+        device: Union[str, torch.device],
         *,
         max_groups: Optional[int] = None,
         max_splits: int = 32,
@@ -109,15 +111,16 @@ class CascadeWorkspace(StagingRing):
         self.part_lse = torch.empty(self.partial_cap, num_q_heads, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(max_bs, num_q_heads, dtype=torch.int32, device=self.device)
         self._work_list: Optional[WorkList] = None
-        self._hi_buf = None  # staging buffer holding the suffix ends of the last advance (work_list)
+        self._hi_buf: Optional[int] = None  # staging buffer holding the suffix ends of the last advance (work_list)
         self.ends = SuffixEnds(max_bs, self.device)  # the suffix ends the kernels read once bound
-        self._dev_ends = None  # n of the last in-place advance: its ends are ends.host(n) (work_list)
+        self._dev_ends: Optional[int] = None  # n of the last in-place advance: its ends are ends.host(n) (work_list)
         self.advances_in_place = 0  # steady steps with device ends: no upload at all
         self._bgemm: Optional[BgemmMembers] = None  # the last fill's, for the eager bgemm path
-        self._prefix_memo = (None, None)  # (key, PrefixItems) of the last grouping
-        self._prefix_shape = None  # (bs, single chunk) of the last lookup
-        self._reuse_base = None  # ReuseBase of the last full build (None: nothing to advance)
-        self._adv = None  # (n, last_lo1[:n], hi_pos[:n], scratch [n]) of the current build
+        # (key, PrefixItems) of the last grouping
+        self._prefix_memo: Tuple[Optional[PrefixKey], Optional[PrefixItems]] = (None, None)
+        self._prefix_shape: Optional[Tuple[int, bool]] = None  # (bs, single chunk) of the last lookup
+        self._reuse_base: Optional[ReuseBase] = None  # ReuseBase of the last full build (None: nothing to advance)
+        self._adv: Optional[Advance] = None  # of the current build
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
@@ -152,11 +155,12 @@ class CascadeWorkspace(StagingRing):
         k, ends = self._hi_buf, self._dev_ends
         if k is not None or ends is not None:
             base = self._reuse_base
+            assert base is not None, "an advance without a build"
             hi = base.wl.sfx_hi.copy()
-            if ends is None:
-                hi[base.last] = self._host_np[k][base.hi_pos]
-            else:  # a device read (debug and tests only: serving never reads the host list)
+            if ends is not None:  # a device read (debug and tests only: serving never reads the host list)
                 hi[base.last[:ends]] = self.ends.host(ends)
+            elif k is not None:
+                hi[base.last] = self._host_np[k][base.hi_pos]
             self.work_list = base.wl._replace(sfx_hi=hi)
         return self._work_list
 
@@ -197,7 +201,9 @@ class CascadeWorkspace(StagingRing):
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         base = self._reuse_base
         if base is not None and base.items is items and base.wl.bs == bs and self._advance(seq_lens, req_pool_indices):
-            return self.work_list
+            advanced = self.work_list
+            assert advanced is not None  # an advance leaves its work list (or builds it on this read)
+            return advanced
         wl = build_work_list(
             grouping, seq_lens,
             ratio=self.ratio, num_kv_heads=self.num_kv_heads, config=self.config,
@@ -258,7 +264,8 @@ class CascadeWorkspace(StagingRing):
             return False
         return self._advance(seq_lens, req_pool_indices, ends=(seq_lens_dev, bs, ends_checked))
 
-    def _advance(self, seq_lens: np.ndarray, req_pool_indices, ends=None) -> bool:
+    def _advance(self, seq_lens: np.ndarray, req_pool_indices: Rows,
+                 ends: Optional[Tuple[Optional[torch.Tensor], int, bool]] = None) -> bool:
         """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
         and uploads it; False when a last chunk would hold no token or more than ``limit``.
 
@@ -271,6 +278,7 @@ class CascadeWorkspace(StagingRing):
         None (``fill``, which binds first): the binding stays and the step uploads.
         """
         base, n = self._reuse_base, len(seq_lens)
+        assert base is not None  # the callers check it
         st = self._adv
         if st is None or st[0] != n:  # per build and n: views and a scratch row, made once
             st = self._adv = (n, base.last_lo1[:n], base.hi_pos[:n], np.empty(n, np.int64))
@@ -309,7 +317,7 @@ class CascadeWorkspace(StagingRing):
         self.fills_reused += 1
         return True
 
-    def _rows_on_device(self, req_pool_indices, n: int) -> bool:
+    def _rows_on_device(self, req_pool_indices: Rows, n: int) -> bool:
         """The last upload's first ``n`` rows are ``req_pool_indices[:n]`` (host rows only: the
         same array, or an equal one; the build's padding rows after them stay)."""
         held = self._rows_up
@@ -322,20 +330,21 @@ class CascadeWorkspace(StagingRing):
                       same_grouping: bool = False) -> PrefixItems:
         """``build_prefix_items``, reused while the grouping is unchanged (successive decode
         steps of the same requests), which halves the host work of a step."""
-        if same_grouping and self._prefix_shape == (bs, single_prefix_chunk):
-            return self._prefix_memo[1]
+        memo_key, items = self._prefix_memo
+        if same_grouping and items is not None and self._prefix_shape == (bs, single_prefix_chunk):
+            return items
         self._prefix_shape = (bs, single_prefix_chunk)
         g = grouping
-        key = (bs, single_prefix_chunk) + tuple(
+        key: PrefixKey = (bs, single_prefix_chunk) + tuple(
             a.tobytes() for a in (g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx))
-        if self._prefix_memo[0] != key:
+        if memo_key != key or items is None:
             items = build_prefix_items(grouping, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
                                        config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
                                        single_prefix_chunk=single_prefix_chunk)  # fmt: skip
             self._prefix_memo = (key, items)
-        return self._prefix_memo[1]
+        return items
 
-    def _upload(self, wl: WorkList, req_pool_indices, base: Optional[ReuseBase] = None) -> None:
+    def _upload(self, wl: WorkList, req_pool_indices: Rows, base: Optional[ReuseBase] = None) -> None:
         """Writes ``wl`` whole into the next staging buffer and copies it to ``meta``; ``base``:
         the build ``wl`` is (what later advances may rewrite in part)."""
         k = self._next_buffer()
@@ -343,7 +352,7 @@ class CascadeWorkspace(StagingRing):
         self._host_base[k] = base
         self._copy_up(k, wl.bs, req_pool_indices)
 
-    def _write_all(self, h, wl: WorkList) -> None:
+    def _write_all(self, h: np.ndarray, wl: WorkList) -> None:
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
         h[o["sfx_max"]] = last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor)

@@ -19,23 +19,30 @@ raises, the batch finishes stock and every later extend batch stays stock.
 are read from it at each call (the backend may replace them while serving).
 """
 
+from __future__ import annotations
+
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional
 
 import numpy as np
+import torch
 
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug.compare import DebugCompare
 from granikv.attention.eligibility import LayerEligibility
 from granikv.attention.extend import workspace as extend_workspace
-from granikv.attention.extend.plan import plan_extend
 from granikv.attention.extend.full_extend import FullExtend, backend_reason, graph_reason
 from granikv.attention.extend.hot_extend import (
+    DenseRunner,
     FlashInferDense,
     HotExtendAttention,
     PrefixPartProxy,
     TorchDense,
 )
+from granikv.attention.extend.plan import ExtendPlan, plan_extend
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
 
 logger = logging.getLogger("granikv")
 
@@ -45,10 +52,10 @@ class ExtendPaths:
         self.ctx = ctx
         self.eligibility = eligibility  # LayerEligibility (shared with decode)
         self.compare = compare  # DebugCompare
-        self.hot_extend = None  # HotExtendAttention, created on the first eligible extend batch
-        self.full_extend = None  # FullExtend around it (wrapped backends without ragged + paged)
+        self.hot_extend: Optional[HotExtendAttention] = None  # created on the first eligible extend batch
+        self.full_extend: Optional[FullExtend] = None  # around it (wrapped backends without ragged + paged)
         self.full_compare = False  # debug compare due on this batch's layer 0 (full extend)
-        self.stock_prefill_wrappers = None  # the batch's wrappers the proxies stand in for
+        self.stock_prefill_wrappers: Optional[List[Any]] = None  # the batch's wrappers the proxies stand in for
         # set when the dense prefill path has no workspace or failed: stock from then on
         self.off_reason = self.workspace_reason()
         if self.off_reason is not None and ctx.cfg.extend_path != "paged":
@@ -57,7 +64,7 @@ class ExtendPaths:
 
     # ---- planning (host side, once per extend batch) ---------------------------------------
 
-    def plan(self, fb, staged) -> None:
+    def plan(self, fb: Any, staged: Optional[np.ndarray]) -> None:
         """After the wrapped backend planned an extend batch: if its prefix part can run over
         HOT extents, swap the batch's paged prefill wrappers for proxies (flashinfer) or plan
         the whole extend here (other backends)."""
@@ -69,9 +76,10 @@ class ExtendPaths:
         ctx = self.ctx
         if ctx.cfg.extend_path == "paged" or getattr(fb.forward_mode, "name", "") != "EXTEND":
             return
-        md = getattr(ctx.inner, "forward_metadata", None)
+        md: Any = getattr(ctx.inner, "forward_metadata", None)
         full = not hasattr(md, "prefill_wrappers")  # not flashinfer: GraniKV computes the whole extend
         unservable = backend_reason(ctx.inner, ctx.model_runner.token_to_kv_pool) if full else None
+        reason: Optional[str]
         if self.off_reason is not None:
             reason = self.off_reason
         elif full and getattr(fb, "extend_prefix_lens_cpu", None) is None:
@@ -95,7 +103,7 @@ class ExtendPaths:
                 return
         ctx.stats.record_extend(None, reason)
 
-    def _plan_hot(self, fb, staged, md, full: bool) -> Optional[str]:
+    def _plan_hot(self, fb: Any, staged: np.ndarray, md: Any, full: bool) -> Optional[str]:
         """Plans the batch over its HOT runs; returns why it stays stock (None: planned)."""
         ctx = self.ctx
         table = ctx.hot_prefix_table
@@ -113,9 +121,11 @@ class ExtendPaths:
         if ctx.cfg.debug_integrity:
             attn.check_integrity()
         if full:
-            self.full_extend.begin()
+            full_extend = self.full_extend
+            assert full_extend is not None  # made by attention()
+            full_extend.begin()
             if ctx.cfg.debug_integrity:
-                self.full_extend.check_integrity()
+                full_extend.check_integrity()
             self.full_compare = self.compare.extend_due()
             return None
         compare = self.compare.prefix_part_callback(plan) if self.compare.extend_due() else None
@@ -124,7 +134,7 @@ class ExtendPaths:
                                for w in md.prefill_wrappers]  # a new list: SGLang's stays
         return None
 
-    def hot_extend_pays(self, plan, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> bool:
+    def hot_extend_pays(self, plan: ExtendPlan, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> bool:
         """The extend gate: True iff ``ExtendTerms`` puts the prefix part over HOT extents (one
         dense call per group, plus the COLD remainder's paged call and a merge) below the stock
         paged call for this batch's shape. Runs under ``--granikv-extend-path auto`` only."""
@@ -141,6 +151,7 @@ class ExtendPaths:
         """The dense prefill path raised: this call and the rest of the batch are served by the
         stock wrapper; every later extend batch stays stock (logged once; the failed batch counts
         as HOT and as a fallback)."""
+        assert self.hot_extend is not None  # only its calls fail
         self.hot_extend.end()  # the batch's remaining layers: stock (the proxy sees no plan)
         if self.off_reason is None:
             self.off_reason = f"dense prefill path off after an error ({type(exc).__name__})"
@@ -153,6 +164,7 @@ class ExtendPaths:
         """The dense prefix-part attention (created once), and the ``FullExtend`` around it."""
         device = self.ctx.device
         if self.hot_extend is None:
+            runner: DenseRunner
             if device.type == "cuda":
                 # the flashinfer backend's float workspace (calls are stream-ordered); other
                 # backends have none: the one reserved at startup (extend_workspace)
@@ -164,11 +176,14 @@ class ExtendPaths:
             self.full_extend = FullExtend(self.hot_extend)
         return self.hot_extend
 
-    def workspace_buffer(self):
+    def workspace_buffer(self) -> torch.Tensor:
         buf = getattr(self.ctx.inner, "workspace_buffer", None)
         if buf is not None:
             return buf
-        return extend_workspace.reservation_of(self.ctx.model_runner).buffer
+        reservation = extend_workspace.reservation_of(self.ctx.model_runner)
+        # a workspace_reason of None (checked before any extend is planned) guarantees a buffer
+        assert reservation is not None and reservation.buffer is not None, "no FlashInfer workspace"
+        return reservation.buffer
 
     def workspace_reason(self) -> Optional[str]:
         """Why the HOT prefill path has no FlashInfer workspace (None: it has one, or runs on
@@ -183,7 +198,8 @@ class ExtendPaths:
 
     # ---- compute (per layer) -----------------------------------------------------------------
 
-    def forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: Any,
+                save_kv_cache: bool, kwargs: Mapping[str, Any]) -> torch.Tensor:
         ctx = self.ctx
         full = self.full_extend
         if full is not None and full.active:  # planned for a backend without ragged + paged calls
@@ -196,8 +212,9 @@ class ExtendPaths:
                 else:
                     if self.full_compare and layer.layer_id == 0:
                         self.full_compare = False
-                        self.compare.compare_full_extend(o, q, k, v, layer, fb, kwargs,
-                                                         hot_tokens=self.hot_extend.plan.hot_tokens)
+                        hot = self.hot_extend
+                        assert hot is not None and hot.plan is not None  # full.active: its attention is planned
+                        self.compare.compare_full_extend(o, q, k, v, layer, fb, kwargs, hot_tokens=hot.plan.hot_tokens)
                     return o
             else:
                 self.eligibility.log_stock_extend(layer, reason)
@@ -207,7 +224,8 @@ class ExtendPaths:
                 return self._stock_layer(q, k, v, layer, fb, save_kv_cache, kwargs, reason)
         return ctx.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
 
-    def _stock_layer(self, q, k, v, layer, fb, save_kv_cache, kwargs, reason):
+    def _stock_layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: Any,
+                     save_kv_cache: bool, kwargs: Mapping[str, Any], reason: str) -> torch.Tensor:
         """One layer of a proxied (flashinfer) extend batch, computed wholly by the wrapped
         backend: its stock paged prefill wrappers are put back for the call."""
         self.eligibility.log_stock_extend(layer, reason)

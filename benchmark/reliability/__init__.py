@@ -1,0 +1,1 @@
+"""The GPU soak of a launched server (``python3 -m benchmark.reliability.soak``) and its parts."""
