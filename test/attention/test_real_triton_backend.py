@@ -31,7 +31,7 @@ def triton_runner(tmp_path, config, *, prepare=None):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs
-    from support.sglang_context import published_server_args
+    from support.sglang_context import add_newer_runner_fields, published_server_args
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     sa = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, attention_backend="triton",
@@ -45,7 +45,7 @@ def triton_runner(tmp_path, config, *, prepare=None):
             runner.model_config = ModelConfig.from_server_args(sa)
             runner.server_args = sa
             runner.gpu_id, runner.is_draft_worker, runner.sliding_window_size, runner.page_size = 0, False, None, 1
-            _add_newer_runner_fields(runner)
+            add_newer_runner_fields(runner)
             yield runner
 
 
@@ -53,28 +53,6 @@ def triton_runner(tmp_path, config, *, prepare=None):
 def real_runner(tmp_path):
     with triton_runner(tmp_path, LLAMA) as runner:
         yield runner
-
-
-def _add_newer_runner_fields(runner) -> None:
-    """What 0.5.23's triton backend reads from its model runner beyond 0.5.17's fields: the
-    runner's ``KVIndexTranslator`` (the real one, built as ``ModelRunner`` builds it; a plain pool
-    translates nothing) and ``decode_num_tokens_per_req`` (the real method, no speculation)."""
-    try:
-        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    except ImportError:  # 0.5.17
-        return
-    from types import MethodType
-
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    runner.kv_index_translator = KVIndexTranslator(
-        req_to_token=runner.req_to_token_pool.req_to_token,
-        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
-        token_to_kv_pool=runner.token_to_kv_pool, page_size=1, device="cpu")
-    assert not runner.kv_index_translator.is_translating
-    runner.spec_algorithm = SpeculativeAlgorithm.NONE
-    runner.decode_num_tokens_per_req = MethodType(ModelRunner.decode_num_tokens_per_req, runner)
 
 
 def _layer():

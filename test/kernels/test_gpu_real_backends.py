@@ -30,7 +30,7 @@ def runner(tmp_path):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.runtime_context import get_parallel
-    from support.sglang_context import published_server_args
+    from support.sglang_context import add_newer_runner_fields, published_server_args
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -46,12 +46,14 @@ def runner(tmp_path):
             r = SimpleNamespace(model_config=ModelConfig.from_server_args(sa), server_args=sa, device="cuda", gpu_id=0,
                                 is_draft_worker=False, sliding_window_size=None, page_size=1, kv_cache_dtype=DTYPE,
                                 dtype=DTYPE, init_new_workspace=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-                                ps=SimpleNamespace(attn_tp_size=1))
+                                ps=SimpleNamespace(attn_tp_size=1), decode_attention_backend_str="flashinfer",
+                                prefill_attention_backend_str="flashinfer")  # what 0.5.23 reads
             r.req_to_token_pool = ReqToTokenPool(size=16, max_context_len=2048, device="cuda", enable_memory_saver=False)
             r.token_to_kv_pool = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV, head_dim=D,
                                                   layer_num=1, device="cuda", enable_memory_saver=False)
             r.token_to_kv_pool_allocator = SimpleNamespace(hot_prefix_table=HotPrefixTable(17),
                                                            get_kvcache=lambda: r.token_to_kv_pool)
+            add_newer_runner_fields(r, "cuda")  # 0.5.23's backends read its KV index translator
             g = torch.Generator(device="cuda").manual_seed(0)
             for buf in (r.token_to_kv_pool.k_buffer[0], r.token_to_kv_pool.v_buffer[0]):
                 buf.copy_(torch.randn(buf.shape, generator=g, device="cuda").to(DTYPE))
@@ -71,6 +73,8 @@ def _build(runner, name):
 def _batch(runner, suffix=(5, 9, 37, 17, 6, 1, 12, 3)):
     """Rows 1..8; even rows share the HOT prefix at HOT_BASE, odd rows have private COLD prompts."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from support.sglang_context import bind_kv_loc_plan
 
     rt = runner.req_to_token_pool.req_to_token
     table = runner.token_to_kv_pool_allocator.hot_prefix_table
@@ -92,6 +96,7 @@ def _batch(runner, suffix=(5, 9, 37, 17, 6, 1, 12, 3)):
                          seq_lens_cpu=seq.cpu(), seq_lens_sum=int(seq.sum()), out_cache_loc=rt[rpi, seq - 1].long(),
                          positions=(seq - 1).long(),  # FlashInfer's graph capture sizes its buffers by it
                          spec_info=None, encoder_lens=None, num_padding=0)
+    bind_kv_loc_plan(runner, fb)
     return fb, np.array(rows, dtype=np.int64)
 
 
