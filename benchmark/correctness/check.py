@@ -18,7 +18,7 @@
    engine sees the same prompts in every turn).
 4. GraniKV and fault engines run with ``--granikv-debug-compare-every N`` (``--compare-every``,
    default 4): every layer of every N-th eager decode step is compared with the wrapped stock
-   backend's output for the same step (debug_compare.py), within a tolerance of
+   backend's output for the same step (attention/debug/compare.py), within a tolerance of
    TOLERANCE_FACTOR (4) x the stock output's own deviation from a float64 paged reference, at
    least FLOOR_EPS (2) x the dtype's eps. A CUDA-graph replay runs no Python, so while the
    compare is on every engine (the baselines too: all engines run the same kind of decode
@@ -70,7 +70,7 @@ from benchmark.harness.engine_child import EngineChild, gpu_name
 from benchmark.harness.engine_proc import REPO_ROOT, engine_env, exit_after, kill_group, module_command, repo_env
 from benchmark.multi_agent import workloads as wl
 
-# debug_compare.py's constants without importing its module (this parent runs no engine); a test
+# attention/debug/compare.py's constants without importing its module (this parent runs no engine); a test
 # checks they match
 TOLERANCE_FACTOR = 4.0
 FLOOR_EPS = 2.0

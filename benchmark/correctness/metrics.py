@@ -182,7 +182,7 @@ passes = token_passes  # the rule's earlier name
 
 def layer_passes(layer: Optional[Mapping[str, float]]) -> Optional[bool]:
     """The layer-output rule over one workload's compared decode layer-steps (the engine's
-    ``attention.layer_output_*`` counters, debug_compare.py): at least one layer-step compared
+    ``attention.layer_output_*`` counters, attention/debug/compare.py): at least one layer-step compared
     (``compares``) and none over its own tolerance (``over_tolerance``; every layer-step within
     its tolerance implies ``layer_output_max_rel_dev <= layer_output_tolerance`` over them).
     None when the compare was off (``layer`` None)."""

@@ -8,7 +8,7 @@ and its absolute counters at the workload's end, ``granikv_state``), configs ``b
 A row (one workload, one backend) passes when GraniKV passes both rules (metrics.py):
 
 - layer outputs (``metrics.layer_passes``): the debug compare (``--granikv-debug-compare-every``,
-  debug_compare.py) compared at least one decode layer-step of the workload and none deviated
+  attention/debug/compare.py) compared at least one decode layer-step of the workload and none deviated
   from the stock output by more than its tolerance (TOLERANCE_FACTOR x the stock output's own
   deviation from float64, at least FLOOR_EPS x the dtype's eps). Columns: the layer-steps
   compared / over tolerance in this workload, and the engine's ``layer_output_max_rel_dev``,

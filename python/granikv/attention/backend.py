@@ -12,7 +12,7 @@ Idle batches, and extend batches without a HOT prefix, go to the wrapped backend
   attention (HOT prefix once per group + COLD suffix + LSE merge) and overwrite the wrapped
   backend's output rows in place.
 
-CUDA graphs (``decode_planner``, ``graph_variants``): every captured batch size has the stock
+CUDA graphs (``decode.planner``, ``decode.graph_variants``): every captured batch size has the stock
 graph (the wrapped backend alone) and, where the cost model says cascade can win at that size, a cascade graph
 (``wrapped decode with seq_len = 1 -> cascade kernels``). The plan, made in
 ``init_forward_metadata_out_graph`` before the replay, picks the graph: paged steps replay the
@@ -21,7 +21,7 @@ lives in the fixed-capacity ``CascadeWorkspace`` and the wrapped backend's per-s
 buffers, shared by both graphs of a size and refilled before every replay. Fused and bgemm run
 on eager steps only.
 
-Extend batches with a cached prefix (``extend_paths``, ``extend_plan``, ``hot_extend``): when
+Extend batches with a cached prefix (``extend.paths``, ``extend.plan``, ``extend.hot_extend``): when
 some cached prefix in the batch starts with a HOT run and the wrapped backend is flashinfer (ragged + paged
 prefill), the paged prefill wrapper in the batch's metadata is replaced by a
 ``PrefixPartProxy``: the prefix part runs as one dense call per HOT extent, plus one paged call

@@ -28,7 +28,7 @@ PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most
 PLAN_SECTIONS = ("stage", "lookup", "choose", "fill", "upload", "view")
 
 # Snapshot keys that are maxima over the backend's life (merged across backends by max, never
-# summed or differenced): the debug compare's per-layer output deviations (debug_compare.py).
+# summed or differenced): the debug compare's per-layer output deviations (debug/compare.py).
 MAXIMA = ("layer_output_max_rel_dev", "layer_output_stock_max_rel_dev", "layer_output_tolerance")
 
 

@@ -33,7 +33,7 @@ chunk bound C for the step (total tile-work / target items), each group cut into
 ceil(len / C) EQUAL chunks (a multiple of block_n, only the group's last one shorter), so a
 forest's long prefixes get more items and short ones fewer, all about the same size.
 
-The device workspace these lists are copied into: ``cascade_workspace.CascadeWorkspace``.
+The device workspace these lists are copied into: ``decode.workspace.CascadeWorkspace``.
 """
 
 from typing import NamedTuple, Optional, Tuple, Union, overload
