@@ -5,6 +5,8 @@
 # pinned tools (requirements/lint.txt) are installed into it when missing. Both checks run;
 # exits non-zero if either reports a finding.
 #   bash scripts/lint.sh
+#   bash scripts/lint.sh --install     # only install the pinned tools (scripts/test.sh, before the
+#                                      # checks run beside the tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/sglang_versions.sh
@@ -19,6 +21,9 @@ installed() { "$VENV/bin/$1" --version 2>/dev/null | awk '{ print $2 }'; }
 if [ "$(installed ruff)" != "$(pinned ruff)" ] || [ "$(installed mypy)" != "$(pinned mypy)" ]; then
   echo "lint.sh: installing requirements/lint.txt into $VENV" >&2
   "$VENV/bin/python" -m pip install -q -r requirements/lint.txt
+fi
+if [ "${1:-}" = "--install" ]; then
+  exit 0
 fi
 
 rc=0
