@@ -14,8 +14,9 @@ from granikv.kernels.reference import decode_attention_ref
 from granikv.attention.debug import compare as dc
 from granikv.attention.backend import GraniKVAttnBackend
 from granikv.attention.step_stats import MAXIMA
+from support.sglang_context import bind_kv_loc_plan
 
-import test_backend as tb  # noqa: E402  (test/layers, on the path)
+import test_backend as tb  # noqa: E402  (beside this file)
 import test_real_triton_backend as rtb  # noqa: E402
 
 LAYERS = 2
@@ -129,9 +130,7 @@ def test_every_layer_against_the_real_triton_backend(two_layer_runner, monkeypat
     runner = two_layer_runner
     fb, rows = tb._batch(runner, hot={0, 2, 3})
     fb.spec_info = None
-    translator = getattr(runner, "kv_index_translator", None)
-    if translator is not None:  # 0.5.23: a forward gets its KV location plan as ForwardBatch does
-        translator.own_plan(fb).bind(fb, translator)
+    bind_kv_loc_plan(runner, fb)  # 0.5.23: a forward gets its KV location plan as ForwardBatch does
     cfg = GraniKVConfig(enable=True, attention_path="cascade", debug_compare_every=1)
     ours = GraniKVAttnBackend.wrap(TritonAttnBackend(runner), model_runner=runner, cfg=cfg, backend_name="triton")
     assert isinstance(ours, GraniKVAttnBackend)

@@ -12,7 +12,7 @@ from granikv.config import GraniKVConfig
 from granikv.attention.extend import workspace as extend_workspace
 from granikv.attention.backend import GraniKVAttnBackend
 
-import test_backend as tb  # noqa: E402  (test/layers, on the path)
+import test_backend as tb  # noqa: E402  (beside this file)
 
 
 def test_reserve_once_and_fail_cleanly(caplog):

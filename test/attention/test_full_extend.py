@@ -20,7 +20,7 @@ from granikv.attention.extend.full_extend import backend_reason
 from granikv.attention.eligibility import call_reason, layer_reason
 from granikv.attention.extend.hot_extend import HotExtendAttention, TorchDense
 
-from extend_standin import TritonExtendStandIn  # noqa: E402  (test/layers, on the path)
+from extend_standin import TritonExtendStandIn  # noqa: E402  (beside this file)
 from test_hot_extend import ATOL, D, HKV, HQ, RTOL, SCALE, _expected, _setup  # noqa: E402
 
 LAYER = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,

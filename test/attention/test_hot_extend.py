@@ -25,7 +25,7 @@ from granikv.attention.extend.plan import plan_extend
 from granikv.attention.extend.hot_extend import HotExtendAttention, PrefixPartProxy, TorchDense
 from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
-from extend_standin import FlashInferExtendStandIn, attend  # noqa: E402  (test/layers, on the path)
+from extend_standin import FlashInferExtendStandIn, attend  # noqa: E402  (beside this file)
 
 HQ, HKV, D = 8, 2, 64
 SLOTS, HOT_A, HOT_B = 600, 400, 500

@@ -15,7 +15,7 @@ from granikv.attention.backend import GraniKVAttnBackend
 from granikv.attention.dispatcher import Path
 from granikv.attention.eligibility import LayerEligibility
 
-import test_backend as tb  # noqa: E402  (test/layers, on the path)
+import test_backend as tb  # noqa: E402  (beside this file)
 import test_hot_extend as th  # noqa: E402
 
 

@@ -14,8 +14,9 @@ from sglang.srt.layers.radix_attention import RadixAttention
 
 from granikv.config import GraniKVConfig
 from granikv.attention.backend import GraniKVAttnBackend
+from support.sglang_context import bind_kv_loc_plan
 
-import test_backend as tb  # noqa: E402  (test/layers, on the path)
+import test_backend as tb  # noqa: E402  (beside this file)
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=tb.HQ * tb.D,
              intermediate_size=256, num_hidden_layers=1, num_attention_heads=tb.HQ,
@@ -70,9 +71,7 @@ def test_wrapped_real_triton_decode_equals_stock(real_runner):
     runner = real_runner
     fb, rows = tb._batch(runner, hot={0, 2, 3})
     fb.spec_info = None
-    translator = getattr(runner, "kv_index_translator", None)
-    if translator is not None:  # 0.5.23: a forward gets its KV location plan as ForwardBatch does
-        translator.own_plan(fb).bind(fb, translator)
+    bind_kv_loc_plan(runner, fb)  # 0.5.23: a forward gets its KV location plan as ForwardBatch does
     q, k, v = tb._qkv(fb.batch_size, 3)
     k, v = k.view(-1, tb.HKV, tb.D), v.view(-1, tb.HKV, tb.D)  # as RadixAttention.forward passes them
     layer = _layer()
@@ -98,7 +97,6 @@ def test_wrapped_real_triton_steady_steps_equal_stock(real_runner):
     runner = real_runner
     fb, rows = tb._batch(runner, hot={0, 2, 3})
     fb.spec_info = None
-    translator = getattr(runner, "kv_index_translator", None)
     layer = _layer()
     stock_be = TritonAttnBackend(runner)
     cfg = GraniKVConfig(enable=True, attention_path="cascade")
@@ -111,8 +109,7 @@ def test_wrapped_real_triton_steady_steps_equal_stock(real_runner):
             new = torch.tensor([next(free) for _ in rows], dtype=torch.int64)
             rt[torch.as_tensor(rows), seq - 1] = new.to(torch.int32)
             fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum, fb.out_cache_loc = seq.clone(), seq, int(seq.sum()), new
-        if translator is not None:
-            translator.own_plan(fb).bind(fb, translator)
+        bind_kv_loc_plan(runner, fb)
         q, k, v = tb._qkv(fb.batch_size, 10 + step)
         k, v = k.view(-1, tb.HKV, tb.D), v.view(-1, tb.HKV, tb.D)
         stock = _decode(stock_be, fb, q, k, v, layer)

@@ -366,14 +366,6 @@ class CascadeWorkspace(StagingRing):
         h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
 
     # -------------------------------------------------------------- helpers
-    def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
-        """Raise ValueError if q / k_buffer do not match this workspace (``CascadeBuffers``)."""
-        self.buffers.check_shapes(q, k_buffer)
-
-    def grid_items(self, kind: str) -> int:
-        """Programs along axis 0 of a launch (``CascadeBuffers.grid_items``)."""
-        return self.buffers.grid_items(kind)
-
     def check_integrity(self) -> None:
         """Assert the last work list is self-consistent (debug aid, host-side only)."""
         wl = self.work_list
