@@ -18,6 +18,7 @@ from typing import Any, Dict, FrozenSet, List, Literal, Mapping, Optional, Seque
 AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
 ExtendPath = Literal["auto", "hot", "paged"]
 HotPolicy = Literal["pays_off", "threshold"]
+ReplaySlots = Literal["copy", "table"]
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
@@ -97,6 +98,15 @@ class GraniKVConfig:
         "cascade can beat paged for a batch sharing one long prefix; none = stock graphs only "
         "(steps that replay a graph run paged); or a comma-separated list of batch sizes. Each "
         "cascade graph costs about the memory of one more stock graph of its size.",
+    )
+    replay_slots: ReplaySlots = _opt(
+        "copy",
+        "Where the suffix kernels of a cascade CUDA-graph replay read each request's KV slots: "
+        "copy = a copy of the step's suffix slots made before the replay, beside SGLang's own "
+        "metadata copy, so SGLang's scheduler writes its next batch while the replay runs, as "
+        "with stock graphs; table = SGLang's req_to_token during the replay (the scheduler then "
+        "waits for the whole forward before its next writes).",
+        choices=get_args(ReplaySlots),
     )
     cost_model: Optional[str] = _opt(
         None,

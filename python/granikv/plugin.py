@@ -20,7 +20,7 @@ Hook map (SGLang 0.5.17 and 0.5.23; what differs between them lives in ``sglang_
     DecodeCudaGraphRunner.load_batch               AROUND  replay the cascade graph when the plan chose it
     DecodeCudaGraphRunner.capture                  AFTER   log which sizes have a cascade graph
     Scheduler.run_batch                            BEFORE  promotions, per-request HOT table, plan staging
-    Scheduler._apply_war_barrier                   AROUND  coarse barrier when GraniKV kernels are captured
+    Scheduler._apply_war_barrier                   AROUND  coarse barrier when a replay reads req_to_token
     Scheduler.get_internal_state                   AFTER   GraniKV counters in server info
 """
 
@@ -130,6 +130,48 @@ def _apply_to_server_kwargs(cfg: GraniKVConfig, get: Callable[[str], Any],
     set_("page_size", 1)
     if get("disable_radix_cache"):
         raise ValueError("--enable-granikv needs the radix cache; drop --disable-radix-cache")
+    _choose_attention_backend(get, set_)
+
+
+#: The attention backends GraniKV's shared-prefix attention has run behind on a GPU (tests,
+#: correctness check, grid). SGLang's own default is another one on Hopper (fa3) and Blackwell
+#: (trtllm_mha), which GraniKV wraps but has never run behind on a GPU.
+VERIFIED_BACKENDS = ("flashinfer", "triton")
+_BACKEND_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def _choose_attention_backend(get: Callable[[str], Any], set_: Callable[[str, Any], None]) -> None:
+    """With no attention backend given, a verified one (flashinfer where installed, else
+    triton) instead of SGLang's per-GPU default, with one log line; a given unverified one is
+    kept, with one line saying so. Only on a CUDA device (SGLang's other platforms choose
+    their own backend, and GraniKV's kernels need CUDA)."""
+    given = {k: get(k) for k in _BACKEND_KEYS if get(k) is not None}
+    if not given:
+        if not _cuda_device(get("device")):
+            return
+        import importlib.util
+
+        choice = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+        set_("attention_backend", choice)
+        logger.info("GraniKV: no --attention-backend given: serving with %s, a backend GraniKV is verified "
+                    "behind on a GPU (%s), instead of SGLang's default for this GPU (fa3 on Hopper, "
+                    "trtllm_mha on Blackwell: not yet run behind GraniKV on a GPU); pass "
+                    "--attention-backend to choose", choice, ", ".join(VERIFIED_BACKENDS))
+        return
+    for key, value in given.items():
+        if value not in VERIFIED_BACKENDS:
+            logger.warning("GraniKV: --%s=%s: GraniKV wraps this backend but has not been verified behind it "
+                           "on a GPU (verified: %s); its decode and prefill outputs are checked only by "
+                           "--granikv-debug-compare-every", key.replace("_", "-"), value,
+                           ", ".join(VERIFIED_BACKENDS))
+
+
+def _cuda_device(device: Optional[str]) -> bool:
+    if device is not None:
+        return str(device).startswith("cuda")
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 _warned: Set[str] = set()
@@ -402,7 +444,7 @@ def _before_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", *args: Any
 
 
 def _around_apply_war_barrier(orig: Callable[..., Any], scheduler: "Scheduler", *args: Any, **kwargs: Any) -> Any:
-    """GraniKV's captured kernels read ``req_to_token`` during the decode-graph replay, after
+    """Where this step's cascade replay reads ``req_to_token`` (no pre-replay slot copy), after
     SGLang's early read-done event: make SGLang wait for the whole forward (war_barrier.py)."""
     if config_of(scheduler.server_args) is not None:
         from granikv.war_barrier import drop_early_read_done

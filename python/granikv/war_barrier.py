@@ -3,13 +3,19 @@
 After launching a batch, SGLang's scheduler orders its next writes to shared buffers
 (``req_to_token``, ...) behind the forward's reads (``Scheduler._apply_war_barrier``). Its fast
 path waits only on a read-done event the decode graph runner records *before* the replay
-(the stock kernels read ``req_to_token`` in the pre-replay metadata copy). GraniKV's captured
-suffix kernel reads ``req_to_token`` *during* the replay, so for a GraniKV backend with CUDA
-graphs the event is too early: the hook drops it, and SGLang takes its coarse path (the
-schedule stream waits for the whole forward stream).
+(the stock kernels read ``req_to_token`` in the pre-replay metadata copy). GraniKV's planner
+copies the step's suffix slots out of ``req_to_token`` in that same pre-replay window
+(``attention/decode/slot_copy.py``), so a cascade replay reads the copy and the event stays
+valid: SGLang's fast path holds, and the scheduler prepares the next batch while the replay runs.
 
-    forward stream:  [metadata copy] ^read-done  [graph replay: ... GraniKV reads req_to_token ...]
-    schedule stream:                  ^ stock fast path waits here   ^ coarse path waits here
+    forward stream:  [metadata copy + GraniKV slot copy] ^read-done  [graph replay: reads the copy]
+    schedule stream:                                      ^ fast path waits here
+
+Where a cascade replay still reads ``req_to_token`` (``--granikv-replay-slots table``, or a
+build whose suffix items are wider than the copy), the event is too early: the hook drops it,
+and SGLang takes its coarse path (the schedule stream waits for the whole forward stream).
+GraniKV's own KV writes on the schedule stream (promotion copies) wait for the forward stream
+in any case (``scheduler_step``).
 """
 
 from typing import TYPE_CHECKING

@@ -260,3 +260,41 @@ def test_integrity_check_fails_on_a_capture_left_open():
     g.stock_only.add(8)
     with pytest.raises(AssertionError, match="both stock-only"):
         g.check_integrity()
+
+
+@pytest.mark.parametrize("replay_slots", ["copy", "table"])
+def test_a_cascade_replay_reads_the_pre_replay_slot_copy_not_req_to_token(replay_slots):
+    """With the slot copy (the default) the planner copies each suffix item's slots after the
+    step's upload, inside ``load_batch`` (before SGLang records its read-done event), so the
+    replay reads nothing the scheduler may write meanwhile: rewriting the batch's
+    ``req_to_token`` rows after ``load_batch`` leaves every output exact, and the write-after-read
+    barrier keeps SGLang's fast path. The planted fault (``table``: the kernels read the table
+    during the replay) gets the rewritten rows, and the barrier falls back to its coarse path."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+    be.cfg = GraniKVConfig(enable=True, attention_path="cascade", replay_slots=replay_slots)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    assert (be.decode.slot_copier is not None) == (replay_slots == "copy")
+    plugin._around_capture_one_shape(_capture_orig(lambda s: _replay_view(fb, 8)), gr, 8, forward=None)
+    table = runner_.req_to_token_pool.req_to_token
+    for step in range(3):  # a full build, then in-place steady steps
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        view = _replay_view(fb, 8)
+        be.stage_batch(rows)
+        plugin._around_load_batch(_load_orig, gr, view)
+        assert gr._replay_graph_key == ShapeKey(8, variant_label=CASCADE_LABEL)
+        assert be.reads_req_to_token_during_replay() == (replay_slots == "table")
+        q, k, v = _qkv(8, 40 + step)
+        saved = table.clone()
+        for r in rows:  # the scheduler rewrites the rows while the replay runs (suffix tokens)
+            n = int(fb.seq_lens_cpu[list(rows).index(r)])
+            table[r, 37 : n - 1] = torch.flip(table[r, 37 : n - 1], [0]) + 1
+        o = be.forward_decode(q, k, v, LAYER, view)
+        table.copy_(saved)
+        want = _expected(runner_, fb, q[:5])  # over the rows as they were (and the step's new K/V)
+        if replay_slots == "copy":
+            torch.testing.assert_close(o[:5], want, atol=ATOL, rtol=RTOL)
+        else:
+            assert (o[:5].float() - want.float()).abs().max() > 10 * ATOL
+    if replay_slots == "copy":
+        assert be.decode.slot_copier.copies == 3

@@ -291,7 +291,9 @@ def test_steady_cascade_step_makes_one_copy_and_no_upload(monkeypatch):
     """Graph replays of one batch as SGLang drives them, with the workspace uploading as on a
     GPU (events): after the first step, a steady step's torch work is one device-to-device copy
     of the seq_lens (the suffix ends the kernels read) and no upload (no event record, no wait);
-    the path choice sums no array (``seq_lens_sum`` is used, and checked)."""
+    the path choice sums no array (``seq_lens_sum`` is used, and checked). The pre-replay copy
+    of the suffix slots (``SlotCopier``: one CUDA-graph replay on a GPU, a direct launch here)
+    runs once per step and is counted apart."""
     from test_backend import _replay_view
 
     runner = _runner()
@@ -300,6 +302,8 @@ def test_steady_cascade_step_makes_one_copy_and_no_upload(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", events.Event)
     ws = be.decode.workspace
     ws._cuda = True
+    copies = []
+    be.decode.slot_copier.run = lambda: copies.append(1)
     fb, rows = _batch(runner, hot={0, 1, 3})
     host = torch.ones(16, dtype=torch.int64)
     ops, syncs = [], []
@@ -323,6 +327,7 @@ def test_steady_cascade_step_makes_one_copy_and_no_upload(monkeypatch):
             syncs.append(events.calls["synchronize"] - before["synchronize"])
             assert events.calls["record"] - before["record"] == 0, step
     assert ops and all(o == {"aten.copy_.default": 1} for o in ops), ops[:3]
+    assert len(copies) == 40  # every cascade replay's slots copied before it
     assert ws.advances_in_place == 39 and ws.fills_built == 2  # the capture's empty list, step 0
     assert events.calls["new"] <= 2 and sum(syncs) == 0  # the capture's and the first step's uploads
     chooser = be.decode.chooser

@@ -188,3 +188,35 @@ def test_internal_state_carries_granikv_counters():
     result = type("Out", (), {"internal_state": {}})()
     plugin._after_get_internal_state(result, off, None)
     assert "granikv" not in result.internal_state
+
+
+def _server_kwargs(**given):
+    kw = dict(given)
+    plugin._apply_to_server_kwargs(GraniKVConfig(enable=True), kw.get, kw.__setitem__)
+    return kw
+
+
+def test_no_attention_backend_on_cuda_gets_a_verified_one(caplog, monkeypatch):
+    """SGLang's default would be fa3 on Hopper (trtllm_mha on Blackwell), which GraniKV has not
+    run behind on a GPU: with --enable-granikv and no backend given, a verified one is chosen
+    (flashinfer where installed, else triton) with one line saying why."""
+    caplog.set_level("INFO", logger="granikv")
+    assert _server_kwargs(device="cuda")["attention_backend"] == "flashinfer"
+    line = [r.getMessage() for r in caplog.records if "no --attention-backend" in r.getMessage()]
+    assert len(line) == 1 and "fa3 on Hopper" in line[0] and "flashinfer, triton" in line[0]
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    assert _server_kwargs(device="cuda")["attention_backend"] == "triton"
+
+
+def test_a_given_backend_is_kept_and_an_unverified_one_named(caplog):
+    caplog.set_level("INFO", logger="granikv")
+    assert _server_kwargs(device="cuda", attention_backend="triton")["attention_backend"] == "triton"
+    assert _server_kwargs(device="cuda", decode_attention_backend="flashinfer").get("attention_backend") is None
+    assert not [r for r in caplog.records if "not been verified" in r.getMessage()]
+    assert _server_kwargs(device="cuda", attention_backend="fa3")["attention_backend"] == "fa3"
+    warn = [r.getMessage() for r in caplog.records if "not been verified" in r.getMessage()]
+    assert len(warn) == 1 and "--attention-backend=fa3" in warn[0]
+    assert "attention_backend" not in _server_kwargs(device="cpu")  # other platforms: SGLang's choice

@@ -197,11 +197,11 @@ class GraniKVAttnBackend(ForwardingBackend):
         return self.inner.on_after_cuda_graph_warmup()
 
     def reads_req_to_token_during_replay(self) -> bool:
-        """Whether this step's decode-graph replay runs GraniKV's kernels, which read
-        ``req_to_token`` during the replay (so SGLang's pre-replay read-done event is too early:
-        war_barrier.py): the step planned its size's cascade graph. Stock graphs read it only
-        in the pre-replay metadata copy."""
-        return self.decode.replay_runs_kernels()
+        """Whether this step's decode-graph replay reads ``req_to_token`` (so SGLang's
+        pre-replay read-done event is too early: war_barrier.py): the step planned its size's
+        cascade graph and made no pre-replay copy of its suffix slots (``SlotCopier``). Stock
+        graphs read it only in the pre-replay metadata copy."""
+        return self.decode.replay_reads_req_to_token()
 
     # ---- compute --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
 from granikv.kernels.prefix_attention import LOG2E, _prefix_item, input_precision
-from granikv.kernels.suffix_attention import _suffix_item
+from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
 
@@ -68,13 +68,13 @@ def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, n
 
 @triton.jit
 def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, GroupReqIdx, PartIndptr, ReqPoolIdx,
-                  ReqToToken, SeqLens, SfxMax, Counter,
-                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
+                  ReqToToken, SeqLens, SfxMax, Counter, SlotCopy, SlotCopyOn,
+                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt, stride_sc,
                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_q_heads, qk_scale,
                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_H: tl.constexpr, SFX_HEADS: tl.constexpr, NUM_SFX_GROUPS: tl.constexpr,
                   SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  EVEN_SPLIT: tl.constexpr, DEVICE_ENDS: tl.constexpr):
+                  EVEN_SPLIT: tl.constexpr, DEVICE_ENDS: tl.constexpr, SLOT_COPY: tl.constexpr):
     h = tl.program_id(1)
     n_pfx = tl.load(Counts + 1)
     n_sfx = tl.load(Counts + 2)
@@ -89,11 +89,11 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
         b, qh, row_ok = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
-                                     SeqLens, SfxMax, n_sfx,
+                                     SeqLens, SfxMax, n_sfx, SlotCopy, SlotCopyOn,
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                                     stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                                     stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                                      RATIO, SFX_HEADS, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION,
-                                     DEVICE_ENDS)
+                                     DEVICE_ENDS, SLOT_COPY)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
 
@@ -112,16 +112,17 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     cfg = ws.config
     grid = (ws.grid_items("fused"), ws.num_kv_heads)
     ends = plan.ends  # see suffix_attention: device ends of each request's last suffix item
+    slots, slots_stride = slot_copy_args(plan)
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.sfx_max,
-        ws.counters,
+        ws.counters, slots, ws.slot_copy_on,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
+        req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
         out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=ws.suffix_block_h,
         SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,
-        num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        SLOT_COPY=plan.slot_copy, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

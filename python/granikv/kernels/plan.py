@@ -111,6 +111,9 @@ class CascadeBuffers:
     ``part_o`` fp32 [partial_cap, Hq, D], ``part_lse`` fp32 [partial_cap, Hq], ``counters`` int32
     [max_bs, Hq] (the fused kernel's arrivals, zero between launches). ``side_stream``: the
     stream of the overlapped suffix launch (``KernelConfig.overlap_suffix``), or None.
+    ``slot_copy``: int32 [suffix_cap, width], each suffix item's KV slots copied before a graph
+    replay (``suffix_slots``), or None (no table); ``slot_copy_on`` [1] (in the metadata block):
+    1 where the build's ``sfx_max`` fits ``width``, so the copy serves it.
     """
 
     config: KernelConfig
@@ -136,6 +139,8 @@ class CascadeBuffers:
     part_lse: torch.Tensor
     counters: torch.Tensor
     side_stream: Optional[torch.cuda.Stream]
+    slot_copy_on: torch.Tensor
+    slot_copy: Optional[torch.Tensor] = None
 
     def check_shapes(self, q: torch.Tensor, k_buffer: torch.Tensor) -> None:
         """Raise ValueError if q / k_buffer do not match these buffers."""
@@ -169,8 +174,12 @@ class BgemmMembers:
 class CascadePlan:
     """One decode step as the launchers see it. ``ends``: the device ``seq_lens`` the suffix
     kernels end each request's last suffix item at (None: the ends are in the uploaded work
-    list); ``bgemm``: set by a fill for ``bgemm_cascade_attention`` only."""
+    list); ``bgemm``: set by a fill for ``bgemm_cascade_attention`` only; ``slot_copy``: the
+    suffix kernels read each item's slots from ``buffers.slot_copy`` wherever the device's
+    ``slot_copy_on`` says the step's copy was made (the plans CUDA graphs capture; the copy
+    itself runs before every replay, ``suffix_slots.copy_suffix_slots``)."""
 
     buffers: CascadeBuffers
     ends: Optional[torch.Tensor] = None
     bgemm: Optional[BgemmMembers] = None
+    slot_copy: bool = False

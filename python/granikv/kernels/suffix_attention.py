@@ -19,6 +19,8 @@ end past what the work list was planned for is cut at ``t_lo + sfx_max`` (the wo
 device length never reads further than the host plan allows.
 """
 
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -26,15 +28,16 @@ import triton.language as tl
 from granikv.kernels.plan import CascadePlan
 from granikv.kernels.prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
 
-__all__ = ["suffix_attention"]
+__all__ = ["slot_copy_args", "suffix_attention"]
 
 
 @triton.jit
 def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax, n_items,
-                 stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                 stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                 SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
+                 stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr,
+                 SLOT_COPY: tl.constexpr):
     """Attention of suffix item ``w`` for kv heads ``hg*HEADS .. hg*HEADS+HEADS-1``.
 
     Rows r < HEADS*RATIO are q-heads ``hg*HEADS*RATIO + r`` (local kv head r // RATIO); the key
@@ -62,6 +65,9 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
     q = tl.load(Q + b64 * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
 
     tok_ptr = ReqToToken + tl.load(ReqPoolIdx + b).to(tl.int64) * stride_rt + t_lo
+    if SLOT_COPY:  # a graph built to read the step's slot copy, where the build made one
+        if tl.load(SlotCopyOn) != 0:
+            tok_ptr = SlotCopy + w.to(tl.int64) * stride_sc
     j = tl.arange(0, BLOCK_N * HEADS)
     jn = j // HEADS
     jg = j % HEADS
@@ -87,18 +93,30 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
 
 @triton.jit
 def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax,
-                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                   stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                   SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
+                   stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr,
+                   SLOT_COPY: tl.constexpr):
     hg = tl.program_id(1)
     n_items = tl.load(Counts + 2)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
     if w < n_items:
         _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax, n_items,
-                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                     stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS)
+                     SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                     stride_rt, stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS, SLOT_COPY)
+
+
+def slot_copy_args(plan: CascadePlan) -> Tuple[torch.Tensor, int]:
+    """The slot-copy table and its row stride the kernels take (a placeholder when the plan
+    does not read one: the argument is then never dereferenced)."""
+    ws = plan.buffers
+    if plan.slot_copy:
+        if ws.slot_copy is None:
+            raise ValueError("the plan reads a slot copy its buffers do not have")
+        return ws.slot_copy, ws.slot_copy.stride(0)
+    return ws.counts, 0
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -110,7 +128,8 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
     plan:         the step's CascadePlan (its buffers' ``req_pool_indices`` select the rows;
                   its ``ends``, when set, ends each request's last item, within
-                  ``t_lo + sfx_max``);
+                  ``t_lo + sfx_max``; with ``slot_copy`` the slots come from the buffers'
+                  ``slot_copy`` table wherever ``slot_copy_on`` is set: ``suffix_slots``);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
     Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per set of buffers (CUDA-graph safe).
     """
@@ -122,13 +141,15 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     cfg = ws.config
     grid = (ws.grid_items("suffix"), ws.suffix_groups)
     ends = plan.ends
+    slots, slots_stride = slot_copy_args(plan)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
-        ws.counts if ends is None else ends, ws.sfx_max,
+        ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.suffix_cap,
-        sm_scale * LOG2E,
+        req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
+        ws.suffix_cap, sm_scale * LOG2E,
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
+        SLOT_COPY=plan.slot_copy,
         num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip

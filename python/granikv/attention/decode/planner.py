@@ -32,6 +32,7 @@ import torch
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
+from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
 from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
 from granikv.attention.decode.workspace import CascadeWorkspace
@@ -51,6 +52,9 @@ class DecodePlanner:
         self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self.path = Path.PAGED  # path of the current step
         self.workspace: Optional[CascadeWorkspace] = None  # the graph one once graphs exist
+        self.slot_copier: Optional[SlotCopier] = None  # the graph workspace's pre-replay slot copy
+        self.slots_copied = False  # this step's replay reads the slot copy, not req_to_token
+        self._slot_copy_tokens = 0  # the slot-copy width of a workspace made by init_graph_state
         self.eager_workspace: Optional[CascadeWorkspace] = None  # eager steps larger than the graph workspace
         self.ws: Optional[CascadeWorkspace] = None  # the workspace of the current step
         self.launch: Optional[CascadePlan] = None  # what the kernels of the current step read
@@ -119,9 +123,10 @@ class DecodePlanner:
 
     # ---- workspaces ----------------------------------------------------------------------
 
-    def _new_workspace(self, max_bs: int) -> CascadeWorkspace:
+    def _new_workspace(self, max_bs: int, slot_copy_tokens: int = 0) -> CascadeWorkspace:
         geo = self.ctx.dispatcher.geometry
-        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.ctx.device)
+        return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.ctx.device,
+                                slot_copy_tokens=slot_copy_tokens)
 
     def workspace_for(self, bs: int) -> CascadeWorkspace:
         """The workspace a step of ``bs`` requests uses.
@@ -135,7 +140,8 @@ class DecodePlanner:
         attr = "eager_workspace" if self.graph_mode else "workspace"
         ws = getattr(self, attr)
         if ws is None or ws.max_bs < bs:
-            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
+            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs),
+                                     self._slot_copy_tokens if attr == "workspace" else 0)
             setattr(self, attr, ws)
         if self._ones is None or self._ones.numel() < bs:
             self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.ctx.device)
@@ -159,10 +165,15 @@ class DecodePlanner:
         tc = self._t_choose or t1
         self.path = Path.PAGED if plan is None else plan.decision.path  # graph steps: paged or cascade
         upload = 0.0
+        self.slots_copied = False
         if plan is not None:
             ws = self.workspace_for(fb.batch_size)
             upload = self._fill_workspace(ws, plan, fb)
-            self.ws, self.launch = ws, ws.plan
+            self.ws, self.launch = ws, (ws.graph_plan if graph else ws.plan)
+            copier = self.slot_copier
+            if graph and copier is not None and copier.ws is ws and ws.slot_copy_ready:
+                copier.run()  # before the replay, and before SGLang's read-done event
+                self.slots_copied = True
             if self.ctx.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
                 ws.ends.check_integrity(plan.desc.seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
@@ -337,7 +348,13 @@ class DecodePlanner:
             self._pad_fill = None
         self.graph_mode = False
         self.workspace = None
-        self.workspace_for(max_bs)
+        self._slot_copy_tokens = SLOT_COPY_TOKENS if self.ctx.cfg.replay_slots == "copy" else 0
+        ws = self.workspace_for(max_bs)
+        self._slot_copy_tokens = 0
+        self.slot_copier = None
+        if ws.slot_copy is not None:
+            self.slot_copier = SlotCopier(ws, lambda: self.ctx.req_to_token)
+            self.slot_copier.capture()
         self.graph_mode = True
 
     def capture_metadata_for(self, fb: Any) -> None:
@@ -358,7 +375,7 @@ class DecodePlanner:
         self.path = Path.CASCADE
         ws = self.ws = self.workspace_for(bs)
         ws.fill_empty(_device_ends(fb, ws))  # the graph reads the runner's static seq_lens
-        self.launch = ws.plan
+        self.launch = ws.graph_plan  # with a slot-copy table, the kernels read it where the step made one
         self.graphs.record_capture_ends(ws.ends.bound is not None)  # what its kernels read, per replay
         view = self._inner_view(fb)
         if bs in self._capture_metadata:
@@ -370,6 +387,12 @@ class DecodePlanner:
     def replay_runs_kernels(self) -> bool:
         """This step's decode-graph replay runs GraniKV's kernels (its size's cascade graph)."""
         return self.graph_mode and self.graphs.planned_cascade
+
+    def replay_reads_req_to_token(self) -> bool:
+        """This step's replay runs GraniKV's kernels and they read ``req_to_token`` (no slot
+        copy was made before it: ``--granikv-replay-slots table``, or a build whose suffix
+        items are wider than the copy)."""
+        return self.replay_runs_kernels() and not self.slots_copied
 
     # ---- compute (per layer) -----------------------------------------------------------------
 

@@ -47,13 +47,16 @@ class CascadeWorkspace(StagingRing):
     Host staging: ``StagingRing``; suffix ends once bound: ``SuffixEnds``.
 
     Device buffers (int32 unless noted):
-      ``meta``: [3 + 1 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
+      ``meta``: [3 + 1 + 1 + 5*P + 4*S + max_bs + (max_bs+1) + max_bs] = counts (bs, n_prefix_items,
       n_suffix_items) | sfx_max (the most tokens a request's last suffix item may hold: the
       kernels clamp a device end to ``t_lo + sfx_max``, ``reuse_base.last_item_bound``) |
+      slot_copy_on (1: ``sfx_max`` fits the slot-copy table) |
       prefix items SoA | suffix items SoA | group_req_idx | part_indptr |
       req_pool_indices (the view ``req_pool_indices``; host rows travel in the one copy);
       ``part_o`` fp32 [rows, Hq, D]; ``part_lse`` fp32
-      [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches).
+      [rows, Hq]; ``counters`` [max_bs, Hq] (fused kernel arrivals, zero between launches);
+      ``slot_copy`` [S, slot_copy_tokens] (``slot_copy_tokens`` > 0 only): each suffix item's
+      slots, copied before a graph replay (kernels/suffix_slots.py).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class CascadeWorkspace(StagingRing):
         sm_count: Optional[int] = None,
         config: Optional[KernelConfig] = None,
         staging_buffers: int = 8,
+        slot_copy_tokens: int = 0,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -96,13 +100,18 @@ class CascadeWorkspace(StagingRing):
         # meta layout
         P, S = self.prefix_cap, self.suffix_cap
         offs, o = {}, 0
-        for name, n in (("counts", 3), ("sfx_max", 1), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs),
+        for name, n in (("counts", 3), ("sfx_max", 1), ("sco", 1), ("pfx", 5 * P), ("sfx", 4 * S), ("gidx", max_bs),
                         ("pptr", max_bs + 1), ("rpi", max_bs)):
             offs[name], o = o, o + n
         self._offs, self._meta_len = offs, o
         self._init_ring(o, offs["rpi"], max_bs, self.device, staging_buffers)
         self.counts = self.meta[0:3]
         self.sfx_max = self.meta[offs["sfx_max"] : offs["sfx_max"] + 1]
+        self.slot_copy_on = self.meta[offs["sco"] : offs["sco"] + 1]
+        # each suffix item's slots, copied before a graph replay (kernels/suffix_slots.py)
+        self.slot_copy = (torch.zeros(S, slot_copy_tokens, dtype=torch.int32, device=self.device)
+                          if slot_copy_tokens > 0 else None)
+        self.slot_copy_ready = False  # the device's slot_copy_on of the current build
         self.pfx_items = self.meta[offs["pfx"] : offs["pfx"] + 5 * P]
         self.sfx_items = self.meta[offs["sfx"] : offs["sfx"] + 4 * S]
         self.group_req_idx = self.meta[offs["gidx"] : offs["gidx"] + max_bs]
@@ -132,10 +141,15 @@ class CascadeWorkspace(StagingRing):
             suffix_heads=self.suffix_heads, suffix_groups=self.suffix_groups, suffix_block_h=self.suffix_block_h,
             counts=self.counts, sfx_max=self.sfx_max, pfx_items=self.pfx_items, sfx_items=self.sfx_items,
             group_req_idx=self.group_req_idx, part_indptr=self.part_indptr, req_pool_indices=self.req_pool_indices,
-            part_o=self.part_o, part_lse=self.part_lse, counters=self.counters, side_stream=self.side_stream)
-        # the two plans of a step without the bgemm path: the ends in the upload, or on the device
-        self._plan_uploaded_ends = CascadePlan(self.buffers)
-        self._plan_device_ends = CascadePlan(self.buffers, ends=self.ends.buffer)
+            part_o=self.part_o, part_lse=self.part_lse, counters=self.counters, side_stream=self.side_stream,
+            slot_copy_on=self.slot_copy_on, slot_copy=self.slot_copy)
+        # the plans of a step without the bgemm path: the ends in the upload, or on the device;
+        # reading req_to_token, or the slot copy (graph replays only: the copy runs before them)
+        self._plans = {(False, False): CascadePlan(self.buffers),
+                       (True, False): CascadePlan(self.buffers, ends=self.ends.buffer)}
+        if self.slot_copy is not None:
+            self._plans[(False, True)] = CascadePlan(self.buffers, slot_copy=True)
+            self._plans[(True, True)] = CascadePlan(self.buffers, ends=self.ends.buffer, slot_copy=True)
 
     @property
     def plan(self) -> CascadePlan:
@@ -144,7 +158,15 @@ class CascadeWorkspace(StagingRing):
         ends = self.ends.bound
         if self._bgemm is not None:
             return CascadePlan(self.buffers, ends=ends, bgemm=self._bgemm)
-        return self._plan_uploaded_ends if ends is None else self._plan_device_ends
+        return self._plans[(ends is not None, False)]
+
+    @property
+    def graph_plan(self) -> CascadePlan:
+        """``plan`` as a CUDA graph captures it: with a slot-copy table, its kernels read the
+        copy wherever the device's ``slot_copy_on`` is set, so every replay of such a graph
+        must follow ``copy_suffix_slots`` (the planner runs it before each replay)."""
+        ends = self.ends.bound
+        return self._plans[(ends is not None, self.slot_copy is not None)]
 
     # ------------------------------------------------------------------ fill
     @property
@@ -220,6 +242,8 @@ class CascadeWorkspace(StagingRing):
                              factor=self.config.reuse_chunk_factor,
                              sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
         self._upload(wl, req_pool_indices, base)
+        self.slot_copy_ready = self.slot_copy is not None and (
+            last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor) <= self.slot_copy.shape[1])
         self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
         self._adv = None
         self.fills_built += 1
@@ -355,7 +379,9 @@ class CascadeWorkspace(StagingRing):
     def _write_all(self, h: np.ndarray, wl: WorkList) -> None:
         P, S, o = self.prefix_cap, self.suffix_cap, self._offs
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
-        h[o["sfx_max"]] = last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor)
+        bound = last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor)
+        h[o["sfx_max"]] = bound
+        h[o["sco"]] = int(self.slot_copy is not None and bound <= self.slot_copy.shape[1])
         n = wl.num_prefix_items
         for j, a in enumerate((wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
             h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a
