@@ -47,13 +47,14 @@ def _out(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                      plan: CascadePlan, *, sm_scale: float,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      plan: CascadePlan, *, sm_scale: float, out: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Shared-prefix decode attention in three launches (prefix, suffix, merge).
 
     q [bs, Hq, D] fp16/bf16/fp32; k_buffer / v_buffer [slots, Hkv, D] (one layer);
     req_to_token int32 [rows, max_ctx]; plan: this step's (buffers filled); out [>= bs, Hq, D]
-    (allocated if None). Returns out.
+    (allocated if None); sinks: fp32 [Hq] attention-sink logits, joined in the merge
+    (merge_state.py), or None. Returns out.
     """
     out = _out(q, out)
     side = plan.buffers.side_stream
@@ -67,18 +68,18 @@ def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
         with torch.cuda.stream(side):
             suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
         cur.wait_stream(side)  # also orders any later reuse of q's memory after the side work
-    return merge_state(plan, out)
+    return merge_state(plan, out, sinks)
 
 
 def fused_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             req_to_token: torch.Tensor, plan: CascadePlan, *, sm_scale: float,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``cascade_attention`` in ONE launch (last writer of a request merges it; see fused_cascade.py).
 
     Every request of the batch must have at least one token (seq_len >= 1), as in decode.
     """
     out = _out(q, out)
-    return fused_cascade(q, k_buffer, v_buffer, req_to_token, plan, out, sm_scale=sm_scale)
+    return fused_cascade(q, k_buffer, v_buffer, req_to_token, plan, out, sm_scale=sm_scale, sinks=sinks)
 
 
 class PrefixState(NamedTuple):
@@ -131,7 +132,7 @@ def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 
 def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             req_to_token: torch.Tensor, plan: CascadePlan, *, sm_scale: float,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bgemm prefix + suffix kernel + merge. The plan must come from a fill with
     ``single_prefix_chunk=True`` (``plan.bgemm``: one prefix partial row per member, written
     here). Eager only.
@@ -145,4 +146,4 @@ def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
         plan.buffers.part_o.index_copy_(0, members.rows, st.o)  # no per-layer host-to-device copy
         plan.buffers.part_lse.index_copy_(0, members.rows, st.lse)
     suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
-    return merge_state(plan, out)
+    return merge_state(plan, out, sinks)

@@ -15,10 +15,13 @@ counters are all zero again when the launch ends (CUDA-graph safe). Used for sma
 where the three launches of the cascade path cost more than the work.
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from granikv.kernels.merge_state import check_sinks
 from granikv.kernels.plan import CascadePlan
 from granikv.kernels.prefix_attention import LOG2E, _prefix_item, input_precision
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
@@ -27,8 +30,8 @@ __all__ = ["fused_cascade"]
 
 
 @triton.jit
-def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads, stride_pr, stride_ph,
-                      stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr):
+def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, num_q_heads, stride_pr,
+                      stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Count this item's arrival on every row's (b, q-head) counter; merge the rows it completes.
 
     Rows are merged together as one tile (per-row partial ranges, masked), so a prefix item that
@@ -49,9 +52,14 @@ def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, n
             ok = last & (j < n)
             lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
             m = tl.maximum(m, lse)
+        if HAS_SINKS:  # merge_state.py: the sink joins the denominator once per head
+            sink = tl.load(Sinks + qh, mask=last, other=float("-inf")).to(tl.float32)
+            m = tl.maximum(m, sink)
         m = tl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
         acc = tl.zeros([b.shape[0], HEAD_DIM], tl.float32)
         s = tl.zeros([b.shape[0]], tl.float32)
+        if HAS_SINKS:
+            s += tl.where(last, tl.exp2(sink * 1.4426950408889634 - m), 0.0)
         for j in range(0, n_max):
             ok = last & (j < n)
             lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
@@ -68,13 +76,14 @@ def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, n
 
 @triton.jit
 def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, GroupReqIdx, PartIndptr, ReqPoolIdx,
-                  ReqToToken, SeqLens, SfxMax, Counter, SlotCopy, SlotCopyOn,
+                  ReqToToken, SeqLens, SfxMax, Counter, SlotCopy, SlotCopyOn, Sinks,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt, stride_sc,
                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_q_heads, qk_scale,
                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_H: tl.constexpr, SFX_HEADS: tl.constexpr, NUM_SFX_GROUPS: tl.constexpr,
                   SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  EVEN_SPLIT: tl.constexpr, DEVICE_ENDS: tl.constexpr, SLOT_COPY: tl.constexpr):
+                  EVEN_SPLIT: tl.constexpr, DEVICE_ENDS: tl.constexpr, SLOT_COPY: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     h = tl.program_id(1)
     n_pfx = tl.load(Counts + 1)
     n_sfx = tl.load(Counts + 2)
@@ -85,8 +94,8 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                                      RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
-        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
-                          stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
+        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, num_q_heads,
+                          stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
         b, qh, row_ok = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
                                      SeqLens, SfxMax, n_sfx, SlotCopy, SlotCopyOn,
@@ -94,21 +103,24 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                                      stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                                      RATIO, SFX_HEADS, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION,
                                      DEVICE_ENDS, SLOT_COPY)
-        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, num_q_heads,
-                          stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM)
+        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, num_q_heads,
+                          stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
 
 def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                  plan: CascadePlan, out: torch.Tensor, *, sm_scale: float) -> torch.Tensor:
+                  plan: CascadePlan, out: torch.Tensor, *, sm_scale: float,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Prefix + suffix + merge of a step's ``CascadePlan`` in one launch.
 
     Shapes as ``prefix_attention`` / ``suffix_attention`` / ``merge_state``; ``out`` [>= bs, Hq, D]
-    in q's dtype. Requires ``plan.buffers.counters`` all zero on entry (left zero on exit).
+    in q's dtype; ``sinks``: fp32 [Hq] attention-sink logits or None (``merge_state``).
+    Requires ``plan.buffers.counters`` all zero on entry (left zero on exit).
     A request with no partial rows is not written: the caller's ``fill`` never plans one
     (every request has seq_len - prefix_len >= 1 in decode), see ``cascade.fused_cascade_attention``.
     """
     ws = plan.buffers
     ws.check_shapes(q, k_buffer)
+    check_sinks(sinks, ws.num_q_heads)
     cfg = ws.config
     grid = (ws.grid_items("fused"), ws.num_kv_heads)
     ends = plan.ends  # see suffix_attention: device ends of each request's last suffix item
@@ -116,13 +128,13 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.sfx_max,
-        ws.counters, slots, ws.slot_copy_on,
+        ws.counters, slots, ws.slot_copy_on, ws.part_lse if sinks is None else sinks,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
         out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=ws.suffix_block_h,
         SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,
-        SLOT_COPY=plan.slot_copy, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        SLOT_COPY=plan.slot_copy, HAS_SINKS=sinks is not None, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

@@ -7,7 +7,18 @@ For request i and q-head j, with partial rows p in [part_indptr[i], part_indptr[
     out[i, j] = sum_p w_p * o[p, j] / sum_p w_p          (fp32 math, stored in out's dtype)
 
 A request with no partial rows (or only empty ones, lse = -inf) gets zeros.
+
+Attention sinks (``sinks`` [Hq], natural-log logits, as gpt-oss learns them): the sink's logit
+joins the softmax denominator once per head, and contributes no value:
+
+    m      = max(max_p lse[p, j], sink[j])
+    out[i, j] = sum_p w_p * o[p, j] / (sum_p w_p + exp(sink[j] - m))
+
+as SGLang's triton decode kernel applies them (``e_sum += exp(sink - e_max)`` after its
+split merge): the same result, whichever partial rows the work is cut into.
 """
+
+from typing import Optional
 
 import torch
 import triton
@@ -15,12 +26,12 @@ import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["merge_state", "merge_rows"]
+__all__ = ["check_sinks", "merge_state", "merge_rows"]
 
 
 @triton.jit
-def _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_rows(PartO, PartLse, Out, Sinks, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
+                RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Merge partial rows [p_lo, p_hi) of the RATIO q-heads of kv head h into Out[b]."""
     r = tl.arange(0, BLOCK_R)
     ok = r < RATIO
@@ -30,9 +41,14 @@ def _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, str
     for p in range(p_lo, p_hi):
         lse = tl.load(PartLse + p * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
         m = tl.maximum(m, lse)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + qh, mask=ok, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
     acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
+    if HAS_SINKS:
+        s += tl.exp2(sink * 1.4426950408889634 - m)
     for p in range(p_lo, p_hi):
         lse = tl.load(PartLse + p * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
         wgt = tl.exp2(lse * 1.4426950408889634 - m)
@@ -47,51 +63,63 @@ def _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, str
 
 
 @triton.jit
-def _merge_kernel(PartO, PartLse, Out, Counts, PartIndptr, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                  RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_kernel(PartO, PartLse, Out, Sinks, Counts, PartIndptr, stride_pr, stride_ph, stride_lr, stride_ob,
+                  stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if b < tl.load(Counts):
         p_lo = tl.load(PartIndptr + b)
         p_hi = tl.load(PartIndptr + b + 1)
-        _merge_rows(PartO, PartLse, Out, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                    RATIO, BLOCK_R, HEAD_DIM)
+        _merge_rows(PartO, PartLse, Out, Sinks, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob,
+                    stride_oh, RATIO, BLOCK_R, HEAD_DIM, HAS_SINKS)
 
 
-def merge_state(plan: CascadePlan, out: torch.Tensor) -> torch.Tensor:
+def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
+    """``sinks``: None, or one fp32 logit per q-head of this rank, contiguous."""
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be fp32 [{num_q_heads}] contiguous, got {sinks.dtype} {tuple(sinks.shape)}")
+
+
+def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Merge a step's partial states into ``out`` (one launch).
 
     plan:      CascadePlan whose buffers' ``part_o`` [rows, Hq, D] fp32 / ``part_lse`` [rows, Hq] fp32
                hold every request's partial rows (CSR ``part_indptr``).
     out:       [>= bs, Hq, D] in the query dtype; rows [0, bs) are written, others untouched.
+    sinks:     fp32 [Hq] attention-sink logits (module docstring), or None.
     Grid: (max_bs, Hkv), fixed per set of buffers; programs past the live batch exit.
     """
     ws = plan.buffers
     if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
                          f"{ws.head_dim}] with a contiguous last dim")
+    check_sinks(sinks, ws.num_q_heads)
     grid = (ws.max_bs, ws.num_kv_heads)
     _merge_kernel[grid](
-        ws.part_o, ws.part_lse, out, ws.counts, ws.part_indptr,
+        ws.part_o, ws.part_lse, out, ws.part_lse if sinks is None else sinks, ws.counts, ws.part_indptr,
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), out.stride(0), out.stride(1),
-        RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim, num_warps=4,
+        RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim,
+        HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return out
 
 
 def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.Tensor, out: torch.Tensor,
-               num_kv_heads: int) -> torch.Tensor:
+               num_kv_heads: int, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Stand-alone merge of a CSR of partial states (no workspace), for tests.
 
     part_o [rows, Hq, D] fp32, part_lse [rows, Hq] fp32, part_indptr int32 [bs+1] (device),
-    out [bs, Hq, D]. Every request's rows are merged; grid (bs, num_kv_heads).
+    out [bs, Hq, D], sinks as ``merge_state``. Every request's rows are merged; grid (bs, num_kv_heads).
     """
     bs, hq, d = out.shape
     ratio = hq // num_kv_heads
+    check_sinks(sinks, hq)
     counts = torch.tensor([bs], dtype=torch.int32, device=out.device)
     _merge_kernel[(bs, num_kv_heads)](
-        part_o, part_lse, out, counts, part_indptr,
+        part_o, part_lse, out, part_lse if sinks is None else sinks, counts, part_indptr,
         part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
-        RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, num_warps=4,
+        RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return out

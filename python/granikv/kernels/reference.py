@@ -7,7 +7,7 @@ exp(scaled scores); an empty key set gives o = 0, lse = -inf.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, NamedTuple, Sequence, Union
+from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "prefix_attention_ref",
     "suffix_attention_ref",
     "merge_state_ref",
+    "with_sinks_ref",
     "partials_ref",
 ]
 
@@ -54,10 +55,23 @@ def _stack(states: Sequence[AttentionState]) -> AttentionState:
 
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                         req_pool_indices: IntVector, seq_lens: IntVector, sm_scale: float) -> AttentionState:
-    """Plain paged decode: request i attends to slots req_to_token[rpi[i], :seq_lens[i]]."""
-    return suffix_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                                [0] * q.shape[0], sm_scale)
+                         req_pool_indices: IntVector, seq_lens: IntVector, sm_scale: float,
+                         sinks: Optional[torch.Tensor] = None) -> AttentionState:
+    """Plain paged decode: request i attends to slots req_to_token[rpi[i], :seq_lens[i]];
+    ``sinks`` [Hq]: attention-sink logits (``with_sinks_ref``)."""
+    st = suffix_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                              [0] * q.shape[0], sm_scale)
+    return st if sinks is None else with_sinks_ref(st, sinks)
+
+
+def with_sinks_ref(state: AttentionState, sinks: torch.Tensor) -> AttentionState:
+    """Attention whose softmax denominator also holds ``exp(sinks[j])`` per q-head j (a logit
+    that attends to nothing, as gpt-oss's learned sinks): o * exp(lse) / (exp(lse) +
+    exp(sink)), lse = logaddexp(lse, sink). An empty state (lse = -inf) stays o = 0."""
+    sink = sinks.double().to(state.lse.device)
+    lse = torch.logaddexp(state.lse, sink.expand_as(state.lse))
+    scale = torch.exp(state.lse - lse)  # exp(-inf) = 0
+    return AttentionState(state.o * scale[..., None], lse)
 
 
 def prefix_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group_start: IntVector,
