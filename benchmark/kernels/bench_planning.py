@@ -157,11 +157,16 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=HD, num_hidden_layers=LAYERS, context_len=32768,
                          get_num_kv_heads=lambda tp: HKV, hf_config=SimpleNamespace())
     table = HotPrefixTable(bs + 1)
+    cuda = device.startswith("cuda")
+    # SGLang's req_to_token (zeros: the noop backend reads no KV): what the pre-replay slot copy
+    # reads on CUDA, where its graph replay is part of the step's host work; on CPU the copy
+    # would run in Triton's interpreter, so the CPU rows plan without it (--granikv-replay-slots table)
+    r2t = SimpleNamespace(req_to_token=torch.zeros(bs + 2, PREFIX + SUFFIX + 128, dtype=torch.int32, device=device))
     runner = SimpleNamespace(model_config=mc, ps=SimpleNamespace(attn_tp_size=1), device=device,
                              kv_cache_dtype=torch.bfloat16, server_args=SimpleNamespace(speculative_algorithm=None),
                              token_to_kv_pool_allocator=SimpleNamespace(hot_prefix_table=table),
-                             req_to_token_pool=None)
-    cfg = GraniKVConfig(enable=True, log_interval=0)
+                             req_to_token_pool=r2t if cuda else None)
+    cfg = GraniKVConfig(enable=True, log_interval=0, replay_slots="copy" if cuda else "table")
     be = GraniKVAttnBackend(_NoopBackend(), model_runner=runner, cfg=cfg, backend_name="noop")
     be.init_cuda_graph_state(bs, bs)
     be.graphs.captured.add(bs)  # as a capture of bs would leave it (graph_variants.end_capture) ...

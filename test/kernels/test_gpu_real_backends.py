@@ -180,7 +180,8 @@ def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name):
         ours.stage_batch(rows)
         ours.init_forward_metadata_out_graph(fb)
         assert ours.graphs.planned_cascade is shared
-        assert ours.reads_req_to_token_during_replay() is shared  # the WAR barrier's question
+        # the WAR barrier's question: a cascade replay reads the pre-replay slot copy, never req_to_token
+        assert ours.decode.slots_copied is shared and not ours.reads_req_to_token_during_replay()
         graph, out = (cascade_graph, cascade_out) if ours.graphs.planned_cascade else (stock_graph, stock_out)
         graph.replay()
         torch.cuda.synchronize()

@@ -42,8 +42,10 @@ class SlotCopier:
 
     def capture(self) -> None:
         """Captures the copy into a CUDA graph (CUDA only; outside any other capture)."""
+        if self.ws.device.type != "cuda":
+            return
         table = self._req_to_token()
-        if self.ws.device.type != "cuda" or table.device.type != "cuda":
+        if table.device.type != "cuda":
             return
         from granikv.kernels.graph_capture import capture_graph
 
