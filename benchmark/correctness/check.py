@@ -217,12 +217,16 @@ def main_child(job_path: str) -> int:
 # ------------------------------------------------------------------------------------------
 
 
-def engine_kwargs(backend: str, config: str, attention_path: str, compare_every: int = 0) -> Dict[str, Any]:
+def engine_kwargs(backend: str, config: str, attention_path: str, compare_every: int = 0,
+                  kv_cache_dtype: Optional[str] = None) -> Dict[str, Any]:
     """The engine of ``config`` under ``backend``. ``compare_every`` > 0: decode CUDA graphs off
     on every engine (a replay runs no Python, so the layer compare needs eager steps, and all
     engines then decode alike) and the GraniKV engines compare every layer of every
-    ``compare_every``-th decode step."""
+    ``compare_every``-th decode step. ``kv_cache_dtype``: every engine's (e.g. ``fp8_e4m3``:
+    GraniKV against stock over the same FP8 cache)."""
     kw = dict(ENGINE_KWARGS, attention_backend=backend)
+    if kv_cache_dtype:
+        kw.update(kv_cache_dtype=kv_cache_dtype)
     if compare_every:
         kw.update(disable_cuda_graph=True)
     if config != "baseline":
@@ -286,6 +290,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "stock backend's output (--granikv-debug-compare-every; decode CUDA "
                         "graphs off on every engine). 0: graphs on, no layer rule.")
     p.add_argument("--no-fault", action="store_true", help="Skip the planted-fault engines.")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="SGLang --kv-cache-dtype of every engine (e.g. fp8_e4m3); default: the model's (bf16).")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
     p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -314,13 +320,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 logprob_factor=metrics.LOGPROB_FACTOR, logprob_slack=metrics.LOGPROB_SLACK,
                 bootstrap_resamples=metrics.BOOTSTRAP_RESAMPLES, bootstrap_seed=metrics.BOOTSTRAP_SEED,
                 compare_every=args.compare_every, tolerance_factor=TOLERANCE_FACTOR,
+                kv_cache_dtype=args.kv_cache_dtype or "auto",
                 floor_eps=FLOOR_EPS, errors=[])
     engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
     for backend in args.backends:
         for config in configs:
             job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
                        engine_kwargs=engine_kwargs(backend, config, args.attention_path,
-                                                   args.compare_every))
+                                                   args.compare_every, args.kv_cache_dtype))
             try:
                 engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout)
             except Exception as e:  # the other engines still run; the report says what failed

@@ -6,14 +6,33 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Optional, Tuple
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "multi_agent" / "configs"
+
+#: A grid model named ``<config>+<kv dtype>`` is that shipped config served with that
+#: ``--kv-cache-dtype`` (e.g. ``llama-3.1-8b+fp8_e4m3``).
+KV_DTYPE_SEP = "+"
+KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def split_model_name(name: str) -> Tuple[str, Optional[str]]:
+    """``(config folder, kv cache dtype or None)`` of a grid model name."""
+    config, sep, kv = name.partition(KV_DTYPE_SEP)
+    if sep and kv not in KV_DTYPE_BYTES:
+        raise ValueError(f"model {name!r}: unknown KV cache dtype {kv!r} (known: {', '.join(KV_DTYPE_BYTES)})")
+    return config, (kv or None)
+
+
+def kv_dtype_bytes(name: str) -> int:
+    """Bytes per KV element of a grid model name (2 without a KV dtype: bf16)."""
+    return KV_DTYPE_BYTES[split_model_name(name)[1] or "auto"]
 
 
 def model_config_path(model: str) -> Path:
     """``config.json`` of a shipped model name (a folder of :data:`CONFIG_DIR`) or of a model
     folder path."""
-    shipped = CONFIG_DIR / model / "config.json"
+    shipped = CONFIG_DIR / split_model_name(model)[0] / "config.json"
     if shipped.is_file():
         return shipped
     given = Path(model) / "config.json"

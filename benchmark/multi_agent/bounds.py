@@ -81,12 +81,14 @@ class Shape(NamedTuple):
 
 
 def model_shape(name: str, tp: int = 1) -> Dict[str, int]:
-    """Layers and attention heads (per TP rank) of a model config under configs/."""
-    with open(os.path.join(CONFIG_DIR, name, "config.json")) as f:
+    """Layers and attention heads (per TP rank) of a model config under configs/, and the bytes
+    per KV element (``kv_bytes``: 1 for a ``<config>+fp8_e4m3`` grid model, else 2)."""
+    with open(os.path.join(CONFIG_DIR, model_config.split_model_name(name)[0], "config.json")) as f:
         cfg = json.load(f)
     hq = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
-    return dict(layers=cfg["num_hidden_layers"], hq=hq // tp, hkv=max(1, cfg["num_key_value_heads"] // tp), d=d)
+    return dict(layers=cfg["num_hidden_layers"], hq=hq // tp, hkv=max(1, cfg["num_key_value_heads"] // tp), d=d,
+                kv_bytes=model_config.kv_dtype_bytes(name))
 
 
 def load_model(rows: List[dict], meta: dict) -> Dict[str, int]:
@@ -132,7 +134,7 @@ def floor_wall(groups: Sequence[tuple], suffix: int, out: int, ceiling_wall: flo
 def floor_wall_of(shape: Shape, ceiling_wall: float, model: Dict[str, int], flops: float, bw: float) -> float:
     """Lower bound on the row's wall time in seconds (module docstring)."""
     hq, hkv, d, layers = model["hq"], model["hkv"], model["d"], model["layers"]
-    gs, kv = shape.groups, hkv * d * 2 * KV_BYTES
+    gs, kv = shape.groups, hkv * d * 2 * model.get("kv_bytes", KV_BYTES)
     later_turns = max(0, shape.turns - 1) * shape.tool
     prefill = 4 * sum(g.prefix * (g.suffix_tokens + g.agents * later_turns) for g in gs) * hq * d * layers / flops
     dec_flops = 4 * sum(g.agents * g.prefix for g in gs) * hq * d / flops

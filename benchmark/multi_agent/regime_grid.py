@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from benchmark.harness.model_config import CONFIG_DIR
+from benchmark.harness.model_config import CONFIG_DIR, kv_dtype_bytes, model_config_path, split_model_name
 
 CEILING_PREFIX = 256
 HOST_BOUND_OUT = 512  # output tokens of the host-bound model's rows (see default_grid)
@@ -47,12 +47,21 @@ LLAMA_POOL_TOKENS = 294912  # 288K: the KV-bound row's 64 x 6K prompts need 1.33
 class Model:
     """A model shape of the grid: a config under configs/, its engine start, engine extras."""
 
-    name: str  # folder under configs/
+    name: str  # folder under configs/, or <folder>+<kv cache dtype> (model_config.split_model_name)
     start_s: float  # estimated engine start (weights, CUDA graphs, the first requests)
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def config_path(self) -> Any:
+        return model_config_path(self.name)
+
     def config(self) -> Dict[str, Any]:
-        return json.loads((CONFIG_DIR / self.name / "config.json").read_text())
+        return json.loads(self.config_path.read_text())
+
+    def engine_args(self) -> Dict[str, Any]:
+        """``engine_kwargs`` with the name's KV cache dtype, if it has one."""
+        kv = split_model_name(self.name)[1]
+        return dict(self.engine_kwargs, **({"kv_cache_dtype": kv} if kv else {}))
 
 
 MODELS: Tuple[Model, ...] = (
@@ -63,6 +72,9 @@ MODELS: Tuple[Model, ...] = (
     Model("qwen2.5-7b", 60.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
     Model("llama-3.2-3b", 56.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
     Model("llama-3.1-8b-4layers", 42.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
+    # FP8 KV cache (--kv-cache-dtype fp8_e4m3): stock and GraniKV both on it (no GPU run yet;
+    # on the offline GPU host run it with --backend triton: FlashInfer's FP8 modules are not prebuilt there)
+    Model("llama-3.1-8b+fp8_e4m3", 39.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
 )
 MODEL_NAMES = tuple(m.name for m in MODELS)
 
@@ -142,7 +154,7 @@ def _one(prefix: int, agents: int, out: int = 128, suffix: int = 256) -> Dict[st
 
 def default_grid() -> List[Regime]:
     """Every row, in run order within a model (see the module docstring)."""
-    L, Q, G3, H = MODEL_NAMES
+    L, Q, G3, H, F8 = MODEL_NAMES
     g, ns = "grouped", "no_sharing"
     rows = [
         Regime("hom16k_x64", L, g, _one(16384, 64), 0),
@@ -177,6 +189,11 @@ def default_grid() -> List[Regime]:
         Regime("three_unequal", H, g, dict(prefixes=[12288, 6144, 2048], agents_per_prefix=[8, 24, 48],
                                            suffix=[1, 700], out=HOST_BOUND_OUT), 1),
         Regime("no_sharing_1k_x64", H, ns, dict(agents=64, prompt_len=1024, out=HOST_BOUND_OUT), 2),
+        # FP8 KV: the stock paged decode reads half of bf16's bytes, so the floor is lower
+        Regime("hom16k_x64", F8, g, _one(16384, 64), 0),
+        Regime("forest16", F8, g, _forest16(), 0),
+        Regime("agent_loop_10k_x24", F8, g, dict(_one(10240, 24, out=64), turns=4, tool=128), 1),
+        Regime("no_sharing_1k_x64", F8, ns, dict(agents=64, prompt_len=1024, out=128), 1),
     ]
     return rows
 
@@ -192,21 +209,22 @@ HOST_STEP_S = 4e-3  # floor of one decode step's wall (launch, sampling, schedul
 ROW_OVERHEAD_S = 1.5  # per measured run: cache flush, warm-up request, submit, counters
 
 
-def model_facts(cfg: Mapping[str, Any]) -> Dict[str, float]:
-    """Parameter count and KV bytes per token (bf16) of a config."""
+def model_facts(cfg: Mapping[str, Any], kv_bytes: int = 2) -> Dict[str, float]:
+    """Parameter count and KV bytes per token (``kv_bytes`` per element: 2 for bf16) of a config."""
     h, layers, hq = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     hkv, inter, vocab = cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg.get("head_dim") or h // hq
     per_layer = 2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter
     params = layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return dict(params=float(params), kv_bytes=float(layers * hkv * d * 2 * 2))
+    return dict(params=float(params), kv_bytes=float(layers * hkv * d * 2 * kv_bytes))
 
 
-def run_estimate_s(spec: Mapping[str, Any], cfg: Mapping[str, Any], pool_tokens: Optional[int] = None) -> float:
+def run_estimate_s(spec: Mapping[str, Any], cfg: Mapping[str, Any], pool_tokens: Optional[int] = None,
+                   kv_bytes: int = 2) -> float:
     """Seconds one engine needs for one workload spec (spec_json form): its warm-up and new
     prompt tokens at PREFILL_FLOPS, its decode steps' weight and (stock engine) KV reads at
     WEIGHT_BW / KV_BW, in waves when the prompts exceed ``pool_tokens``."""
-    f = model_facts(cfg)
+    f = model_facts(cfg, kv_bytes)
     kw = spec["kwargs"]
     turns, out = int(kw.get("turns", 1)), int(kw["out"])
     if spec["name"] == "no_sharing":
@@ -227,10 +245,10 @@ def run_estimate_s(spec: Mapping[str, Any], cfg: Mapping[str, Any], pool_tokens:
 def estimate_s(row: Regime, model: Model, repeats: int = 1) -> float:
     """Seconds of one row on both engines (the GraniKV engine counted as the stock one), each
     measured ``repeats`` times, plus its ceiling on the stock engine, measured once."""
-    cfg, pool = model.config(), model.engine_kwargs.get("max_total_tokens")
-    t = 2 * run_estimate_s(row.spec_json(), cfg, pool) * repeats
+    cfg, pool, kvb = model.config(), model.engine_kwargs.get("max_total_tokens"), kv_dtype_bytes(model.name)
+    t = 2 * run_estimate_s(row.spec_json(), cfg, pool, kvb) * repeats
     if row.has_ceiling:
-        t += run_estimate_s(row.spec_json(ceiling=True), cfg, pool)
+        t += run_estimate_s(row.spec_json(ceiling=True), cfg, pool, kvb)
     return t
 
 

@@ -104,7 +104,7 @@ def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str,
     """The benchmarks' engine arguments (harness.engine_args) + the model's (e.g. its KV cap) +
     pass-through ``--engine-arg``."""
     kw = dict(BASE_ENGINE_KWARGS, attention_backend=backend, tp_size=1, dp_size=1)
-    kw.update(model.engine_kwargs)
+    kw.update(model.engine_args())
     return apply_extra(kw, extra, granikv=config == "granikv")
 
 
@@ -177,7 +177,7 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
         kw["cuda_graph_max_bs_decode"] = max(kw["cuda_graph_bs_decode"])
         run.meta["engine_kwargs"][f"{model.name}/{args.backend}/{config}"] = kw
         job = dict(engine_kwargs=kw, backend=args.backend, config=config, model=model.name,
-                   model_config=str(grid.CONFIG_DIR / model.name / "config.json"), latency=args.latency,
+                   model_config=str(model.config_path), latency=args.latency,
                    dp_routing="prefix")
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(job, f)

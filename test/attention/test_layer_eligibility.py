@@ -49,7 +49,7 @@ def test_scan_finds_every_feature_the_kernels_lack():
     assert "head_dim 64" in eligibility.layer_reason(_attn(0), head_dim=128)
     assert eligibility.scan_layers(None) == {} and eligibility.scan_layers(object()) == {}
     plain = _attn(0)
-    for attr, val, word in (("k_scale", torch.ones(1), "KV scales"), ("is_cross_attention", True, "cross"),
+    for attr, val, word in (("k_scale", torch.ones(1), "without k_scale_float"), ("is_cross_attention", True, "cross"),
                             ("use_irope", True, "irope"), ("pos_encoding_mode", "ROPE_LLAMA", "position")):
         setattr(plain, attr, val)
         assert word in eligibility.layer_reason(plain)

@@ -61,8 +61,8 @@ def test_forest_agent_loop_and_gqa_by_hand():
     assert b.floor_wall_of(short, 1.0, MODEL, flops, bw) == pytest.approx(
         1.0 + 4 * 100 * 4 * 4 * 8 * 2 / flops + 2 * (max(4 * 400 * 32 / flops, 100 * kv / bw) - read), rel=1e-12)
     # GQA shapes from the configs: Qwen2.5-7B is 28q / 4kv, Llama-3.2-3B 24q / 8kv
-    assert b.model_shape("qwen2.5-7b") == dict(layers=28, hq=28, hkv=4, d=128)
-    assert b.model_shape("llama-3.2-3b") == dict(layers=28, hq=24, hkv=8, d=128)
+    assert b.model_shape("qwen2.5-7b") == dict(layers=28, hq=28, hkv=4, d=128, kv_bytes=2)
+    assert b.model_shape("llama-3.2-3b") == dict(layers=28, hq=24, hkv=8, d=128, kv_bytes=2)
     assert b.model_shape("qwen2.5-14b", tp=2)["hq"] == 20
 
 
@@ -105,3 +105,19 @@ def test_checked_in_multi_agent_rows_carry_their_floor():
             r["params"]["out"] = 64
     row = {(r["workload"], r["agents"]): r for r in b.annotate(planted)}[("homogeneous", 64)]
     assert row["floor_speedup"] is None and "ceiling" in row["floor_reason"]
+
+
+def test_an_fp8_grid_model_halves_the_kv_bytes_of_its_floor():
+    """``<config>+fp8_e4m3``: the same config, one byte per KV element; the byte term of the floor
+    halves by hand, and the shape says so (``kv_bytes``)."""
+    b = _mod()
+    bf16, fp8 = b.model_shape("llama-3.1-8b"), b.model_shape("llama-3.1-8b+fp8_e4m3")
+    assert bf16 == dict(fp8, kv_bytes=2) and fp8["kv_bytes"] == 1
+    flops, bw = 1e30, 1e11  # no compute term: the floor is the ceiling wall plus KV bytes
+    m2, m1 = dict(MODEL, kv_bytes=2), dict(MODEL, kv_bytes=1)
+    d2 = b.floor_wall([(1000, 3)], 10, 5, 1.0, m2, flops, bw) - 1.0
+    d1 = b.floor_wall([(1000, 3)], 10, 5, 1.0, m1, flops, bw) - 1.0
+    assert d2 == pytest.approx(4 * 2 * (1000 - 3 * 256) * 2 * 8 * 2 * 2 / bw, rel=1e-9)  # by hand, bf16
+    assert d1 == pytest.approx(d2 / 2, rel=1e-9)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        b.model_shape("llama-3.1-8b+int4")

@@ -369,3 +369,12 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     doc = json.loads((tmp_path / "out2" / "correctness.json").read_text())
     assert res.returncode == 1  # one backend: no cross-backend reference, nothing can pass
     assert all(r["passed"] is None for r in doc["rows"])
+
+
+def test_every_engine_of_an_fp8_check_gets_the_same_kv_cache_dtype():
+    """``--kv-cache-dtype fp8_e4m3``: GraniKV against stock over the same FP8 cache (both
+    engines, the planted-fault one too); without it the engines keep the model's dtype."""
+    for config in ("baseline", "granikv", "fault"):
+        assert check.engine_kwargs("triton", config, "cascade", 0, "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
+        assert "kv_cache_dtype" not in check.engine_kwargs("triton", config, "cascade")
+    assert check.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"

@@ -535,3 +535,17 @@ def test_planning_verdict_rests_on_idle_evidence(rep):
     assert "plan p50 > 30 us" in rep.verdicts(row) and "plan p99 > 80 us" in rep.verdicts(row)
     assert not rep.verdicts(dict(row, gpu_idle_us_baseline=10.0, gpu_idle_us_granikv=14.0))  # GPU never waits
     assert "plan p50 > 30 us" in rep.verdicts(dict(row, gpu_idle_us_baseline=10.0, gpu_idle_us_granikv=16.0))
+
+
+def test_the_fp8_model_serves_the_same_config_on_an_fp8_cache():
+    m = {x.name: x for x in regime_grid.MODELS}["llama-3.1-8b+fp8_e4m3"]
+    assert m.config() == {x.name: x for x in regime_grid.MODELS}["llama-3.1-8b"].config()
+    assert m.engine_args()["kv_cache_dtype"] == "fp8_e4m3"
+    kw = regimes_mod.engine_kwargs(m, "triton", "granikv", {})
+    assert kw["kv_cache_dtype"] == "fp8_e4m3" and kw["enable_granikv"] is True
+    assert regimes_mod.engine_kwargs(m, "triton", "baseline", {})["kv_cache_dtype"] == "fp8_e4m3"
+    rows = {r.name for r in regime_grid.default_grid() if r.model == m.name}
+    assert rows == {"hom16k_x64", "forest16", "agent_loop_10k_x24", "no_sharing_1k_x64"}
+    bf16 = next(r for r in regime_grid.default_grid() if r.key == "llama-3.1-8b/hom16k_x64")
+    fp8 = next(r for r in regime_grid.default_grid() if r.key == "llama-3.1-8b+fp8_e4m3/hom16k_x64")
+    assert regime_grid.estimate_s(fp8, m) < regime_grid.estimate_s(bf16, regime_grid.MODELS[0])  # half the KV bytes

@@ -116,7 +116,7 @@ def _runner(**over):
 @pytest.mark.parametrize("runner_kwargs, reason", [
     ({"use_mla_backend": True}, "MLA attention"),
     ({"sliding_window_size": 4096}, "sliding-window attention (window 4096)"),
-    ({"kv_cache_dtype": torch.float8_e4m3fn}, "KV cache dtype torch.float8_e4m3fn"),
+    ({"kv_cache_dtype": torch.float4_e2m1fn_x2}, "KV cache dtype torch.float4_e2m1fn_x2"),
     ({"head_dim": 96}, "head_dim=96"),
     ({"spec": "EAGLE"}, "speculative decoding (EAGLE)"),
     ({"hf": {"final_logit_softcapping": 30.0}}, "logit soft-capping"),

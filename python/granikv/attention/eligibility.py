@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set
 
 import torch
 
+from granikv.attention.kv_scales import scale_reason
+
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -25,7 +27,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("granikv")
 
-SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
+#: fp16 / bf16, and the FP8 caches SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2 make (read as
+#: stored and widened in registers, with the layer's scales: kv_scales.py). Other quantized
+#: caches (fp4_e2m1, mxfp8: block scales the kernels do not apply) stay off.
+SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -39,7 +45,7 @@ def unsupported_reason(model_runner: ModelRunner, cfg: GraniKVConfig) -> Optiona
     if getattr(model_runner, "sliding_window_size", None):
         return f"sliding-window attention (window {model_runner.sliding_window_size})"
     if model_runner.kv_cache_dtype not in SUPPORTED_KV_DTYPES:
-        return f"KV cache dtype {model_runner.kv_cache_dtype} (supported: fp16, bf16)"
+        return f"KV cache dtype {model_runner.kv_cache_dtype} (supported: fp16, bf16, fp8_e4m3, fp8_e5m2)"
     if mc.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={mc.head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
     spec = getattr(model_runner.server_args, "speculative_algorithm", None)
@@ -76,7 +82,8 @@ def layer_reason(layer: RadixAttention, *, num_q_heads: Optional[int] = None,
     with only the core fields is plain causal self-attention). ``num_q_heads`` / ``head_dim``:
     the geometry GraniKV's kernels were built for (per TP rank), checked when given. The
     kernels implement exactly: causal decoder self-attention, one softmax scale, no soft cap, no
-    window, no KV scales, equal q/k and v head dims, the model's head counts.
+    window, the layer's KV scales as host floats (kv_scales.py), equal q/k and v head dims, the
+    model's head counts.
     """
     if getattr(layer, "is_cross_attention", False):
         return "cross attention"
@@ -94,9 +101,9 @@ def layer_reason(layer: RadixAttention, *, num_q_heads: Optional[int] = None,
         return "chunked local attention (irope)"
     if getattr(layer, "pos_encoding_mode", "NONE") not in ("NONE", None):
         return f"in-kernel position encoding {layer.pos_encoding_mode}"
-    for name in ("k_scale", "v_scale", "k_scale_float", "v_scale_float"):
-        if getattr(layer, name, None) is not None:
-            return f"KV scales ({name})"
+    scales = scale_reason(layer)
+    if scales is not None:
+        return scales
     hd = getattr(layer, "head_dim", None)
     if getattr(layer, "qk_head_dim", hd) != getattr(layer, "v_head_dim", hd):
         return f"qk head dim {layer.qk_head_dim} != v head dim {layer.v_head_dim}"

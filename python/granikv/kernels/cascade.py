@@ -48,38 +48,43 @@ def _out(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
 
 def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                       plan: CascadePlan, *, sm_scale: float, out: Optional[torch.Tensor] = None,
-                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Shared-prefix decode attention in three launches (prefix, suffix, merge).
 
     q [bs, Hq, D] fp16/bf16/fp32; k_buffer / v_buffer [slots, Hkv, D] (one layer);
     req_to_token int32 [rows, max_ctx]; plan: this step's (buffers filled); out [>= bs, Hq, D]
     (allocated if None); sinks: fp32 [Hq] attention-sink logits, joined in the merge
-    (merge_state.py), or None. Returns out.
+    (merge_state.py), or None; k_scale / v_scale: the layer's KV scales (an FP8 KV cache, whose
+    tiles the kernels widen in registers: scores scaled by k_scale, the merged rows by v_scale,
+    as SGLang's backends dequantize the same cache). Returns out.
     """
     out = _out(q, out)
     side = plan.buffers.side_stream
     if side is None:
-        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale)
-        suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
+        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale)
+        suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale)
     else:  # fork: suffix on the side stream while the prefix runs here; join before the merge
         cur = torch.cuda.current_stream(q.device)
         side.wait_stream(cur)
-        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale)
+        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale)
         with torch.cuda.stream(side):
-            suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
+            suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale)
         cur.wait_stream(side)  # also orders any later reuse of q's memory after the side work
-    return merge_state(plan, out, sinks)
+    return merge_state(plan, out, sinks, v_scale)
 
 
 def fused_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             req_to_token: torch.Tensor, plan: CascadePlan, *, sm_scale: float,
-                            out: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """``cascade_attention`` in ONE launch (last writer of a request merges it; see fused_cascade.py).
 
     Every request of the batch must have at least one token (seq_len >= 1), as in decode.
     """
     out = _out(q, out)
-    return fused_cascade(q, k_buffer, v_buffer, req_to_token, plan, out, sm_scale=sm_scale, sinks=sinks)
+    return fused_cascade(q, k_buffer, v_buffer, req_to_token, plan, out, sm_scale=sm_scale, sinks=sinks,
+                         k_scale=k_scale, v_scale=v_scale)
 
 
 class PrefixState(NamedTuple):
@@ -117,6 +122,8 @@ def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         qs = qs.reshape(1, hkv, (hi - lo) * ratio, d)
         k = k_buffer[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D] strided view, no copy
         v = v_buffer[s : s + n].transpose(0, 1).unsqueeze(0)
+        if k.dtype != q.dtype:  # an FP8 KV cache: widened per group (a copy; the scales are the caller's)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if q.is_cuda and q.dtype != torch.float32:
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qs, k, v, scale=sm_scale)[:2]
         else:
@@ -132,7 +139,8 @@ def bgemm_prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 
 def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             req_to_token: torch.Tensor, plan: CascadePlan, *, sm_scale: float,
-                            out: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """bgemm prefix + suffix kernel + merge. The plan must come from a fill with
     ``single_prefix_chunk=True`` (``plan.bgemm``: one prefix partial row per member, written
     here). Eager only.
@@ -142,8 +150,9 @@ def bgemm_cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
         raise ValueError("bgemm_cascade_attention needs a plan filled with single_prefix_chunk=True")
     out = _out(q, out)
     if members.grouping.num_grouped:
-        st = bgemm_prefix_attention(q, k_buffer, v_buffer, members.grouping, sm_scale=sm_scale, idx=members.idx)
+        st = bgemm_prefix_attention(q, k_buffer, v_buffer, members.grouping, sm_scale=sm_scale * k_scale,
+                                    idx=members.idx)
         plan.buffers.part_o.index_copy_(0, members.rows, st.o)  # no per-layer host-to-device copy
         plan.buffers.part_lse.index_copy_(0, members.rows, st.lse)
-    suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale)
-    return merge_state(plan, out, sinks)
+    suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale)
+    return merge_state(plan, out, sinks, v_scale)

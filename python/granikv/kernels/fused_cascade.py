@@ -23,15 +23,16 @@ import triton.language as tl
 
 from granikv.kernels.merge_state import check_sinks
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import LOG2E, _prefix_item, input_precision
+from granikv.kernels.prefix_attention import _prefix_item, input_precision, qk_scale
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
 
 
 @triton.jit
-def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, num_q_heads, stride_pr,
-                      stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
+def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
+                      stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                      HAS_SINKS: tl.constexpr):
     """Count this item's arrival on every row's (b, q-head) counter; merge the rows it completes.
 
     Rows are merged together as one tile (per-row partial ranges, masked), so a prefix item that
@@ -68,7 +69,7 @@ def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, S
                         mask=ok[:, None], other=0.0, cache_modifier=".cg")
             acc += wgt[:, None] * o
             s += wgt
-        out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
+        out = acc / tl.where(s == 0.0, 1.0, s)[:, None] * v_scale
         tl.store(Out + b[:, None] * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=last[:, None])
         tl.store(cnt, 0, mask=last)
@@ -79,6 +80,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                   ReqToToken, SeqLens, SfxMax, Counter, SlotCopy, SlotCopyOn, Sinks,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt, stride_sc,
                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, sfx_cap, num_q_heads, qk_scale,
+                  v_scale,
                   RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_H: tl.constexpr, SFX_HEADS: tl.constexpr, NUM_SFX_GROUPS: tl.constexpr,
                   SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -94,7 +96,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                                      RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
-        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, num_q_heads,
+        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
         b, qh, row_ok = _suffix_item(w - n_pfx, h, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken,
@@ -103,17 +105,19 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                                      stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                                      RATIO, SFX_HEADS, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION,
                                      DEVICE_ENDS, SLOT_COPY)
-        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, num_q_heads,
+        _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
 
 def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                   plan: CascadePlan, out: torch.Tensor, *, sm_scale: float,
-                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """Prefix + suffix + merge of a step's ``CascadePlan`` in one launch.
 
     Shapes as ``prefix_attention`` / ``suffix_attention`` / ``merge_state``; ``out`` [>= bs, Hq, D]
-    in q's dtype; ``sinks``: fp32 [Hq] attention-sink logits or None (``merge_state``).
+    in q's dtype; ``sinks``: fp32 [Hq] attention-sink logits or None (``merge_state``);
+    ``k_scale`` / ``v_scale``: the layer's KV scales (an FP8 KV cache: ``kv_scales``).
     Requires ``plan.buffers.counters`` all zero on entry (left zero on exit).
     A request with no partial rows is not written: the caller's ``fill`` never plans one
     (every request has seq_len - prefix_len >= 1 in decode), see ``cascade.fused_cascade_attention``.
@@ -131,7 +135,8 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         ws.counters, slots, ws.slot_copy_on, ws.part_lse if sinks is None else sinks,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, sm_scale * LOG2E,
+        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, qk_scale(sm_scale, k_scale),
+        v_scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=ws.suffix_block_h,
         SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,

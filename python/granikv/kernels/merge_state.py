@@ -30,8 +30,9 @@ __all__ = ["check_sinks", "merge_state", "merge_rows"]
 
 
 @triton.jit
-def _merge_rows(PartO, PartLse, Out, Sinks, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
-                RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
+def _merge_rows(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob,
+                stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HAS_SINKS: tl.constexpr):
     """Merge partial rows [p_lo, p_hi) of the RATIO q-heads of kv head h into Out[b]."""
     r = tl.arange(0, BLOCK_R)
     ok = r < RATIO
@@ -56,22 +57,22 @@ def _merge_rows(PartO, PartLse, Out, Sinks, p_lo, p_hi, b, h, stride_pr, stride_
                     cache_modifier=".cg")
         acc += wgt[:, None] * o
         s += wgt
-    out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
+    out = acc / tl.where(s == 0.0, 1.0, s)[:, None] * v_scale
     b64 = b.to(tl.int64)
     tl.store(Out + b64 * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=ok[:, None])
 
 
 @triton.jit
-def _merge_kernel(PartO, PartLse, Out, Sinks, Counts, PartIndptr, stride_pr, stride_ph, stride_lr, stride_ob,
-                  stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _merge_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, stride_pr, stride_ph, stride_lr,
+                  stride_ob, stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if b < tl.load(Counts):
         p_lo = tl.load(PartIndptr + b)
         p_hi = tl.load(PartIndptr + b + 1)
-        _merge_rows(PartO, PartLse, Out, Sinks, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob,
+        _merge_rows(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr, stride_ob,
                     stride_oh, RATIO, BLOCK_R, HEAD_DIM, HAS_SINKS)
 
 
@@ -82,13 +83,16 @@ def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
         raise ValueError(f"sinks must be fp32 [{num_q_heads}] contiguous, got {sinks.dtype} {tuple(sinks.shape)}")
 
 
-def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tensor] = None,
+                v_scale: float = 1.0) -> torch.Tensor:
     """Merge a step's partial states into ``out`` (one launch).
 
     plan:      CascadePlan whose buffers' ``part_o`` [rows, Hq, D] fp32 / ``part_lse`` [rows, Hq] fp32
                hold every request's partial rows (CSR ``part_indptr``).
     out:       [>= bs, Hq, D] in the query dtype; rows [0, bs) are written, others untouched.
     sinks:     fp32 [Hq] attention-sink logits (module docstring), or None.
+    v_scale:   the layer's V scale (an FP8 KV cache), applied to the merged rows: the partial
+               rows hold the unscaled V average, and the merge is linear in V.
     Grid: (max_bs, Hkv), fixed per set of buffers; programs past the live batch exit.
     """
     ws = plan.buffers
@@ -98,7 +102,7 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
     check_sinks(sinks, ws.num_q_heads)
     grid = (ws.max_bs, ws.num_kv_heads)
     _merge_kernel[grid](
-        ws.part_o, ws.part_lse, out, ws.part_lse if sinks is None else sinks, ws.counts, ws.part_indptr,
+        ws.part_o, ws.part_lse, out, ws.part_lse if sinks is None else sinks, v_scale, ws.counts, ws.part_indptr,
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), out.stride(0), out.stride(1),
         RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim,
         HAS_SINKS=sinks is not None, num_warps=4,
@@ -118,7 +122,7 @@ def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.
     check_sinks(sinks, hq)
     counts = torch.tensor([bs], dtype=torch.int32, device=out.device)
     _merge_kernel[(bs, num_kv_heads)](
-        part_o, part_lse, out, part_lse if sinks is None else sinks, counts, part_indptr,
+        part_o, part_lse, out, part_lse if sinks is None else sinks, 1.0, counts, part_indptr,
         part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
         RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip

@@ -27,7 +27,11 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One online-softmax step over a [N, D] key/value tile (base-2 exponentials); with MASKED,
-    scores where ``keep`` (broadcast to [rows, N]) is False are dropped."""
+    scores where ``keep`` (broadcast to [rows, N]) is False are dropped. An FP8 tile (an FP8 KV
+    cache) is widened to the query's dtype here, in registers (exact: every fp8 e4m3 / e5m2
+    value is a bf16 / fp16 value); its scales are the caller's (``kv_scales``)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
@@ -182,18 +186,27 @@ def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:  # triton's TensorDe
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, d])
 
 
+def qk_scale(sm_scale: float, k_scale: float) -> float:
+    """The kernels' score scale (base 2): ``sm_scale`` times the layer's K scale, the factor
+    SGLang's backends dequantize an FP8 K cache by (``kv_scales``)."""
+    return sm_scale * k_scale * LOG2E
+
+
 def input_precision(dtype: torch.dtype) -> str:
     """fp32 inputs are multiplied in full fp32 ("ieee"), never tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,
-                     sm_scale: float) -> None:
+                     sm_scale: float, k_scale: float = 1.0) -> None:
     """Grouped prefix attention of a step's ``CascadePlan`` (its buffers filled), prefix items (one launch).
 
     q:         [bs, Hq, D] fp16/bf16/fp32, batch order (rows read through group_req_idx)
-    k_buffer:  [slots, Hkv, D] same dtype; one layer; the extents [slot_lo, slot_lo+n_kv) are read
-    v_buffer:  [slots, Hkv, D]
+    k_buffer:  [slots, Hkv, D] q's dtype, or fp8 e4m3 / e5m2 (an FP8 KV cache, widened in
+               registers); one layer; the extents [slot_lo, slot_lo+n_kv) are read
+    v_buffer:  [slots, Hkv, D], k_buffer's dtype
+    k_scale:   the layer's K scale (scores are ``sm_scale * k_scale * q.k``); the V scale is
+               the merge's (partial rows hold the unscaled V average)
     plan:      the step's CascadePlan (buffers filled); writes ``part_o`` [rows, Hq, D] fp32 and
                ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
     Grid: (``ws.grid_items("prefix")``, Hkv), fixed per set of buffers (CUDA-graph safe). The kernel is
@@ -209,7 +222,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
             ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
+            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, qk_scale(sm_scale, k_scale),
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
             WARP_SPECIALIZE=cfg.prefix_warp_specialize, num_warps=cfg.prefix_warps,
@@ -218,7 +231,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _prefix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, sm_scale * LOG2E,
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, qk_scale(sm_scale, k_scale),
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
         num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,

@@ -23,6 +23,7 @@ __all__ = [
     "suffix_attention_ref",
     "merge_state_ref",
     "with_sinks_ref",
+    "dequantize_ref",
     "partials_ref",
 ]
 
@@ -56,12 +57,20 @@ def _stack(states: Sequence[AttentionState]) -> AttentionState:
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                          req_pool_indices: IntVector, seq_lens: IntVector, sm_scale: float,
-                         sinks: Optional[torch.Tensor] = None) -> AttentionState:
+                         sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> AttentionState:
     """Plain paged decode: request i attends to slots req_to_token[rpi[i], :seq_lens[i]];
-    ``sinks`` [Hq]: attention-sink logits (``with_sinks_ref``)."""
+    ``sinks`` [Hq]: attention-sink logits (``with_sinks_ref``); ``k_scale`` / ``v_scale``: the
+    buffers' dequantization scales (an FP8 cache: ``dequantize_ref`` of the gathered slots)."""
     st = suffix_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                              [0] * q.shape[0], sm_scale)
+                              [0] * q.shape[0], sm_scale, k_scale=k_scale, v_scale=v_scale)
     return st if sinks is None else with_sinks_ref(st, sinks)
+
+
+def dequantize_ref(buf: torch.Tensor, scale: float) -> torch.Tensor:
+    """An FP8 (or any) KV buffer as float64 values: the stored numbers times the layer's scale,
+    the dequantization SGLang's backends apply to the same bytes (``kv_scales``)."""
+    return buf.double() * scale
 
 
 def with_sinks_ref(state: AttentionState, sinks: torch.Tensor) -> AttentionState:
@@ -89,13 +98,17 @@ def prefix_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
 
 def suffix_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
                          req_pool_indices: IntVector, seq_lens: IntVector, prefix_len: IntVector,
-                         sm_scale: float) -> AttentionState:
-    """Per batch position: attention over tokens [prefix_len[i], seq_lens[i]) via req_to_token."""
+                         sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> AttentionState:
+    """Per batch position: attention over tokens [prefix_len[i], seq_lens[i]) via req_to_token
+    (K / V dequantized by ``k_scale`` / ``v_scale`` after the gather)."""
     r2t = req_to_token.long()
     states = []
     for i in range(q.shape[0]):
         slots = r2t[int(req_pool_indices[i]), int(prefix_len[i]) : int(seq_lens[i])]
-        states.append(attend_ref(q[i], k_buffer[slots], v_buffer[slots], sm_scale))
+        k, v = k_buffer[slots], v_buffer[slots]
+        if k_scale != 1.0 or v_scale != 1.0 or k.dtype != q.dtype:
+            k, v = dequantize_ref(k, k_scale), dequantize_ref(v, v_scale)
+        states.append(attend_ref(q[i], k, v, sm_scale))
     return _stack(states)
 
 

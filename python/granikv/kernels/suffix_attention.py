@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import LOG2E, _softmax_step, _store_partial, input_precision
+from granikv.kernels.prefix_attention import _softmax_step, _store_partial, input_precision, qk_scale
 
 __all__ = ["slot_copy_args", "suffix_attention"]
 
@@ -120,11 +120,12 @@ def slot_copy_args(plan: CascadePlan) -> Tuple[torch.Tensor, int]:
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                     plan: CascadePlan, *, sm_scale: float) -> None:
+                     plan: CascadePlan, *, sm_scale: float, k_scale: float = 1.0) -> None:
     """Paged suffix attention of a step's ``CascadePlan`` (its buffers filled), suffix items (one launch).
 
     q:            [bs, Hq, D] fp16/bf16/fp32
-    k_buffer:     [slots, Hkv, D] one layer (page size 1); v_buffer likewise
+    k_buffer:     [slots, Hkv, D] one layer (page size 1), q's dtype or fp8 (``prefix_attention``);
+                  v_buffer likewise; ``k_scale`` as ``prefix_attention``
     req_to_token: int32 [rows, max_ctx], slot of token t of request-pool row r at [r, t]
     plan:         the step's CascadePlan (its buffers' ``req_pool_indices`` select the rows;
                   its ``ends``, when set, ends each request's last item, within
@@ -147,7 +148,7 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        ws.suffix_cap, sm_scale * LOG2E,
+        ws.suffix_cap, qk_scale(sm_scale, k_scale),
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
         SLOT_COPY=plan.slot_copy,

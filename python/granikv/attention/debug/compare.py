@@ -115,6 +115,7 @@ class DebugCompare:
         """The chosen ``path``'s output ``o`` of ``layer`` against ``stock`` (the wrapped backend's
         output for the same step), or the float64 paged reference where ``stock`` is None;
         records it (``StepStats.record_layer_compare``) and returns the deviation."""
+        from granikv.attention.kv_scales import kv_scales
         from granikv.kernels.reference import decode_attention_ref
 
         ctx = self.ctx
@@ -122,11 +123,13 @@ class DebugCompare:
         pool = runner.token_to_kv_pool
         hq, d = ctx.num_q_heads, ctx.head_dim
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        k_scale, v_scale = kv_scales(layer)
         ref = decode_attention_ref(q.view(-1, hq, d)[:bs],
                                    pool.get_key_buffer(layer.layer_id),
                                    pool.get_value_buffer(layer.layer_id),
                                    runner.req_to_token_pool.req_to_token,
-                                   fb.req_pool_indices[:bs], fb.seq_lens[:bs], layer.scaling).o
+                                   fb.req_pool_indices[:bs], fb.seq_lens[:bs], layer.scaling,
+                                   k_scale=k_scale, v_scale=v_scale).o
         ours = o.view(-1, hq, d)[:bs]
         diff = float((ours.double() - ref).abs().max()) if bs else 0.0
         ctx.stats.max_compare_diff = max(ctx.stats.max_compare_diff, diff)

@@ -38,6 +38,7 @@ from granikv.attention.decode.step_plan import HeldRows, StepPlan
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
+from granikv.attention.kv_scales import kv_scales
 from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
@@ -410,7 +411,9 @@ class DecodePlanner:
         out = o.view(-1, ctx.num_q_heads, ctx.head_dim)
         run = {Path.FUSED: kernels.fused_cascade_attention,
                Path.BGEMM: kernels.bgemm_cascade_attention}.get(self.path, kernels.cascade_attention)
-        run(q3, k_buf, v_buf, ctx.req_to_token, plan, sm_scale=layer.scaling, out=out)
+        k_scale, v_scale = kv_scales(layer)
+        run(q3, k_buf, v_buf, ctx.req_to_token, plan, sm_scale=layer.scaling, out=out, k_scale=k_scale,
+            v_scale=v_scale)
 
 
 def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:

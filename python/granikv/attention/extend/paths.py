@@ -29,7 +29,7 @@ import torch
 
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug.compare import DebugCompare
-from granikv.attention.eligibility import LayerEligibility
+from granikv.attention.eligibility import FP8_KV_DTYPES, LayerEligibility
 from granikv.attention.extend import workspace as extend_workspace
 from granikv.attention.extend.full_extend import FullExtend, backend_reason, graph_reason
 from granikv.attention.extend.hot_extend import (
@@ -57,7 +57,7 @@ class ExtendPaths:
         self.full_compare = False  # debug compare due on this batch's layer 0 (full extend)
         self.stock_prefill_wrappers: Optional[List[Any]] = None  # the batch's wrappers the proxies stand in for
         # set when the dense prefill path has no workspace or failed: stock from then on
-        self.off_reason = self.workspace_reason()
+        self.off_reason = self.workspace_reason() or fp8_reason(ctx.model_runner)
         if self.off_reason is not None and ctx.cfg.extend_path != "paged":
             logger.warning("GraniKV: prefill over HOT prefixes is off under %s (%s)", ctx.backend_name,
                            self.off_reason)
@@ -236,3 +236,13 @@ class ExtendPaths:
             return inner.forward_extend(q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
         finally:
             md.prefill_wrappers = proxies
+
+
+def fp8_reason(model_runner: Any) -> Optional[str]:
+    """Why the HOT prefill path is off for this KV cache (None: it is not): over an FP8 cache
+    the prefix part would run FlashInfer's dense prefill on FP8 K/V, which no GPU run has checked
+    yet, so prefill stays SGLang's (decode still shares the prefix)."""
+    dtype = getattr(model_runner, "kv_cache_dtype", None)
+    if dtype in FP8_KV_DTYPES:
+        return f"KV cache dtype {dtype}: the prefill path over HOT prefixes is not verified on FP8 KV"
+    return None

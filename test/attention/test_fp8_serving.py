@@ -1,0 +1,138 @@
+"""GraniKV over SGLang's FP8 KV cache on CPU: SGLang's real ``MHATokenToKVPool`` with
+``dtype=torch.float8_e4m3fn`` / ``float8_e5m2`` (uint8 storage, an fp8 view from
+``get_key_buffer``), the real ``RadixAttention`` scale fields, the backend's decode planner
+and the Triton kernels under the interpreter.
+
+What is pinned: an FP8 model runner is eligible (fp4 stays off, the reason names the dtype);
+a layer's scales are read as SGLang's backends read them (``kv_scales``: ``k_scale_float`` /
+``v_scale_float``, 1.0 where unset); a cascade decode step over the FP8 cache matches the
+float64 reference over the same bytes dequantized, per request, and misses it with the scales
+left out (the planted fault); HOT extents copy the FP8 bytes exactly; the HOT prefill path
+stays stock on FP8 with its reason.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+import test_backend as tb
+from granikv.attention import eligibility
+from granikv.attention.backend import GraniKVAttnBackend
+from granikv.attention.extend.paths import fp8_reason
+from granikv.attention.kv_scales import kv_scales, scale_reason
+from granikv.config import GraniKVConfig
+from granikv.kernels.reference import decode_attention_ref
+from granikv.mem_cache.kv_copy import copy_kv_slots
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+K_SCALE, V_SCALE = 0.02, 0.015
+
+
+def _fp8_runner(dtype):
+    """test_backend's runner with an FP8 pool whose K/V are N(0, 1) values stored the way
+    SGLang stores them (divided by the scale, cast, kept as uint8)."""
+    r = tb._runner()
+    r.kv_cache_dtype = dtype
+    r.token_to_kv_pool = MHATokenToKVPool(tb.SLOTS, page_size=1, dtype=dtype, head_num=tb.HKV, head_dim=tb.D,
+                                          layer_num=1, device="cpu", enable_memory_saver=False)
+    g = torch.Generator().manual_seed(0)
+    for buf, scale in ((r.token_to_kv_pool.k_buffer[0], K_SCALE), (r.token_to_kv_pool.v_buffer[0], V_SCALE)):
+        buf.copy_((torch.randn(buf.shape, generator=g) / scale).to(dtype).view(torch.uint8))
+    return r
+
+
+def _layer(k_scale=K_SCALE, v_scale=V_SCALE):
+    layer = RadixAttention(tb.HQ, tb.D, tb.D ** -0.5, tb.HKV, layer_id=0)
+    layer.k_scale_float, layer.v_scale_float = k_scale, v_scale
+    layer.k_scale = torch.tensor(k_scale) if k_scale is not None else None
+    layer.v_scale = torch.tensor(v_scale) if v_scale is not None else None
+    return layer
+
+
+def test_fp8_runners_are_eligible_and_fp4_stays_off():
+    cfg = GraniKVConfig(enable=True)
+    for dtype in FP8.values():
+        assert eligibility.unsupported_reason(_fp8_runner(dtype), cfg) is None
+    r = tb._runner()
+    r.kv_cache_dtype = torch.float4_e2m1fn_x2
+    reason = eligibility.unsupported_reason(r, cfg)
+    assert "float4_e2m1fn_x2" in reason and "fp8_e4m3" in reason
+
+
+def test_scales_are_read_as_sglangs_backends_read_them():
+    assert kv_scales(RadixAttention(tb.HQ, tb.D, 1.0, tb.HKV, layer_id=0)) == (1.0, 1.0)  # SGLang's defaults
+    assert kv_scales(_layer()) == (K_SCALE, V_SCALE)
+    assert eligibility.layer_reason(_layer()) is None and scale_reason(_layer()) is None
+    only_tensor = _layer()
+    only_tensor.k_scale_float = None  # a scale GraniKV could only read with a device sync
+    assert "k_scale without k_scale_float" in eligibility.layer_reason(only_tensor)
+
+
+def _decode(dtype, layer):
+    runner = _fp8_runner(dtype)
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, attention_path="cascade"),
+                            backend_name="stand-in")
+    be.inner = _FP8StandIn(runner)
+    fb, rows = tb._batch(runner, hot={0, 2, 3})
+    q, k, v = tb._qkv(fb.batch_size, 1)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    o = be.forward_decode(q, k, v, layer, fb)
+    assert be.stats.paths["cascade"] == 1
+    pool = runner.token_to_kv_pool
+    ref = decode_attention_ref(q.view(-1, tb.HQ, tb.D), pool.get_key_buffer(0), pool.get_value_buffer(0),
+                               runner.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                               layer.scaling, k_scale=K_SCALE, v_scale=V_SCALE).o
+    return o.view(-1, tb.HQ, tb.D), ref
+
+
+class _FP8StandIn(tb.PagedStandIn):
+    """The stand-in writing the new token's K/V through SGLang's pool (quantized with the
+    layer's scales, as SGLang's backends do); its own output is overwritten on cascade steps."""
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        if save_kv_cache:
+            self.runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, tb.HKV, tb.D),
+                                                       v.view(-1, tb.HKV, tb.D), layer.k_scale, layer.v_scale)
+        return torch.zeros_like(q)
+
+
+def _assert_per_request(out, ref):
+    for i in range(ref.shape[0]):
+        tol = 4e-3 * max(1.0, ref[i].abs().max().item())
+        torch.testing.assert_close(out[i].double(), ref[i], atol=tol, rtol=4e-3,
+                                   msg=lambda m, i=i: f"request {i}: {m}")
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_a_cascade_step_over_the_fp8_cache_matches_the_dequantized_reference(fmt):
+    out, ref = _decode(FP8[fmt], _layer())
+    _assert_per_request(out, ref)
+
+
+def test_planted_fault_scales_left_out_fail_the_check():
+    layer = _layer()
+    out, ref = _decode(FP8["e4m3"], layer)
+    _assert_per_request(out, ref)
+    bad = _layer()  # the same cache (the pool quantizes with the scale tensors), scales not read:
+    bad.k_scale_float = bad.v_scale_float = None  # the kernels take the stored numbers as the values
+    out_bad, _ = _decode(FP8["e4m3"], bad)
+    with pytest.raises(AssertionError, match="^request "):
+        _assert_per_request(out_bad, ref)
+
+
+def test_hot_extents_copy_the_fp8_bytes_exactly():
+    pool = _fp8_runner(FP8["e4m3"]).token_to_kv_pool
+    src = torch.tensor([7, 3, 12, 4, 40])
+    before = [b.clone() for b in (pool.k_buffer[0], pool.v_buffer[0])]
+    copy_kv_slots(pool, src, 200)
+    for buf, old in zip((pool.k_buffer[0], pool.v_buffer[0]), before, strict=True):
+        assert buf.dtype == torch.uint8 and torch.equal(buf[200:205], old[src])
+
+
+def test_the_hot_prefill_path_stays_stock_on_fp8_with_its_reason():
+    assert "not verified on FP8 KV" in fp8_reason(SimpleNamespace(kv_cache_dtype=FP8["e5m2"]))
+    assert fp8_reason(SimpleNamespace(kv_cache_dtype=torch.bfloat16)) is None
