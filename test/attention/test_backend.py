@@ -277,7 +277,7 @@ def test_paged_graph_steps_launch_nothing_and_fill_nothing(monkeypatch):
     real_fill = ws.fill
     monkeypatch.setattr(ws, "fill", lambda *a, **kw: fills.append(1) or real_fill(*a, **kw))
     real_run = be.decode.run
-    monkeypatch.setattr(be.decode, "run", lambda *a: calls.append(1) or real_run(*a))
+    monkeypatch.setattr(be.decode, "run", lambda *a, **kw: calls.append(1) or real_run(*a, **kw))
     for i, hot in enumerate(({4}, {4}, {0, 2, 3}, {4})):
         fb, rows = _batch(runner, hot=hot)
         view = _replay_view(fb, 8)
@@ -300,7 +300,7 @@ def test_sizes_without_a_cascade_graph_always_replay_stock(monkeypatch):
     be = _backend(runner, "cascade")
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     calls = []
-    monkeypatch.setattr(be.decode, "run", lambda *a: calls.append(a))
+    monkeypatch.setattr(be.decode, "run", lambda *a, **kw: calls.append(a))
     fb, rows = _batch(runner, hot={0, 2, 3})
     view = _replay_view(fb, 8)
     assert _capture(be, view, cascade=False) == (Path.PAGED, None)

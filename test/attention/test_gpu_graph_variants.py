@@ -61,7 +61,7 @@ def test_stock_graph_has_no_granikv_kernel_and_cascade_graph_matches_reference(m
     q, k, v = q.cuda(), k.cuda(), v.cuda()
     launches = []
     real_run = be.decode.run
-    monkeypatch.setattr(be.decode, "run", lambda *a: launches.append(1) or real_run(*a))
+    monkeypatch.setattr(be.decode, "run", lambda *a, **kw: launches.append(1) or real_run(*a, **kw))
     out = {}
 
     be.init_forward_metadata_out_graph(static, in_capture=True)

@@ -14,6 +14,7 @@ from granikv.attention import eligibility
 from granikv.attention.backend import GraniKVAttnBackend
 from granikv.attention.dispatcher import Path
 from granikv.attention.eligibility import LayerEligibility
+from granikv.kernels.reference import decode_attention_ref
 
 import test_backend as tb  # noqa: E402  (beside this file)
 import test_hot_extend as th  # noqa: E402
@@ -93,13 +94,55 @@ def test_a_decode_argument_the_scan_missed_turns_decode_stock(caplog):
     be.stage_batch(rows)
     be.init_forward_metadata(fb)
     with caplog.at_level("ERROR", logger="granikv"):
-        be.forward_decode(q, k, v, tb.LAYER, fb, sinks=torch.zeros(tb.HQ))
-    assert "carries extra arguments ['sinks']" in caplog.text
+        be.forward_decode(q, k, v, tb.LAYER, fb, k_descale=torch.ones(1))
+    assert "carries extra arguments ['k_descale']" in caplog.text
     be.stage_batch(rows)
     be.init_forward_metadata(fb)  # the next step: stock
-    o = be.forward_decode(q, k, v, tb.LAYER, fb, sinks=torch.zeros(tb.HQ))
+    o = be.forward_decode(q, k, v, tb.LAYER, fb, k_descale=torch.ones(1))
     torch.testing.assert_close(o, tb._expected(runner, fb, q), atol=tb.ATOL, rtol=tb.RTOL)
     assert be.stats.paths == {"cascade": 1, "paged": 1}
+
+
+def _sinks_model():
+    return torch.nn.Sequential(_Block(RadixAttention(num_heads=tb.HQ, head_dim=tb.D, scaling=tb.D ** -0.5,
+                                                     num_kv_heads=tb.HKV, layer_id=0), sinks=True))
+
+
+def test_a_decode_call_with_sinks_is_served_with_the_sink_in_the_merge(caplog):
+    """A model whose attention holds sinks (gpt-oss's learned ``sinks``, bf16): the scan keeps
+    decode on GraniKV (extend stock for those layers), and a decode step with ``sinks=``
+    matches the float64 reference with the sinks; the same step without them would not."""
+    runner = tb._runner()
+    runner.model = _sinks_model()
+    with caplog.at_level("INFO", logger="granikv"):
+        be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, attention_path="cascade"),
+                                backend_name="stand-in")
+    assert be.dispatcher.forced is not Path.PAGED and "served in decode" in caplog.text
+    be.inner = _KwargsStandIn(runner)
+    fb, rows = tb._batch(runner, hot={0, 2, 3})
+    q, k, v = tb._qkv(fb.batch_size, 1)
+    sinks = (torch.arange(tb.HQ, dtype=torch.float32) * 0.5 + 1.0).to(torch.bfloat16)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    o = be.forward_decode(q, k, v, tb.LAYER, fb, sinks=sinks)
+    assert be.stats.paths == {"cascade": 1}
+    pool = runner.token_to_kv_pool
+    ref = decode_attention_ref(q.view(-1, tb.HQ, tb.D), pool.k_buffer[0], pool.v_buffer[0],
+                               runner.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                               tb.LAYER.scaling, sinks=sinks.float()).o
+    got = o.view(-1, tb.HQ, tb.D).double()
+    torch.testing.assert_close(got, ref, atol=tb.ATOL, rtol=tb.RTOL)
+    assert (got - tb._expected(runner, fb, q).view(-1, tb.HQ, tb.D).double()).abs().max() > 10 * tb.ATOL
+    assert be.extend.eligibility.reason(tb.LAYER, k, v, {"sinks": sinks}) is not None  # extend: stock
+
+
+def test_sinks_of_the_wrong_shape_turn_decode_stock():
+    el = LayerEligibility(num_q_heads=tb.HQ, head_dim=tb.D, backend_name="stand-in")
+    k = v = torch.zeros(1)
+    assert el.decode_reason(tb.LAYER, k, v, {"sinks": torch.zeros(tb.HQ)}) is None
+    assert "sinks of shape (16,)" in el.decode_reason(tb.LAYER, k, v, {"sinks": torch.zeros(2 * tb.HQ)})
+    assert el.decode_reason(tb.LAYER, k, v, {"sinks": torch.zeros(tb.HQ), "k_descale": k}) == \
+        "extra arguments ['k_descale']"
 
 
 def test_proxied_extend_runs_an_ineligible_layer_on_the_stock_wrappers(caplog):

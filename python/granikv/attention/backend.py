@@ -96,7 +96,8 @@ class GraniKVAttnBackend(ForwardingBackend):
         # Any ineligible layer keeps decode stock (the wrapped backend is planned once per step
         # for every layer, so one layer cannot opt out of the ``seq_len = 1`` plan); extend
         # batches fall back layer by layer.
-        if self.eligibility.scan(getattr(model_runner, "model", None)):
+        self.eligibility.scan(getattr(model_runner, "model", None))
+        if self.eligibility.decode_blocked():
             self.ctx.dispatcher = self._paged_dispatcher()
         self.decode = DecodePlanner(self.ctx)
         self.compare = DebugCompare(self.ctx)
@@ -214,12 +215,13 @@ class GraniKVAttnBackend(ForwardingBackend):
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
         if self.decode.path is not Path.PAGED:  # paged: the stock work only
-            self._unscanned_decode_feature(layer, self.eligibility.reason(layer, k, v, kwargs))
+            self._unscanned_decode_feature(layer, self.eligibility.decode_reason(layer, k, v, kwargs))
+            sinks = kwargs.get("sinks")  # checked by decode_reason: one logit per q-head
             due = self.compare.decode_due(layer)
             stock = self.compare.stock_output(o) if due else None  # before the kernels overwrite o
-            self.decode.run(q, layer, o)
+            self.decode.run(q, layer, o, sinks=sinks)
             if due:
-                self.compare.compare_decode(q, layer, forward_batch, o, self.decode.path, stock)
+                self.compare.compare_decode(q, layer, forward_batch, o, self.decode.path, stock, sinks=sinks)
         return o
 
     def _unscanned_decode_feature(self, layer: RadixAttention, reason: Optional[str]) -> None:

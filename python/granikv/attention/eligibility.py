@@ -72,6 +72,7 @@ def attention_tp_size(model_runner: ModelRunner) -> int:
 # ---- per-layer eligibility -----------------------------------------------------------------
 
 _SINK_HINT = "sink"  # model-side attention-sink tensors (gpt-oss ``sinks``, MiMo ``attention_sink_bias``)
+SINKS = "attention sinks"  # the scan's reason for such layers: served in decode (the merge), stock in extend
 
 
 def layer_reason(layer: RadixAttention, *, num_q_heads: Optional[int] = None,
@@ -165,7 +166,7 @@ def scan_layers(model: object, *, num_q_heads: Optional[int] = None,
             if _is_attention_layer(child):
                 reason = layer_reason(child, num_q_heads=num_q_heads, head_dim=head_dim)
                 if reason is None and sinks:
-                    reason = "attention sinks"
+                    reason = SINKS
                 if reason is not None:
                     out.setdefault(int(child.layer_id), reason)
         if _is_attention_layer(module) and int(module.layer_id) not in out:
@@ -186,8 +187,8 @@ def scan_layers(model: object, *, num_q_heads: Optional[int] = None,
 #
 # - decode: the wrapped backend is planned once per step for every layer, so one layer cannot
 #   opt out of the ``seq_len = 1`` plan. Any ineligible layer found by the scan keeps decode
-#   stock for the whole model; one found only at call time (``record``) makes decode stock from
-#   the next step on;
+#   stock for the whole model (attention sinks excepted: decode adds them in the merge); one
+#   found only at call time (``record``) makes decode stock from the next step on;
 # - extend: the layer's call goes to the wrapped backend (logged once per reason).
 
 
@@ -209,9 +210,33 @@ class LayerEligibility:
         for layer_id, reason in sorted(self.scanned.items()):
             by_reason.setdefault(reason, []).append(layer_id)
         for reason, ids in by_reason.items():
+            if reason == SINKS:
+                logger.info("GraniKV: attention layers %s have attention sinks: served in decode (the "
+                            "sink joins the merge), their prefill runs the stock %s backend",
+                            layer_ranges(ids), self.backend_name)
+                continue
             logger.warning("GraniKV: attention layers %s run the stock %s backend (%s); decode "
                            "stays stock for the whole model", layer_ranges(ids), self.backend_name, reason)
         return self.scanned
+
+    def decode_blocked(self) -> Dict[int, str]:
+        """The scan's verdicts that keep decode stock (attention sinks do not: decode serves them)."""
+        return {i: r for i, r in self.scanned.items() if r != SINKS}
+
+    def decode_reason(self, layer: RadixAttention, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                      kwargs: Mapping[str, object]) -> Optional[str]:
+        """``reason`` for a decode call: a ``sinks=`` argument of one fp32-convertible logit per
+        q-head of this rank is served (the merge adds it), whatever else ``reason`` refuses."""
+        sinks = kwargs.get("sinks")
+        rest = {k_: v_ for k_, v_ in kwargs.items() if k_ != "sinks"}
+        reason = self.reason(layer, k, v, rest)
+        if reason == SINKS:
+            reason = None
+        if reason is None and sinks is not None and (
+                not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (self.num_q_heads,)):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            return f"sinks of shape {shape} (served: one per q-head, {self.num_q_heads})"
+        return reason
 
     def reason(self, layer: RadixAttention, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                kwargs: Mapping[str, object]) -> Optional[str]:

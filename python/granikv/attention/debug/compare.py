@@ -111,7 +111,7 @@ class DebugCompare:
         return o.clone() if self._stock_valid else None
 
     def compare_decode(self, q: torch.Tensor, layer: RadixAttention, fb: Any, o: torch.Tensor, path: Path,
-                       stock: Optional[torch.Tensor] = None) -> float:
+                       stock: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> float:
         """The chosen ``path``'s output ``o`` of ``layer`` against ``stock`` (the wrapped backend's
         output for the same step), or the float64 paged reference where ``stock`` is None;
         records it (``StepStats.record_layer_compare``) and returns the deviation."""
@@ -129,7 +129,7 @@ class DebugCompare:
                                    pool.get_value_buffer(layer.layer_id),
                                    runner.req_to_token_pool.req_to_token,
                                    fb.req_pool_indices[:bs], fb.seq_lens[:bs], layer.scaling,
-                                   k_scale=k_scale, v_scale=v_scale).o
+                                   sinks=sinks, k_scale=k_scale, v_scale=v_scale).o
         ours = o.view(-1, hq, d)[:bs]
         diff = float((ours.double() - ref).abs().max()) if bs else 0.0
         ctx.stats.max_compare_diff = max(ctx.stats.max_compare_diff, diff)

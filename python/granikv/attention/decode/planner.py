@@ -397,8 +397,9 @@ class DecodePlanner:
 
     # ---- compute (per layer) -----------------------------------------------------------------
 
-    def run(self, q: torch.Tensor, layer: Any, o: torch.Tensor) -> None:
-        """The planned path's kernels over layer ``layer``: every request's attention into ``o``."""
+    def run(self, q: torch.Tensor, layer: Any, o: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> None:
+        """The planned path's kernels over layer ``layer``: every request's attention into ``o``;
+        ``sinks`` [Hq]: the layer's attention-sink logits (the merge adds them), or None."""
         from granikv.kernels import cascade as kernels
 
         ctx, plan = self.ctx, self.launch
@@ -412,8 +413,10 @@ class DecodePlanner:
         run = {Path.FUSED: kernels.fused_cascade_attention,
                Path.BGEMM: kernels.bgemm_cascade_attention}.get(self.path, kernels.cascade_attention)
         k_scale, v_scale = kv_scales(layer)
+        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+            sinks = sinks.float().contiguous()  # the merge reads fp32 (gpt-oss keeps bf16 sinks)
         run(q3, k_buf, v_buf, ctx.req_to_token, plan, sm_scale=layer.scaling, out=out, k_scale=k_scale,
-            v_scale=v_scale)
+            v_scale=v_scale, sinks=sinks)
 
 
 def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
