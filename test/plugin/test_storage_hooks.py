@@ -70,6 +70,15 @@ def test_unsupported_allocator_is_a_clear_startup_error():
                                       is_dsv4_model=False, req_to_token_pool=req,
                                       token_to_kv_pool_allocator=None)
 
+    class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):  # the name of SGLang's hybrid sliding-window allocator
+        pass
+
+    swa = object.__new__(SWATokenToKVPoolAllocator)
+    with pytest.raises(ValueError, match="pass --disable-hybrid-swa-memory"):
+        plugin._after_build_allocator(swa, _configurator(True), sizes=None, token_to_kv_pool=kv,
+                                      is_dsv4_model=False, req_to_token_pool=req,
+                                      token_to_kv_pool_allocator=None)
+
 
 def _build_context(conf, req, alloc, tp_worker=None):
     """SGLang's cache-factory context from the fields the running release has (0.5.23 dropped

@@ -64,10 +64,13 @@ class GraniKVAllocator(TokenToKVPoolAllocator):
                    debug_checks: bool = False) -> "GraniKVAllocator":
         """Same pool as SGLang's freshly built page-size-1 allocator, HOT extents enabled."""
         if type(stock) is not TokenToKVPoolAllocator:
+            swa = "SWA" in type(stock).__name__
             raise ValueError(
                 f"GraniKV replaces only SGLang's page-size-1 TokenToKVPoolAllocator, "
                 f"got {type(stock).__name__} (page_size={getattr(stock, 'page_size', '?')}); "
-                "hybrid / SWA / NPU / paged pools are not supported")
+                "hybrid / SWA / NPU / paged pools are not supported"
+                + ("; for a sliding-window model pass --disable-hybrid-swa-memory (one KV pool for "
+                   "every layer)" if swa else ""))
         return cls(stock.size, stock.dtype, stock.device, stock.get_kvcache(), stock.need_sort,
                    hot_fraction=hot_fraction, debug_checks=debug_checks)
 
