@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -52,7 +53,7 @@ class Model:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
-    def config_path(self) -> Any:
+    def config_path(self) -> Path:
         return model_config_path(self.name)
 
     def config(self) -> Dict[str, Any]:

@@ -4,7 +4,7 @@
 The kernel checks compare each request, elementwise, with the float64 decode reference at the
 new lengths (fp16 tolerances of test_cascade.py); a workspace whose device metadata still holds
 the old ends would miss the new tokens, so every check below fails if the kernels ignore the
-bound ends, and one wrong end at any batch position fails it (``_assert_per_request``).
+bound ends, and one wrong end at any batch position fails it (``support.per_request.assert_per_request``).
 """
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import SMALL_CONFIG, make_batch
 
+from support.per_request import assert_per_request
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.reference import decode_attention_ref
 from granikv.attention.decode.workspace import CascadeWorkspace
@@ -41,14 +42,6 @@ def _run(path, ws, b):
     return out
 
 
-def _assert_per_request(out, ref, *, atol=4e-3, rtol=4e-3):
-    """Every request's rows of ``out`` against the float64 ``ref``, elementwise; a failure names
-    the request (batch position) and its mismatch."""
-    for i in range(ref.shape[0]):
-        torch.testing.assert_close(out[i].double(), ref[i], atol=atol, rtol=rtol,
-                                   msg=lambda m, i=i: f"request {i}: {m}")
-
-
 POSITIONS = {"first": lambda bs: 0, "middle": lambda bs: bs // 2, "last": lambda bs: bs - 1}
 
 
@@ -65,7 +58,7 @@ def test_steady_steps_upload_nothing_and_match_the_reference(path):
         ends.copy_(torch.as_tensor(seq))
         assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
         assert ws._uploads == uploads0 and torch.equal(ws.meta, meta0)  # nothing copied
-        _assert_per_request(_run(path, ws, b), _ref(b, seq))
+        assert_per_request(_run(path, ws, b), _ref(b, seq))
     assert ws.advances_in_place == 3
     ws.check_integrity()  # the host work list is rebuilt from the ends of the last advance
     assert [int(ws.work_list.sfx_hi[ws.work_list.sfx_req == i].max()) for i in range(b.bs)] == list(b.seq_lens)
@@ -87,9 +80,9 @@ def test_one_wrong_device_end_at_any_position_fails_the_check(path, where):
     ws.ends.buffer[p] -= 1  # the fault: request p ends where the previous step did
     out, ref = _run(path, ws, b), _ref(b, b.seq_lens)
     with pytest.raises(AssertionError, match=f"^request {p}: "):
-        _assert_per_request(out, ref)
+        assert_per_request(out, ref)
     others = [i for i in range(b.bs) if i != p]
-    _assert_per_request(out[others], ref[others])
+    assert_per_request(out[others], ref[others])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -108,7 +101,7 @@ def test_a_device_end_past_the_planned_bound_reads_no_further(path):
     assert lo[p] + bound < ws.ends.buffer[p] <= b.req_to_token.shape[1]
     cut = b.seq_lens.copy()
     cut[p] = lo[p] + bound  # what the kernels may read of request p
-    _assert_per_request(_run(path, ws, b), _ref(b, cut))
+    assert_per_request(_run(path, ws, b), _ref(b, cut))
 
 
 def test_a_staging_advance_after_an_in_place_one_reports_its_own_ends():
@@ -130,7 +123,7 @@ def test_a_staging_advance_after_an_in_place_one_reports_its_own_ends():
     wl = ws.work_list
     assert wl.sfx_hi[last_suffix_item(wl)].tolist() == b.seq_lens.tolist()
     ws.check_integrity()
-    _assert_per_request(_run(cascade_attention, ws, b), _ref(b, b.seq_lens))  # what the metadata holds
+    assert_per_request(_run(cascade_attention, ws, b), _ref(b, b.seq_lens))  # what the metadata holds
 
 
 def test_without_bound_ends_the_metadata_ends_are_used():

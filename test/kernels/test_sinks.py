@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import SMALL_CONFIG, fill, make_batch
 
+from support.per_request import assert_per_request
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.merge_state import merge_rows
@@ -33,12 +34,6 @@ def _sinks(hq, seed):
     return (torch.randn(hq, generator=g) * 1.5 + 3.0).float()
 
 
-def _assert_per_request(out, ref, *, atol=4e-3, rtol=4e-3):
-    for i in range(ref.shape[0]):
-        torch.testing.assert_close(out[i].double(), ref[i], atol=atol, rtol=rtol,
-                                   msg=lambda m, i=i: f"request {i}: {m}")
-
-
 def _run(path, b, sinks):
     ws = CascadeWorkspace(b.bs + 1, b.q.shape[1], b.k.shape[1], 64, "cpu", config=SMALL_CONFIG, sm_count=32,
                           max_splits=4)
@@ -55,7 +50,7 @@ def test_every_path_with_sinks_matches_the_reference(path, hq, hkv):
     ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale, sinks).o
     plain = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
     assert (ref - plain).abs().max() > 0.05  # the sinks move the output well past the tolerance
-    _assert_per_request(_run(path, b, sinks), ref)
+    assert_per_request(_run(path, b, sinks), ref)
 
 
 @pytest.mark.parametrize("fault", ["once_per_partial_row", "scaled_like_a_score"])
@@ -83,7 +78,7 @@ def test_planted_faults_fail_the_same_check(fault):
         several = [i for i in range(b.bs) if ptr[i + 1] - ptr[i] > 1]
         bad, ref = bad[several], ref[several]
     with pytest.raises(AssertionError, match="^request "):
-        _assert_per_request(bad, ref)
+        assert_per_request(bad, ref)
 
 
 def test_merge_rows_with_sinks_matches_the_reference_and_empty_rows_stay_zero():
@@ -127,5 +122,5 @@ def test_the_convention_is_sglangs_triton_decode_with_sinks():
     decode_attention_fwd(b.q, b.k, b.v, sgl, indptr, idx, logits, lse, nsp, splits, b.sm_scale, 1.0, 1.0,
                          sinks=sinks)
     ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale, sinks).o
-    _assert_per_request(sgl, ref)  # SGLang's kernel is the float64 convention
-    _assert_per_request(_run("cascade", b, sinks), sgl.double())
+    assert_per_request(sgl, ref)  # SGLang's kernel is the float64 convention
+    assert_per_request(_run("cascade", b, sinks), sgl.double())

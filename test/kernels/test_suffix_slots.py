@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import SMALL_CONFIG, make_batch
 
+from support.per_request import assert_per_request
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.plan import Grouping
@@ -42,12 +43,6 @@ def _run(path, plan, b, req_to_token=None):
     path(b.q, b.k, b.v, b.req_to_token if req_to_token is None else req_to_token, plan, sm_scale=b.sm_scale,
          out=out)
     return out
-
-
-def _assert_per_request(out, ref, *, atol=4e-3, rtol=4e-3):
-    for i in range(ref.shape[0]):
-        torch.testing.assert_close(out[i].double(), ref[i], atol=atol, rtol=rtol,
-                                   msg=lambda m, i=i: f"request {i}: {m}")
 
 
 def _scrambled(b):
@@ -85,7 +80,7 @@ def test_kernels_reading_the_copy_ignore_later_table_writes(path):
     _fill(ws, b, b.seq_lens)
     copy_suffix_slots(ws.buffers, b.req_to_token)
     later = _scrambled(b)
-    _assert_per_request(_run(path, ws.graph_plan, b, later), _ref(b, b.seq_lens))
+    assert_per_request(_run(path, ws.graph_plan, b, later), _ref(b, b.seq_lens))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -97,7 +92,7 @@ def test_planted_fault_a_kernel_reading_the_table_sees_the_later_writes(path):
     _fill(ws, b, b.seq_lens)
     copy_suffix_slots(ws.buffers, b.req_to_token)
     with pytest.raises(AssertionError, match="^request "):
-        _assert_per_request(_run(path, ws.plan, b, _scrambled(b)), _ref(b, b.seq_lens))
+        assert_per_request(_run(path, ws.plan, b, _scrambled(b)), _ref(b, b.seq_lens))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -111,9 +106,9 @@ def test_planted_fault_one_wrong_copied_slot_fails_its_request_only(path):
     ws.slot_copy[w, 0] = int(b.req_to_token[b.req_pool_indices[p], 0]) + 1  # another slot
     out, ref = _run(path, ws.graph_plan, b), _ref(b, b.seq_lens)
     with pytest.raises(AssertionError, match=f"^request {p}: "):
-        _assert_per_request(out, ref)
+        assert_per_request(out, ref)
     others = [i for i in range(b.bs) if i != p]
-    _assert_per_request(out[others], ref[others])
+    assert_per_request(out[others], ref[others])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -130,7 +125,7 @@ def test_in_place_steps_copy_the_new_token_each_step(path):
         ends.copy_(torch.as_tensor(seq))
         assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
         copy_suffix_slots(ws.buffers, b.req_to_token)
-        _assert_per_request(_run(path, ws.graph_plan, b, _scrambled(b)), _ref(b, seq))
+        assert_per_request(_run(path, ws.graph_plan, b, _scrambled(b)), _ref(b, seq))
     assert ws.advances_in_place == 3
 
 
@@ -145,7 +140,7 @@ def test_items_wider_than_the_copy_read_the_table(path):
     before = ws.slot_copy.clone()
     copy_suffix_slots(ws.buffers, b.req_to_token)
     assert torch.equal(ws.slot_copy, before)
-    _assert_per_request(_run(path, ws.graph_plan, b), _ref(b, b.seq_lens))
+    assert_per_request(_run(path, ws.graph_plan, b), _ref(b, b.seq_lens))
 
 
 def test_a_workspace_without_a_table_has_no_slot_copy_plan():

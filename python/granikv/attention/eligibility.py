@@ -13,7 +13,7 @@ Two levels of eligibility:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -116,12 +116,14 @@ def layer_reason(layer: RadixAttention, *, num_q_heads: Optional[int] = None,
     return None
 
 
-def call_reason(k: Optional[torch.Tensor], v: Optional[torch.Tensor], kwargs: Mapping[str, object]) -> Optional[str]:
+def call_reason(k: Optional[torch.Tensor], v: Optional[torch.Tensor], kwargs: Mapping[str, object],
+                served: Tuple[str, ...] = ()) -> Optional[str]:
     """Why this call of an attention layer cannot be served (None: it can): no new K/V, or
-    extra keyword arguments the kernels do not implement (``sinks``, descales, ...)."""
+    extra keyword arguments the kernels do not implement (``sinks`` outside ``served``,
+    descales, ...)."""
     if k is None or v is None:
         return "no new K/V given"
-    extra = sorted(key for key, val in kwargs.items() if val is not None)
+    extra = sorted(key for key, val in kwargs.items() if val is not None and key not in served)
     if extra:
         return f"extra arguments {extra}"
     return None
@@ -227,11 +229,8 @@ class LayerEligibility:
                       kwargs: Mapping[str, object]) -> Optional[str]:
         """``reason`` for a decode call: a ``sinks=`` argument of one fp32-convertible logit per
         q-head of this rank is served (the merge adds it), whatever else ``reason`` refuses."""
+        reason = self.reason(layer, k, v, kwargs, decode=True)
         sinks = kwargs.get("sinks")
-        rest = {k_: v_ for k_, v_ in kwargs.items() if k_ != "sinks"}
-        reason = self.reason(layer, k, v, rest)
-        if reason == SINKS:
-            reason = None
         if reason is None and sinks is not None and (
                 not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (self.num_q_heads,)):
             shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
@@ -239,7 +238,7 @@ class LayerEligibility:
         return reason
 
     def reason(self, layer: RadixAttention, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-               kwargs: Mapping[str, object]) -> Optional[str]:
+               kwargs: Mapping[str, object], *, decode: bool = False) -> Optional[str]:
         """Why this call runs the wrapped backend's attention (None: GraniKV serves it)."""
         memo, key = self._memo, id(layer)
         if key in memo:
@@ -248,7 +247,9 @@ class LayerEligibility:
             reason = self.scanned.get(layer.layer_id) or layer_reason(
                 layer, num_q_heads=self.num_q_heads, head_dim=self.head_dim)
             memo[key] = reason
-        return reason or call_reason(k, v, kwargs)
+        if decode and reason == SINKS:  # decode adds the sinks in the merge
+            reason = None
+        return reason or call_reason(k, v, kwargs, served=("sinks",) if decode else ())
 
     def record(self, layer_id: int, reason: str) -> None:
         """A decode call showed a feature the scan did not see (kept beside the scan's verdicts)."""

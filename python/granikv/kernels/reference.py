@@ -105,9 +105,7 @@ def suffix_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     states = []
     for i in range(q.shape[0]):
         slots = r2t[int(req_pool_indices[i]), int(prefix_len[i]) : int(seq_lens[i])]
-        k, v = k_buffer[slots], v_buffer[slots]
-        if k_scale != 1.0 or v_scale != 1.0 or k.dtype != q.dtype:
-            k, v = dequantize_ref(k, k_scale), dequantize_ref(v, v_scale)
+        k, v = dequantize_ref(k_buffer[slots], k_scale), dequantize_ref(v_buffer[slots], v_scale)
         states.append(attend_ref(q[i], k, v, sm_scale))
     return _stack(states)
 

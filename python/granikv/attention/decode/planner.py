@@ -55,7 +55,6 @@ class DecodePlanner:
         self.workspace: Optional[CascadeWorkspace] = None  # the graph one once graphs exist
         self.slot_copier: Optional[SlotCopier] = None  # the graph workspace's pre-replay slot copy
         self.slots_copied = False  # this step's replay reads the slot copy, not req_to_token
-        self._slot_copy_tokens = 0  # the slot-copy width of a workspace made by init_graph_state
         self.eager_workspace: Optional[CascadeWorkspace] = None  # eager steps larger than the graph workspace
         self.ws: Optional[CascadeWorkspace] = None  # the workspace of the current step
         self.launch: Optional[CascadePlan] = None  # what the kernels of the current step read
@@ -141,13 +140,16 @@ class DecodePlanner:
         attr = "eager_workspace" if self.graph_mode else "workspace"
         ws = getattr(self, attr)
         if ws is None or ws.max_bs < bs:
-            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs),
-                                     self._slot_copy_tokens if attr == "workspace" else 0)
+            ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
             setattr(self, attr, ws)
-        if self._ones is None or self._ones.numel() < bs:
-            self._ones = torch.ones(ws.max_bs, dtype=torch.int64, device=self.ctx.device)
-            self._ones_views = {}
+        self._ensure_ones(ws.max_bs)
         return ws
+
+    def _ensure_ones(self, n: int) -> None:
+        """The device ones the ``seq_len = 1`` views slice, at least ``n`` of them."""
+        if self._ones is None or self._ones.numel() < n:
+            self._ones = torch.ones(n, dtype=torch.int64, device=self.ctx.device)
+            self._ones_views = {}
 
     # ---- planning (host side, once per step) -----------------------------------------
 
@@ -347,11 +349,9 @@ class DecodePlanner:
             self._pad_fill = int(fill()) if fill is not None else None
         except Exception:  # noqa: BLE001 - an unknown fill value only costs the array sum
             self._pad_fill = None
-        self.graph_mode = False
-        self.workspace = None
-        self._slot_copy_tokens = SLOT_COPY_TOKENS if self.ctx.cfg.replay_slots == "copy" else 0
-        ws = self.workspace_for(max_bs)
-        self._slot_copy_tokens = 0
+        ws = self.workspace = self._new_workspace(
+            max_bs, SLOT_COPY_TOKENS if self.ctx.cfg.replay_slots == "copy" else 0)
+        self._ensure_ones(max_bs)
         self.slot_copier = None
         if ws.slot_copy is not None:
             self.slot_copier = SlotCopier(ws, lambda: self.ctx.req_to_token)

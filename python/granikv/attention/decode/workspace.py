@@ -242,8 +242,7 @@ class CascadeWorkspace(StagingRing):
                              factor=self.config.reuse_chunk_factor,
                              sfx_hi_offset=self._offs["sfx"] + 2 * self.suffix_cap)
         self._upload(wl, req_pool_indices, base)
-        self.slot_copy_ready = self.slot_copy is not None and (
-            last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor) <= self.slot_copy.shape[1])
+        self.slot_copy_ready = self._slot_copy_fits(last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor))
         self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
         self._adv = None
         self.fills_built += 1
@@ -381,7 +380,7 @@ class CascadeWorkspace(StagingRing):
         h[0:3] = (wl.bs, wl.num_prefix_items, wl.num_suffix_items)
         bound = last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor)
         h[o["sfx_max"]] = bound
-        h[o["sco"]] = int(self.slot_copy is not None and bound <= self.slot_copy.shape[1])
+        h[o["sco"]] = int(self._slot_copy_fits(bound))
         n = wl.num_prefix_items
         for j, a in enumerate((wl.pfx_row_lo, wl.pfx_row_hi, wl.pfx_slot_lo, wl.pfx_n_kv, wl.pfx_split)):
             h[o["pfx"] + j * P : o["pfx"] + j * P + n] = a
@@ -392,6 +391,10 @@ class CascadeWorkspace(StagingRing):
         h[o["pptr"] : o["pptr"] + wl.bs + 1] = wl.part_indptr
 
     # -------------------------------------------------------------- helpers
+    def _slot_copy_fits(self, sfx_max: int) -> bool:
+        """A build whose items hold at most ``sfx_max`` tokens is served by the slot copy."""
+        return self.slot_copy is not None and sfx_max <= self.slot_copy.shape[1]
+
     def check_integrity(self) -> None:
         """Assert the last work list is self-consistent (debug aid, host-side only)."""
         wl = self.work_list
