@@ -127,6 +127,10 @@ def test_in_place_steps_copy_the_new_token_each_step(path):
         copy_suffix_slots(ws.buffers, b.req_to_token)
         assert_per_request(_run(path, ws.graph_plan, b, _scrambled(b)), _ref(b, seq))
     assert ws.advances_in_place == 3
+    ws.check_integrity()
+    ws.slot_copy_on.fill_(0)  # the planted fault: the device no longer says the copy serves the build
+    with pytest.raises(AssertionError, match="slot_copy_on=False, host slot_copy_ready=True"):
+        ws.check_integrity()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -137,6 +141,7 @@ def test_items_wider_than_the_copy_read_the_table(path):
     ws = _workspace(b, tokens=16)  # narrower than sfx_max (>= suffix_chunk >= 16 * 2 here)
     _fill(ws, b, b.seq_lens)
     assert int(ws.sfx_max[0]) > 16 and not ws.slot_copy_ready and int(ws.slot_copy_on[0]) == 0
+    ws.check_integrity()
     before = ws.slot_copy.clone()
     copy_suffix_slots(ws.buffers, b.req_to_token)
     assert torch.equal(ws.slot_copy, before)
