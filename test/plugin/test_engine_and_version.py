@@ -12,7 +12,7 @@ from argparse import Namespace
 
 import pytest
 
-from granikv import plugin, sglang_compat as compat
+from granikv import plugin, server_settings, sglang_compat as compat
 from granikv.config import GraniKVConfig
 
 from test_plugin import TINY_LLAMA
@@ -86,7 +86,7 @@ def _from_cli(values: dict):
 
 def test_an_untested_release_turns_granikv_off_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(compat, "sglang_version", lambda: "0.6.0")
-    monkeypatch.setattr(plugin, "_warned", set())
+    monkeypatch.setattr(server_settings, "_warned", set())
     for _ in range(2):
         cfg, built = _from_cli({"enable_granikv": True})
         assert not cfg.enable and built["radix_cache_backend"] is None  # stock SGLang serves
@@ -97,7 +97,7 @@ def test_an_untested_release_turns_granikv_off_with_one_warning(monkeypatch, cap
 
 def test_allow_untested_sglang_keeps_granikv_on(monkeypatch, caplog):
     monkeypatch.setattr(compat, "sglang_version", lambda: "0.6.0")
-    monkeypatch.setattr(plugin, "_warned", set())
+    monkeypatch.setattr(server_settings, "_warned", set())
     cfg, built = _from_cli({"enable_granikv": True, "granikv_allow_untested_sglang": True})
     assert cfg.enable and built["radix_cache_backend"] == "granikv"
     assert any("running anyway" in r.getMessage() for r in caplog.records)

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from granikv import plugin
+from granikv import plugin, server_settings
 from granikv.config import GraniKVConfig
 
 TINY_LLAMA = {
@@ -192,7 +192,7 @@ def test_internal_state_carries_granikv_counters():
 
 def _server_kwargs(**given):
     kw = dict(given)
-    plugin._apply_to_server_kwargs(GraniKVConfig(enable=True), kw.get, kw.__setitem__)
+    server_settings.apply_to_server_kwargs(GraniKVConfig(enable=True), kw.get, kw.__setitem__)
     return kw
 
 

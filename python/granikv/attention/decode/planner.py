@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
+from granikv.attention.decode.batch_view import OneTokenView, SeqLensView, device_ends, pad_rows, same_rows, seq_total
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
 from granikv.attention.decode.step_clock import StepClock
@@ -62,12 +62,9 @@ class DecodePlanner:
         self.graphs = GraphVariants(ctx.cfg.cascade_graph_sizes, can_win=self.cascade_can_win)
         self._held: Optional[HeldRows] = None  # the rows of the last plan and what they gave
         self.last_desc: Optional[BatchDescription] = None  # of the last plan (reused while its arrays are)
-        # ((data_ptr, bs), dtype, numpy view) of the last step's seq_lens_cpu
-        self._seq_view: Optional[Tuple[Tuple[int, int], torch.dtype, np.ndarray]] = None
+        self._seq_lens_view = SeqLensView()  # the step's host seq_lens as numpy
         self._capture_metadata: Dict[int, Any] = {}  # bs -> the wrapped backend's metadata of its stock capture
-        self._ones: Optional[torch.Tensor] = None
-        # (bs, dtypes) -> the (device, host) seq_lens of ones of a seq_len = 1 view
-        self._ones_views: Dict[Tuple[Any, ...], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._one_token = OneTokenView(ctx.device)  # the batch the wrapped backend plans with
         self.filled_grouping: Optional[Grouping] = None  # grouping of the last fill
         self._filled_ws: Optional[CascadeWorkspace] = None  # workspace of the last fill
         self._t_choose: Optional[float] = None  # perf_counter when this step's path choice began (plan_step's sections)
@@ -142,14 +139,8 @@ class DecodePlanner:
         if ws is None or ws.max_bs < bs:
             ws = self._new_workspace(max(bs, 2 * ws.max_bs if ws is not None else bs))
             setattr(self, attr, ws)
-        self._ensure_ones(ws.max_bs)
+        self._one_token.ensure(ws.max_bs)
         return ws
-
-    def _ensure_ones(self, n: int) -> None:
-        """The device ones the ``seq_len = 1`` views slice, at least ``n`` of them."""
-        if self._ones is None or self._ones.numel() < n:
-            self._ones = torch.ones(n, dtype=torch.int64, device=self.ctx.device)
-            self._ones_views = {}
 
     # ---- planning (host side, once per step) -----------------------------------------
 
@@ -182,7 +173,7 @@ class DecodePlanner:
         self.graphs.planned_cascade = graph and plan is not None
         self.clock.record(self.path, self._clock_key or (fb.batch_size, 0))
         t2 = time.perf_counter()
-        view = fb if plan is None else self._inner_view(fb)
+        view = fb if plan is None else self._one_token.of(fb)
         t3 = time.perf_counter()
         self.ctx.stats.record_plan_time(
             t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
@@ -205,7 +196,7 @@ class DecodePlanner:
         version = getattr(table, "version", None)
         held = self._held
         if (held is not None and held.version == version and version is not None
-                and (held.rows is staged or _same_rows(staged, held.rows))):
+                and (held.rows is staged or same_rows(staged, held.rows))):
             hot_start, hot_len, grouping = held.hot_start, held.hot_len, held.grouping  # same rows and table
             held.rows = staged  # equal rows in a new array: held from now on (identity)
         else:
@@ -243,12 +234,12 @@ class DecodePlanner:
             stats.unplanned += 1
             return None
         self._t_choose = time.perf_counter()
-        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=self._seq_total(fb))
+        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=seq_total(fb, self._pad_fill))
         self._clock_key = (fb.batch_size, grouping.num_groups)  # one measurement per batch shape
         if self.chooser.dispatcher.forced is None:  # a forced path is never overruled
             decision = self.clock.adjust(decision, self._clock_key)
         if decision.path is not Path.PAGED:
-            self._ends = _device_ends(fb, self.workspace_for(fb.batch_size))
+            self._ends = device_ends(fb, self.workspace_for(fb.batch_size))
             # the cascade graph ends each suffix where its capture bound the ends (or did not)
             reason = self.graphs.ends_mismatch(fb.batch_size, self._ends is not None) if graph else None
             if reason is not None:
@@ -270,36 +261,6 @@ class DecodePlanner:
                        None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}", self.ctx.device)
         self._warned_ends = True
 
-    def _seq_total(self, fb: Any) -> Optional[int]:
-        """``sum(seq_lens)`` of the real requests from SGLang's ``seq_lens_sum`` (no array work):
-        a replay view's total includes its padding rows at the wrapped backend's fill value.
-        None when unknown (the chooser then sums the array; it also checks this one)."""
-        total = getattr(fb, "seq_lens_sum", None)
-        pad, fill = getattr(fb, "num_padding", 0), self._pad_fill
-        if total is None:
-            return None
-        if not pad:
-            return total
-        return None if fill is None else total - pad * fill
-
-    def _seq_lens_view(self, seq_lens_cpu: torch.Tensor, bs: int) -> Optional[np.ndarray]:
-        """``seq_lens_cpu[:bs]`` as int64 numpy (None if shorter), the same array object while
-        SGLang hands over the same memory (graph replays slice one persistent host buffer): a
-        zero-copy view holds the tensor, so its address cannot be reused while cached."""
-        key = (seq_lens_cpu.data_ptr(), bs)
-        cached = self._seq_view
-        if cached is not None and cached[0] == key and cached[1] is seq_lens_cpu.dtype:
-            return cached[2]
-        view = seq_lens_cpu.numpy()[:bs]
-        if view.shape[0] != bs:
-            return None
-        if view.dtype != np.int64:
-            view = view.astype(np.int64)  # a copy: not cached
-            self._seq_view = None
-            return view
-        self._seq_view = (key, seq_lens_cpu.dtype, view)
-        return view
-
     def _fill_workspace(self, ws: CascadeWorkspace, plan: StepPlan, fb: Any) -> float:
         """Advances or fills the step's workspace ``ws``; returns the seconds its upload took."""
         up0 = ws.upload_seconds
@@ -310,32 +271,12 @@ class DecodePlanner:
                                single_prefix_chunk=decision.path is Path.BGEMM, seq_lens_dev=ends,
                                ends_checked=True):
             return ws.upload_seconds - up0  # a steady step: only the suffix ends changed
-        seq_lens, rpi = _pad(desc.seq_lens, desc.req_pool_indices, fb.batch_size)
+        seq_lens, rpi = pad_rows(desc.seq_lens, desc.req_pool_indices, fb.batch_size)
         filled = grouping.with_group_len(self._fault.group_len(grouping.group_len)).padded(fb.batch_size)
         ws.fill(filled, seq_lens, rpi, single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same,
                 seq_lens_dev=ends)
         self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
         return ws.upload_seconds - up0
-
-    def _inner_view(self, fb: Any) -> Any:
-        """``fb`` with every ``seq_len = 1``: the wrapped backend still writes K/V, reads 1 token."""
-        bs = fb.batch_size
-        # SGLang's replay view is a SimpleNamespace (a plain attribute copy is the cheap copy);
-        # an eager step's ForwardBatch is a dataclass
-        if type(fb) is SimpleNamespace:
-            view = SimpleNamespace(**vars(fb))
-        else:  # what copy.copy does for a dataclass, without its generic protocol
-            view = object.__new__(type(fb))
-            view.__dict__.update(fb.__dict__)
-        key = (bs, fb.seq_lens.dtype, fb.seq_lens_cpu.dtype)
-        ones = self._ones_views.get(key)
-        if ones is None:  # per batch size, made once (read-only for the wrapped backend)
-            assert self._ones is not None  # workspace_for made it for this size
-            ones = self._ones_views[key] = (self._ones[:bs].to(fb.seq_lens.dtype),
-                                            torch.ones(bs, dtype=fb.seq_lens_cpu.dtype))
-        view.seq_lens, view.seq_lens_cpu = ones
-        view.seq_lens_sum = bs
-        return view
 
     # ---- CUDA graphs -------------------------------------------------------------------------
 
@@ -351,7 +292,7 @@ class DecodePlanner:
             self._pad_fill = None
         ws = self.workspace = self._new_workspace(
             max_bs, SLOT_COPY_TOKENS if self.ctx.cfg.replay_slots == "copy" else 0)
-        self._ensure_ones(max_bs)
+        self._one_token.ensure(max_bs)
         self.slot_copier = None
         if ws.slot_copy is not None:
             self.slot_copier = SlotCopier(ws, lambda: self.ctx.req_to_token)
@@ -375,10 +316,10 @@ class DecodePlanner:
             return
         self.path = Path.CASCADE
         ws = self.ws = self.workspace_for(bs)
-        ws.fill_empty(_device_ends(fb, ws))  # the graph reads the runner's static seq_lens
+        ws.fill_empty(device_ends(fb, ws))  # the graph reads the runner's static seq_lens
         self.launch = ws.graph_plan  # with a slot-copy table, the kernels read it where the step made one
         self.graphs.record_capture_ends(ws.ends.bound is not None)  # what its kernels read, per replay
-        view = self._inner_view(fb)
+        view = self._one_token.of(fb)
         if bs in self._capture_metadata:
             inner.init_forward_metadata_out_graph(view)
             inner.forward_metadata = self._capture_metadata[bs]
@@ -417,28 +358,3 @@ class DecodePlanner:
             sinks = sinks.float().contiguous()  # the merge reads fp32 (gpt-oss keeps bf16 sinks)
         run(q3, k_buf, v_buf, ctx.req_to_token, plan, sm_scale=layer.scaling, out=out, k_scale=k_scale,
             v_scale=v_scale, sinks=sinks)
-
-
-def _same_rows(staged: np.ndarray, held: np.ndarray) -> bool:
-    """The staged rows equal the held ones (a new array with the same rows: e.g. a batch rebuilt
-    on the host without a change); compared only when the array is not the held one."""
-    return staged.shape == held.shape and bool((staged == held).all())
-
-
-def _device_ends(fb: Any, ws: CascadeWorkspace) -> Optional[torch.Tensor]:
-    """The step's device ``seq_lens``, which the kernels end each request's last suffix item at
-    (``SuffixEnds.bind``): steady steps then upload nothing. None (the ends travel in
-    the workspace's upload) where the tensor does not cover the padded batch on its device."""
-    t = getattr(fb, "seq_lens", None)
-    return t if t is not None and ws.ends.fits(t, fb.batch_size) else None
-
-
-def _pad(seq_lens: np.ndarray, req_pool_indices: np.ndarray, padded: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Extends the per-request arrays to the padded graph batch (padding rows: row 0, len 1;
-    their prefix: ``Grouping.padded``)."""
-    bs = len(seq_lens)
-    if padded == bs:
-        return seq_lens, req_pool_indices
-    extra = padded - bs
-    return (np.concatenate([seq_lens, np.ones(extra, np.int64)]),
-            np.concatenate([req_pool_indices, np.zeros(extra, np.int64)]))
