@@ -14,6 +14,10 @@ shut down.
    and every ``/generate`` returned its ``max_new_tokens`` tokens;
 4. SIGTERM to the server; it must exit within ``SHUTDOWN_GRACE_S``.
 
+With ``--backend default`` no ``--attention-backend`` is passed (the quickstart's shortest
+form): the server log must then name the backend GraniKV chose (``default_backend_line``: one of
+its verified backends, not SGLang's per-GPU default).
+
 Writes ``smoke.json`` (every check with its value) and the server log into ``--out``.
 """
 
@@ -49,9 +53,14 @@ def metric_values(text: str, name: str) -> Dict[str, float]:
     return out
 
 
+#: ``--backend`` value that passes no ``--attention-backend`` (GraniKV then chooses one).
+DEFAULT = "default"
+
+
 def server_command(model_dir: Path, port: int, backend: str) -> List[str]:
+    given = [] if backend == DEFAULT else ["--attention-backend", backend]
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--load-format", "dummy",
-            "--attention-backend", backend, "--enable-granikv", "--enable-metrics", "--port", str(port),
+            *given, "--enable-granikv", "--enable-metrics", "--port", str(port),
             "--host", "127.0.0.1", "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--disable-prefill-cuda-graph", "--cuda-graph-max-bs-decode", str(SHARERS),
             "--mem-fraction-static", "0.8"]
@@ -83,6 +92,17 @@ def checks_of(metrics_text: str, outputs: Sequence[Dict[str, Any]]) -> Dict[str,
     }
 
 
+def default_backend_check(log_text: str) -> Dict[str, Any]:
+    """The server log's line of the backend GraniKV chose with no ``--attention-backend``: it
+    must name one of the verified backends."""
+    from granikv.server_settings import VERIFIED_BACKENDS
+
+    marker = "no --attention-backend given: serving with "
+    line = next((ln for ln in log_text.splitlines() if marker in ln), None)
+    chosen = None if line is None else line.split(marker, 1)[1].split(",", 1)[0].split()[0]
+    return dict(value=chosen, passed=chosen in VERIFIED_BACKENDS)
+
+
 def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> Dict[str, Any]:
     """Runs the quickstart; returns ``{"passed", "checks", ...}`` (also written to smoke.json)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +111,7 @@ def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> D
     server = server_proc.Server(name="smoke", cmd=server_command(model_dir, port, backend),
                                 log_path=out / "server.log", host="127.0.0.1", port=port)
     res: Dict[str, Any] = dict(command=" ".join(server.cmd), backend=backend)
-    server_proc.start_server(server, engine_proc.engine_env(backend))
+    server_proc.start_server(server, engine_proc.engine_env("flashinfer" if backend == DEFAULT else backend))
     try:
         res["ready_s"] = server_proc.wait_ready(server, READY_TIMEOUT_S)
         prefix = words(1000, PREFIX_WORDS)
@@ -105,6 +125,9 @@ def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> D
         text = body.decode(errors="replace") if status == 200 else ""
         (out / "metrics.txt").write_text(text)
         res["checks"] = checks_of(text, outputs)
+        if backend == DEFAULT:
+            res["checks"]["default_backend_line"] = default_backend_check(
+                (out / "server.log").read_text(errors="replace"))
         res["granikv"] = server.granikv()
     finally:
         t = time.time()
@@ -118,7 +141,8 @@ def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> D
         res.setdefault("checks", {})["clean_shutdown"] = dict(value=round(time.time() - t, 1), passed=clean,
                                                              returncode=server.proc.poll() if server.proc else None)
         server_proc.kill_group(server.proc, grace_s=2.0)
-    res["passed"] = all(c["passed"] for c in res["checks"].values()) and len(res["checks"]) == 4
+    expected = 5 if backend == DEFAULT else 4
+    res["passed"] = all(c["passed"] for c in res["checks"].values()) and len(res["checks"]) == expected
     (out / "smoke.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     for name, c in res["checks"].items():
         print(f"smoke {name}: {c['value']} {'ok' if c['passed'] else 'FAILED'}", flush=True)
@@ -129,7 +153,8 @@ def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> D
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="/tmp/granikv-smoke")
-    p.add_argument("--backend", default="flashinfer")
+    p.add_argument("--backend", default="flashinfer",
+                   help=f"--attention-backend of the server; {DEFAULT!r}: none given (GraniKV chooses).")
     args = p.parse_args(argv)
     return 0 if run_smoke(Path(args.out), backend=args.backend)["passed"] else 1
 

@@ -26,6 +26,8 @@
    keeps the graphs and drops the layer rule.
 5. Compares (metrics.py) granikv and fault against the baseline of the same backend, and the
    flashinfer baseline against the triton baseline (two correct kernels) on the same prompts,
+   or, with one backend and ``--cross-kv-cache-dtype``, that backend's baseline against its
+   stock engine over the other KV dtype (an FP8 cache where only one backend serves FP8 KV),
    with bootstrap stderrs and 95% intervals (2,000 resamples of the requests, seed 0).
 
 The pass rule of a row (results.py): BOTH
@@ -292,6 +294,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-fault", action="store_true", help="Skip the planted-fault engines.")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="SGLang --kv-cache-dtype of every engine (e.g. fp8_e4m3); default: the model's (bf16).")
+    p.add_argument("--cross-kv-cache-dtype", default=None,
+                   help="With one backend: the token rule's reference is that backend's stock engine "
+                        "with this KV dtype (e.g. auto: the model's bf16, against --kv-cache-dtype "
+                        "fp8_e4m3 where no second backend serves FP8 KV).")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
     p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -304,6 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return main_child(args.child)
     if args.compare_every < 0:
         raise SystemExit(f"--compare-every {args.compare_every} must be >= 0")
+    if args.cross_kv_cache_dtype is not None and len(args.backends) != 1:
+        raise SystemExit(f"--cross-kv-cache-dtype needs one backend (--backends {','.join(args.backends)}: "
+                         "the cross reference is then the other backend)")
     t0 = time.time()
     shape = checkpoint.LlamaShape()
     model_dir = args.model_dir or checkpoint.write_checkpoint(
@@ -322,12 +331,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 compare_every=args.compare_every, tolerance_factor=TOLERANCE_FACTOR,
                 kv_cache_dtype=args.kv_cache_dtype or "auto",
                 floor_eps=FLOOR_EPS, errors=[])
+    if args.cross_kv_cache_dtype is not None:
+        configs.append(results.CROSS_CONFIG)
+        meta["cross_kv_cache_dtype"] = args.cross_kv_cache_dtype
     engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
     for backend in args.backends:
         for config in configs:
+            cross = config == results.CROSS_CONFIG
+            kv = args.cross_kv_cache_dtype if cross else args.kv_cache_dtype
             job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
-                       engine_kwargs=engine_kwargs(backend, config, args.attention_path,
-                                                   args.compare_every, args.kv_cache_dtype))
+                       engine_kwargs=engine_kwargs(backend, "baseline" if cross else config,
+                                                   args.attention_path, args.compare_every, kv))
             try:
                 engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout)
             except Exception as e:  # the other engines still run; the report says what failed

@@ -36,6 +36,11 @@ ATTENTION_KEYS = ("decode_steps", "steps_per_path", "unplanned_steps", "extend_b
                   "extend_hot_batches", "extend_fallbacks")
 
 
+#: The engine config of the one-backend cross reference: the same backend's stock engine with
+#: ``--cross-kv-cache-dtype`` (where no second backend serves the KV dtype under test).
+CROSS_CONFIG = "cross_kv"
+
+
 def _outputs(engines, backend: str, config: str, workload: str) -> Optional[metrics.Outputs]:
     e = engines.get((backend, config))
     if e is None or workload not in e.get("workloads", {}):
@@ -105,11 +110,14 @@ def _rejected_by(token: Optional[bool], layer: Optional[bool]) -> Optional[List[
 def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[str, Any]:
     base = _outputs(engines, backend, "baseline", workload)
     others = [b for b in backends if b != backend]
-    cross_pair: Tuple[Optional[metrics.Outputs], ...] = (
-        base, _outputs(engines, others[0], "baseline", workload) if others else None)
+    if others:  # two correct kernels on the same prompts: the other backend's stock engine
+        reference, label = _outputs(engines, others[0], "baseline", workload), f"{backend} vs {others[0]}"
+    else:  # one backend: its stock engine over the other KV dtype (check.py --cross-kv-cache-dtype)
+        reference = _outputs(engines, backend, CROSS_CONFIG, workload)
+        label = None if reference is None else f"{backend} vs {backend} over the cross KV dtype"
+    cross_pair: Tuple[Optional[metrics.Outputs], ...] = (base, reference)
     cross = metrics.compare(*cross_pair) if None not in cross_pair else None
-    out: Dict[str, Any] = dict(workload=workload, backend=backend,
-                               cross_backend=f"{backend} vs {others[0]}" if others else None)
+    out: Dict[str, Any] = dict(workload=workload, backend=backend, cross_backend=label)
     for config, key in (("granikv", "granikv"), ("fault", "fault")):
         ours = _outputs(engines, backend, config, workload)
         c = metrics.compare(ours, base) if ours is not None and base is not None else None

@@ -145,9 +145,16 @@ def engine_env(backend: str, base: Optional[Mapping[str, str]] = None) -> Dict[s
 def exit_after(main: Callable[[], int]) -> None:
     """Run a benchmark script's ``main`` and leave with its status through ``os._exit``:
     SGLang's engine leaves non-daemon threads behind, which a normal exit would wait for.
-    An exception prints its traceback and exits 1."""
+    ``SystemExit`` (``--help``, an argparse error) leaves with its own status, no traceback;
+    any other exception prints its traceback and exits 1."""
     try:
         code = main()
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)  # what the interpreter prints for SystemExit("message")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()

@@ -305,6 +305,8 @@ FAKE_SGLANG = textwrap.dedent('''
             out = [(h + 7 * k) % 4000 for k in range(n)]
             if self.kw["attention_backend"] == "triton":
                 out[-2:] = [1, 1]  # a second correct kernel diverges late
+            if self.kw.get("kv_cache_dtype") == "fp8_e4m3":
+                out[-1:] = [3]  # an FP8 cache diverges at the last token
             if self.fault:
                 out[1:] = [2] * (n - 1)
             lp = -1.0005 if self.kw.get("enable_granikv") else -1.0
@@ -369,6 +371,22 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     doc = json.loads((tmp_path / "out2" / "correctness.json").read_text())
     assert res.returncode == 1  # one backend: no cross-backend reference, nothing can pass
     assert all(r["passed"] is None for r in doc["rows"])
+
+    # one backend over an FP8 cache: the reference is its stock engine over the model's dtype
+    fp8 = cmd[:-1] + [str(tmp_path / "out3"), "--backends", "triton", "--kv-cache-dtype", "fp8_e4m3",
+                      "--cross-kv-cache-dtype", "auto"]
+    res = subprocess.run(fp8, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "out3" / "correctness.json").read_text())
+    assert doc["meta"]["cross_kv_cache_dtype"] == "auto" and doc["meta"]["kv_cache_dtype"] == "fp8_e4m3"
+    for r in doc["rows"]:
+        n = 4 if r["workload"] == "agent_loop" else 8
+        assert r["cross_backend"] == "triton vs triton over the cross KV dtype"
+        assert r["cross_backend_agreement"] == pytest.approx((n - 1) / n)  # fp8 vs auto: the last differs
+        assert r["passed"] and r["planted_fault_caught"] and r["granikv_vs_baseline_agreement"] == 1.0
+    bad = subprocess.run(fp8[:-4] + ["--backends", "flashinfer,triton", "--cross-kv-cache-dtype", "auto"],
+                         env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert bad.returncode != 0 and "--cross-kv-cache-dtype needs one backend" in bad.stdout + bad.stderr
 
 
 def test_every_engine_of_an_fp8_check_gets_the_same_kv_cache_dtype():

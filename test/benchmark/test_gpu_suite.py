@@ -99,3 +99,30 @@ def test_smoke_command_is_the_quickstarts(smoke, tmp_path):
         assert flag in cmd
     quick = (ROOT / "docs" / "gpu_quickstart.md").read_text()
     assert "--attention-backend flashinfer --enable-granikv --enable-metrics" in quick
+
+
+def test_smoke_default_backend_passes_none_and_reads_the_choice(smoke, tmp_path):
+    cmd = smoke.server_command(tmp_path, 30000, smoke.DEFAULT)
+    assert "--attention-backend" not in cmd and "--enable-granikv" in cmd
+    from granikv import server_settings
+
+    # the line the server logs is the one the check reads (a planted other name fails it)
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    log = logging.getLogger("granikv")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.INFO)
+    try:
+        kw = {"device": "cuda"}
+        server_settings.choose_attention_backend(kw.get, kw.__setitem__)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    text = "[2026] INFO x\n[2026] INFO " + records[0] + "\n"
+    assert smoke.default_backend_check(text) == dict(value=kw["attention_backend"], passed=True)
+    assert not smoke.default_backend_check(text.replace(f"with {kw['attention_backend']}", "with fa3"))["passed"]
+    assert smoke.default_backend_check("nothing") == dict(value=None, passed=False)
