@@ -26,8 +26,16 @@
    keeps the graphs and drops the layer rule.
 5. Compares (metrics.py) granikv and fault against the baseline of the same backend, and the
    flashinfer baseline against the triton baseline (two correct kernels) on the same prompts,
-   or, with one backend and ``--cross-kv-cache-dtype``, that backend's baseline against its
-   stock engine over the other KV dtype (an FP8 cache where only one backend serves FP8 KV),
+   or, with ``--dequantized-reference`` (an FP8 cache that one backend serves), against the
+   two DEQUANTIZED engines: stock flashinfer and stock triton over a bf16 cache holding the K/V
+   rounded through the FP8 format (``GRANIKV_DEBUG_KV_ROUND``, attention/debug/kv_round.py;
+   GraniKV on with path ``paged``, so stock kernels do all the attention). Those two are the
+   bf16 rows' two correct kernels, over exactly the values GraniKV dequantizes: the token rule
+   then compares GraniKV (and the fault) with the same backend's dequantized engine, and the
+   dequantized pair with each other. SGLang's own FP8 triton decode also rounds the query and
+   the probabilities to FP8 (8.7% per request at 16K x 64, test/kernels/test_gpu_fp8_sinks.py),
+   a larger change than the fault's on this model, so it is not the token rule's reference; the
+   layer rule still compares GraniKV with it (its tolerance grows with that error),
    with bootstrap stderrs and 95% intervals (2,000 resamples of the requests, seed 0).
 
 The pass rule of a row (results.py): BOTH
@@ -78,6 +86,7 @@ TOLERANCE_FACTOR = 4.0
 FLOOR_EPS = 2.0
 CONFIGS = ("baseline", "granikv", "fault")
 FAULT = "half_prefix"
+KV_ROUND_FORMATS = ("fp8_e4m3", "fp8_e5m2")  # attention/debug/kv_round.py's FORMATS (a test checks)
 RESULT_TAG = "RESULT "
 VOCAB_LO = 16  # remapped token ids stay clear of the special ids 0..15
 
@@ -231,7 +240,9 @@ def engine_kwargs(backend: str, config: str, attention_path: str, compare_every:
         kw.update(kv_cache_dtype=kv_cache_dtype)
     if compare_every:
         kw.update(disable_cuda_graph=True)
-    if config != "baseline":
+    if config == results.DEQUANTIZED:  # GraniKV's backend only rounds the K/V: stock kernels attend
+        kw.update(enable_granikv=True, granikv_attention_path="paged", granikv_extend_path="paged")
+    elif config != "baseline":
         # the prefill path over HOT prefixes forced too: "auto" may keep these short prefixes stock
         kw.update(enable_granikv=True, granikv_attention_path=attention_path, granikv_extend_path="hot")
         if compare_every:
@@ -239,12 +250,17 @@ def engine_kwargs(backend: str, config: str, attention_path: str, compare_every:
     return kw
 
 
-def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """One engine in a subprocess of its own session (killed whole on timeout); its RESULT."""
+def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float,
+               kv_round: Optional[str] = None) -> Dict[str, Any]:
+    """One engine in a subprocess of its own session (killed whole on timeout); its RESULT.
+    ``kv_round``: the FP8 format its K/V are rounded through (a dequantized engine)."""
     env = engine_env(backend, repo_env())
     env.pop("GRANIKV_DEBUG_FAULT", None)
+    env.pop("GRANIKV_DEBUG_KV_ROUND", None)
     if config == "fault":
         env["GRANIKV_DEBUG_FAULT"] = FAULT
+    if kv_round:
+        env["GRANIKV_DEBUG_KV_ROUND"] = kv_round
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     name = f"{backend}/{config}"
@@ -294,10 +310,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-fault", action="store_true", help="Skip the planted-fault engines.")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="SGLang --kv-cache-dtype of every engine (e.g. fp8_e4m3); default: the model's (bf16).")
-    p.add_argument("--cross-kv-cache-dtype", default=None,
-                   help="With one backend: the token rule's reference is that backend's stock engine "
-                        "with this KV dtype (e.g. auto: the model's bf16, against --kv-cache-dtype "
-                        "fp8_e4m3 where no second backend serves FP8 KV).")
+    p.add_argument("--dequantized-reference", action="store_true",
+                   help="With --kv-cache-dtype fp8_* and one backend: the token rule's reference is "
+                        "stock flashinfer and triton over a bf16 cache holding the K/V rounded "
+                        "through that FP8 format (GRANIKV_DEBUG_KV_ROUND).")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
     p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -310,9 +326,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return main_child(args.child)
     if args.compare_every < 0:
         raise SystemExit(f"--compare-every {args.compare_every} must be >= 0")
-    if args.cross_kv_cache_dtype is not None and len(args.backends) != 1:
-        raise SystemExit(f"--cross-kv-cache-dtype needs one backend (--backends {','.join(args.backends)}: "
-                         "the cross reference is then the other backend)")
+    if args.dequantized_reference:
+        if len(args.backends) != 1 or args.kv_cache_dtype not in KV_ROUND_FORMATS:
+            raise SystemExit(f"--dequantized-reference needs one backend and --kv-cache-dtype one of "
+                             f"{', '.join(KV_ROUND_FORMATS)} (got --backends {','.join(args.backends)}, "
+                             f"--kv-cache-dtype {args.kv_cache_dtype})")
     t0 = time.time()
     shape = checkpoint.LlamaShape()
     model_dir = args.model_dir or checkpoint.write_checkpoint(
@@ -331,22 +349,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 compare_every=args.compare_every, tolerance_factor=TOLERANCE_FACTOR,
                 kv_cache_dtype=args.kv_cache_dtype or "auto",
                 floor_eps=FLOOR_EPS, errors=[])
-    if args.cross_kv_cache_dtype is not None:
-        configs.append(results.CROSS_CONFIG)
-        meta["cross_kv_cache_dtype"] = args.cross_kv_cache_dtype
+    runs = [(b, c) for b in args.backends for c in configs]
+    if args.dequantized_reference:
+        meta["dequantized_reference"] = list(results.DEQUANTIZED_BACKENDS)
+        runs += [(b, results.DEQUANTIZED) for b in results.DEQUANTIZED_BACKENDS]
     engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
-    for backend in args.backends:
-        for config in configs:
-            cross = config == results.CROSS_CONFIG
-            kv = args.cross_kv_cache_dtype if cross else args.kv_cache_dtype
-            job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
-                       engine_kwargs=engine_kwargs(backend, "baseline" if cross else config,
-                                                   args.attention_path, args.compare_every, kv))
-            try:
-                engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout)
-            except Exception as e:  # the other engines still run; the report says what failed
-                traceback.print_exc()
-                meta["errors"].append(f"{backend}/{config}: {type(e).__name__}: {e}")
+    for backend, config in runs:
+        dequantized = config == results.DEQUANTIZED
+        job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
+                   engine_kwargs=engine_kwargs(backend, config, args.attention_path, args.compare_every,
+                                               None if dequantized else args.kv_cache_dtype))
+        try:
+            engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout,
+                                                    kv_round=args.kv_cache_dtype if dequantized else None)
+        except Exception as e:  # the other engines still run; the report says what failed
+            traceback.print_exc()
+            meta["errors"].append(f"{backend}/{config}: {type(e).__name__}: {e}")
+            continue
+        if dequantized and not all(w.get("granikv_delta") for w in engines[(backend, config)]["workloads"].values()):
+            meta["errors"].append(f"{backend}/{config}: GraniKV did not wrap the backend, so the K/V were "
+                                  "not rounded (GRANIKV_DEBUG_KV_ROUND acts in GraniKV's backend)")
     meta["gpu"] = next((e.get("gpu") for e in engines.values() if e.get("gpu")), None)
     meta["seconds"] = round(time.time() - t0, 1)
     rows = results.rows(engines, [s.name for s in spec_list], args.backends)

@@ -36,9 +36,10 @@ ATTENTION_KEYS = ("decode_steps", "steps_per_path", "unplanned_steps", "extend_b
                   "extend_hot_batches", "extend_fallbacks")
 
 
-#: The engine config of the one-backend cross reference: the same backend's stock engine with
-#: ``--cross-kv-cache-dtype`` (where no second backend serves the KV dtype under test).
-CROSS_CONFIG = "cross_kv"
+#: The engine config of the FP8 check's references (check.py ``--dequantized-reference``): stock
+#: kernels over a bf16 cache holding the K/V rounded through the FP8 format, on both backends.
+DEQUANTIZED = "dequantized"
+DEQUANTIZED_BACKENDS = ("flashinfer", "triton")
 
 
 def _outputs(engines, backend: str, config: str, workload: str) -> Optional[metrics.Outputs]:
@@ -107,14 +108,26 @@ def _rejected_by(token: Optional[bool], layer: Optional[bool]) -> Optional[List[
     return [name for name, ok in (("tokens", token), ("layer_output", layer)) if ok is False]
 
 
-def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[str, Any]:
+def _token_pair(engines, workload: str, backend: str, backends: Sequence[str]):
+    """``(base, reference, label)`` of the token rule: GraniKV is compared with ``base``, and
+    ``base`` with ``reference`` (two correct kernels on the same prompts): the other backend's
+    stock engine, or, with dequantized engines (an FP8 check), the same backend's dequantized
+    engine and the other dequantized one."""
+    if any(c == DEQUANTIZED for _, c in engines):
+        other = next(b for b in DEQUANTIZED_BACKENDS if b != backend)
+        label = f"{backend} vs {other}, both stock over the dequantized KV"
+        return (_outputs(engines, backend, DEQUANTIZED, workload),
+                _outputs(engines, other, DEQUANTIZED, workload), label)
     base = _outputs(engines, backend, "baseline", workload)
     others = [b for b in backends if b != backend]
-    if others:  # two correct kernels on the same prompts: the other backend's stock engine
-        reference, label = _outputs(engines, others[0], "baseline", workload), f"{backend} vs {others[0]}"
-    else:  # one backend: its stock engine over the other KV dtype (check.py --cross-kv-cache-dtype)
-        reference = _outputs(engines, backend, CROSS_CONFIG, workload)
-        label = None if reference is None else f"{backend} vs {backend} over the cross KV dtype"
+    if not others:  # one backend and no dequantized engines: no reference
+        return base, None, None
+    return base, _outputs(engines, others[0], "baseline", workload), f"{backend} vs {others[0]}"
+
+
+def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[str, Any]:
+    base, reference, label = _token_pair(engines, workload, backend, backends)
+    stock = _outputs(engines, backend, "baseline", workload)
     cross_pair: Tuple[Optional[metrics.Outputs], ...] = (base, reference)
     cross = metrics.compare(*cross_pair) if None not in cross_pair else None
     out: Dict[str, Any] = dict(workload=workload, backend=backend, cross_backend=label)
@@ -154,6 +167,11 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
     out["cross_agreement_ci95"] = _ci(cross)
     out["cross_first_token_agreement"] = _r(cross.first_token_agreement) if cross else None
     out["cross_logprob_dev_mean"] = _r(cross.logprob_dev_mean) if cross else None
+    # GraniKV against the same backend's stock engine over the same cache (the token rule's base
+    # unless dequantized engines stand in for it)
+    ours = _outputs(engines, backend, "granikv", workload)
+    vs_stock = metrics.compare(ours, stock) if ours is not None and stock is not None else None
+    out["granikv_vs_stock_agreement"] = _r(vs_stock.agreement) if vs_stock else None
     out["passed"] = out.pop("granikv_passes")
     out.pop("granikv_rejected_by")
     out.pop("fault_passes")
@@ -162,7 +180,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
     applied = 1 + (out["fault_layer_passes"] is not None)
     out["fault_caught_by"] = caught_by
     out["planted_fault_caught"] = None if caught_by is None else len(caught_by) == applied
-    out["requests"] = len(base.ids) if base is not None else None
+    out["requests"] = len(stock.ids) if stock is not None else None
     return out
 
 
@@ -253,11 +271,24 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
         f"{meta.get('logprob_slack')}); the fault is caught when EACH rule rejects the fault "
         "engine (caught by: the rules that did).",
         "",
+    ]
+    if meta.get("dequantized_reference"):
+        lines += [
+            f"KV cache: {meta.get('kv_cache_dtype')}. Token rule's references: stock "
+            f"{' and '.join(meta['dequantized_reference'])} over a bf16 cache holding the K/V rounded "
+            f"through {meta.get('kv_cache_dtype')} (GRANIKV_DEBUG_KV_ROUND); GraniKV and the fault are "
+            "compared with the same backend's such engine, the cross column is the two with each "
+            "other, and `GraniKV vs stock` is GraniKV against the stock engine over the same FP8 "
+            "cache (SGLang's FP8 triton decode also rounds the query and probabilities to FP8). The "
+            "layer rule compares with that stock engine.",
+            "",
+        ]
+    lines += [
         "| workload | backend | requests | GraniKV agree | cross-backend agree | agree bar | "
         "first token (GraniKV / cross) | logprob dev (GraniKV / cross) | layer dev / tolerance "
         "(layer-steps) | GraniKV path ran | passed | fault agree | fault layer dev | fault "
-        "caught (by) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|",
+        "caught (by) | GraniKV vs stock |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|---:|",
     ]
     for r in rows_:
         lines.append(
@@ -270,7 +301,8 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
             f"{_dev(r, 'granikv')} | "
             f"{_fmt(r['granikv_fast_path_ran'])} | {_fmt(r['passed'])} | "
             f"{_pm(r['fault_agreement'], r.get('fault_agreement_stderr'))} | {_dev(r, 'fault')} | "
-            f"{_fmt(r['planted_fault_caught'])}{_by(r.get('fault_caught_by'))} |")
+            f"{_fmt(r['planted_fault_caught'])}{_by(r.get('fault_caught_by'))} | "
+            f"{_fmt(r.get('granikv_vs_stock_agreement'))} |")
     for e in meta.get("errors") or []:
         lines.append(f"\nEngine failure: {e}")
     lines.append("")

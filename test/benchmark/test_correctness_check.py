@@ -306,7 +306,11 @@ FAKE_SGLANG = textwrap.dedent('''
             if self.kw["attention_backend"] == "triton":
                 out[-2:] = [1, 1]  # a second correct kernel diverges late
             if self.kw.get("kv_cache_dtype") == "fp8_e4m3":
-                out[-1:] = [3]  # an FP8 cache diverges at the last token
+                out[-3:] = [5, 5, 5]  # stock's own FP8 decode diverges from the exact FP8 values
+                if self.kw.get("enable_granikv"):
+                    out[-3:] = [3, 3, 3]
+            if os.environ.get("GRANIKV_DEBUG_KV_ROUND") == "fp8_e4m3" and self.kw.get("enable_granikv"):
+                out[-3:] = [3, 3, 3] if self.kw["attention_backend"] == "triton" else [3, 1, 1]
             if self.fault:
                 out[1:] = [2] * (n - 1)
             lp = -1.0005 if self.kw.get("enable_granikv") else -1.0
@@ -372,21 +376,35 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     assert res.returncode == 1  # one backend: no cross-backend reference, nothing can pass
     assert all(r["passed"] is None for r in doc["rows"])
 
-    # one backend over an FP8 cache: the reference is its stock engine over the model's dtype
+    # one backend over an FP8 cache: the token rule's references are stock flashinfer and triton
+    # over the K/V rounded through FP8 (dequantized engines)
     fp8 = cmd[:-1] + [str(tmp_path / "out3"), "--backends", "triton", "--kv-cache-dtype", "fp8_e4m3",
-                      "--cross-kv-cache-dtype", "auto"]
+                      "--dequantized-reference"]
     res = subprocess.run(fp8, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((tmp_path / "out3" / "correctness.json").read_text())
-    assert doc["meta"]["cross_kv_cache_dtype"] == "auto" and doc["meta"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert doc["meta"]["dequantized_reference"] == ["flashinfer", "triton"]
+    assert doc["meta"]["kv_cache_dtype"] == "fp8_e4m3"
     for r in doc["rows"]:
         n = 4 if r["workload"] == "agent_loop" else 8
-        assert r["cross_backend"] == "triton vs triton over the cross KV dtype"
-        assert r["cross_backend_agreement"] == pytest.approx((n - 1) / n)  # fp8 vs auto: the last differs
-        assert r["passed"] and r["planted_fault_caught"] and r["granikv_vs_baseline_agreement"] == 1.0
-    bad = subprocess.run(fp8[:-4] + ["--backends", "flashinfer,triton", "--cross-kv-cache-dtype", "auto"],
-                         env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert bad.returncode != 0 and "--cross-kv-cache-dtype needs one backend" in bad.stdout + bad.stderr
+        assert r["cross_backend"] == "triton vs flashinfer, both stock over the dequantized KV"
+        assert r["cross_backend_agreement"] == pytest.approx((n - 2) / n)  # the dequantized pair
+        assert r["granikv_vs_baseline_agreement"] == 1.0  # the exact FP8 values, as the reference
+        assert r["granikv_vs_stock_agreement"] == pytest.approx((n - 3) / n)  # stock FP8 decode rounds more
+        assert r["passed"] and r["planted_fault_caught"] and r["fault_caught_by"] == ["tokens", "layer_output"]
+    assert "GRANIKV_DEBUG_KV_ROUND" in (tmp_path / "out3" / "correctness.md").read_text()
+    for extra in (["--backends", "flashinfer,triton"], ["--backends", "triton", "--kv-cache-dtype", "auto"]):
+        bad = subprocess.run(cmd[:-1] + [str(tmp_path / "out4"), "--kv-cache-dtype", "fp8_e4m3", *extra,
+                                          "--dequantized-reference"],
+                             env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert bad.returncode != 0 and "--dequantized-reference needs one backend" in bad.stdout + bad.stderr
+
+
+def test_kv_round_formats_are_the_debug_modules():
+    from granikv.attention.debug import kv_round
+
+    assert set(check.KV_ROUND_FORMATS) == set(kv_round.FORMATS)
+    assert check.engine_kwargs("flashinfer", "dequantized", "cascade", 4)["granikv_attention_path"] == "paged"
 
 
 def test_every_engine_of_an_fp8_check_gets_the_same_kv_cache_dtype():

@@ -6,7 +6,8 @@ shape: 64 q / 8 kv heads of 64).
 Every path against the float64 reference over the same bytes, per request: the relative error
 ``||out_i - ref_i|| / ||ref_i||`` of every request below 1e-2 (bf16 operands and probabilities
 give 1e-3 to 5e-3), no NaN; and against SGLang's own Triton decode kernel with the same scales /
-sinks (the kernel SGLang's triton backend runs for these caches and for gpt-oss). Planted
+sinks (the kernel SGLang's triton backend runs for these caches and for gpt-oss; over FP8 it
+casts q and the probabilities to FP8, so the bound against it is its own error). Planted
 faults (a K scale 10% off, sinks left out) fail the same per-request check.
 """
 
@@ -22,6 +23,11 @@ pytestmark = pytest.mark.gpu
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TOL = 1e-2
+# SGLang's grouped Triton decode casts q and the probabilities to the cache's FP8 type before its
+# two dots (measured on the H200: 8.7% per-request error against the float64 reference at
+# 16K x 64); GraniKV widens the bytes and keeps bf16 operands. Its bound against SGLang is
+# therefore SGLang's own error, and the wrong scale conventions sit well outside it.
+SGLANG_FP8_TOL = 0.15
 
 
 def _per_request_rel_err(out, ref):
@@ -90,13 +96,21 @@ def test_fp8_cache_real_shapes(path, fmt):
 
 
 def test_fp8_cache_matches_sglang_triton_decode():
-    """The scale convention pinned on the GPU: SGLang's triton decode over the same FP8 bytes and
-    scales is within the same bound of the reference, and GraniKV within it of SGLang."""
+    """The scale convention pinned on the GPU against SGLang's triton decode over the same FP8
+    bytes and scales: SGLang within its FP8-operand error of the reference, GraniKV within 1e-2
+    of the reference and within SGLang's error of SGLang; the two wrong conventions (no V scale,
+    the K scale applied twice) sit outside that bound of SGLang, so the check can tell them."""
     b = _fp8_batch("e4m3", seed=1)
-    sgl = _sglang_decode(b, b.k8, b.v8, b.k_scale, b.v_scale)
-    assert _per_request_rel_err(sgl, _fp8_ref(b)) < TOL
+    ref = _fp8_ref(b)
+    sgl = _sglang_decode(b, b.k8, b.v8, b.k_scale, b.v_scale).double()
+    assert _per_request_rel_err(sgl, ref) < SGLANG_FP8_TOL
     out = _run("cascade", b, b.k8, b.v8, k_scale=b.k_scale, v_scale=b.v_scale)
-    assert _per_request_rel_err(out, sgl.double()) < TOL
+    assert _per_request_rel_err(out, ref) < TOL
+    assert _per_request_rel_err(out, sgl) < SGLANG_FP8_TOL
+    no_v = _run("cascade", b, b.k8, b.v8, k_scale=b.k_scale, v_scale=1.0)
+    assert _per_request_rel_err(no_v, sgl) > SGLANG_FP8_TOL
+    k_twice = _run("cascade", b, b.k8, b.v8, k_scale=b.k_scale**2, v_scale=b.v_scale)
+    assert _per_request_rel_err(k_twice, sgl) > SGLANG_FP8_TOL
 
 
 def _sinks_batch(seed=0):

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from granikv.attention.context import AttentionContext
+from granikv.attention.debug import kv_round
 from granikv.attention.debug.compare import DebugCompare
 from granikv.attention.decode.graph_variants import GraphVariants
 from granikv.attention.decode.planner import DecodePlanner
@@ -104,6 +105,7 @@ class GraniKVAttnBackend(ForwardingBackend):
         self.extend = ExtendPaths(self.ctx, self.eligibility, self.compare)
         self._staged: Optional[np.ndarray] = None
         self._stage_seconds = 0.0
+        self._kv_round = kv_round.from_env()  # debug only: NO_ROUND unless GRANIKV_DEBUG_KV_ROUND
 
     def _paged_dispatcher(self) -> Dispatcher:
         return build_dispatcher(self.model_runner, self.cfg, self.backend_name, forced_path="paged")
@@ -208,10 +210,12 @@ class GraniKVAttnBackend(ForwardingBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        k, v = self._kv_round(k, v, layer)
         return self.extend.forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        k, v = self._kv_round(k, v, layer)
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
         if self.decode.path is not Path.PAGED:  # paged: the stock work only
