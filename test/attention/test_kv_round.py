@@ -83,3 +83,23 @@ def test_the_wrapped_backend_receives_the_rounded_kv(monkeypatch):
     plain.init_forward_metadata(fb)
     plain.forward_decode(q, k, v, layer, fb)
     assert plain.inner.seen[0] is k
+
+
+def test_with_granikv_attention_off_the_stock_backend_still_gets_the_rounded_kv(monkeypatch):
+    """``--granikv-attention-path paged`` (the check's reference engines) turns GraniKV's own
+    backend off: ``wrap`` then returns the stock backend under ``RoundingBackend``, or the stock
+    backend itself without the variable (planted: the reference would be unrounded)."""
+    runner = tb._runner()
+    cfg = GraniKVConfig(enable=True, attention_path="paged")
+    inner = _Recording(runner)
+    assert GraniKVAttnBackend.wrap(inner, model_runner=runner, cfg=cfg, backend_name="stand-in") is inner
+    monkeypatch.setenv(envs.DEBUG_KV_ROUND, "fp8_e5m2")
+    be = GraniKVAttnBackend.wrap(inner, model_runner=runner, cfg=cfg, backend_name="stand-in")
+    assert isinstance(be, kv_round.RoundingBackend)
+    fb, _ = tb._batch(runner, hot=set())
+    q, k, v = tb._qkv(fb.batch_size, 1)
+    for call in (be.forward_decode, be.forward_extend):
+        call(q, k, v, _layer(1.0, 1.0), fb)
+        assert torch.equal(inner.seen[0], k.to(torch.float8_e5m2).to(k.dtype))
+        assert torch.equal(inner.seen[1], v.to(torch.float8_e5m2).to(v.dtype))
+    assert be.get_cuda_graph_seq_len_fill_value() == inner.get_cuda_graph_seq_len_fill_value()

@@ -300,6 +300,10 @@ FAKE_SGLANG = textwrap.dedent('''
             tm.flush_cache = flush_cache
             self.tokenizer_manager = tm
             self.fault = bool(os.environ.get("GRANIKV_DEBUG_FAULT"))
+            if os.environ.get("GRANIKV_DEBUG_KV_ROUND") and not os.environ.get("FAKE_ROUNDING_SILENT"):
+                print("GraniKV: GRANIKV_DEBUG_KV_ROUND=fp8_e4m3 is set: every layer's K/V is rounded "
+                      "through fp8_e4m3 before attention (debug only: a reference for an FP8 KV cache)",
+                      flush=True)
         def _one(self, ids, n):
             h = sum(ids) * 31 + len(ids)
             out = [(h + 7 * k) % 4000 for k in range(n)]
@@ -393,6 +397,12 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
         assert r["granikv_vs_stock_agreement"] == pytest.approx((n - 3) / n)  # stock FP8 decode rounds more
         assert r["passed"] and r["planted_fault_caught"] and r["fault_caught_by"] == ["tokens", "layer_output"]
     assert "GRANIKV_DEBUG_KV_ROUND" in (tmp_path / "out3" / "correctness.md").read_text()
+    # planted: a reference engine whose backend never rounded (no start-up line) fails the run
+    silent = subprocess.run(fp8[:-6] + [str(tmp_path / "out5")] + fp8[-5:], env=dict(env, FAKE_ROUNDING_SILENT="1"),
+                            capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert silent.returncode == 1
+    errors = json.loads((tmp_path / "out5" / "correctness.json").read_text())["meta"]["errors"]
+    assert len(errors) == 2 and all("never said the K/V are rounded" in e for e in errors)
     for extra in (["--backends", "flashinfer,triton"], ["--backends", "triton", "--kv-cache-dtype", "auto"]):
         bad = subprocess.run(cmd[:-1] + [str(tmp_path / "out4"), "--kv-cache-dtype", "fp8_e4m3", *extra,
                                           "--dequantized-reference"],
@@ -403,7 +413,7 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
 def test_kv_round_formats_are_the_debug_modules():
     from granikv.attention.debug import kv_round
 
-    assert set(check.KV_ROUND_FORMATS) == set(kv_round.FORMATS)
+    assert set(check.KV_ROUND_FORMATS) == set(kv_round.FORMATS) and check.KV_ROUND_MARK == kv_round.LOG_MARK
     assert check.engine_kwargs("flashinfer", "dequantized", "cascade", 4)["granikv_attention_path"] == "paged"
 
 

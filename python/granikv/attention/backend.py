@@ -81,7 +81,7 @@ class GraniKVAttnBackend(ForwardingBackend):
         if reason is not None:
             logger.warning("GraniKV attention off (%s): decode uses the stock %s backend",
                            reason, backend_name)
-            return inner
+            return kv_round.wrap_stock(inner)  # debug only: itself unless GRANIKV_DEBUG_KV_ROUND
         return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name)
 
     def __init__(self, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig, backend_name: str):

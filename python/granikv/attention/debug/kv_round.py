@@ -5,8 +5,10 @@ FP8 cache would hold.
 ``GRANIKV_DEBUG_KV_ROUND=fp8_e4m3`` (or ``fp8_e5m2``; envs.py) on an engine with a bf16 KV
 cache: ``k`` becomes ``(k / k_scale).to(fp8).to(bf16) * k_scale`` (the layer's scales, 1.0
 without; SGLang's FP8 ``set_kv_buffer`` divides by the same scale before its cast), likewise
-``v``. The correctness check runs stock flashinfer and stock triton this way (GraniKV's path
-``paged``) as its two reference kernels for GraniKV over a real FP8 cache: both see the bytes
+``v``. GraniKV's backend applies it in ``forward_extend`` / ``forward_decode``; where GraniKV's
+attention is off (``--granikv-attention-path paged`` among others) ``RoundingBackend`` wraps
+the stock backend for this alone. The correctness check runs stock flashinfer and stock triton
+this way (path ``paged``) as its two reference kernels for GraniKV over a real FP8 cache: both see the bytes
 GraniKV dequantizes, neither adds the FP8 rounding of the query and probabilities that SGLang's
 own FP8 triton decode adds (benchmark/correctness/check.py). Without the variable the backend
 holds ``NO_ROUND``, which returns its input.
@@ -20,6 +22,7 @@ from typing import Any, Optional, Tuple, TypeVar
 import torch
 
 from granikv import envs
+from granikv.attention.forwarding import ForwardingBackend
 from granikv.attention.kv_scales import kv_scales
 
 logger = logging.getLogger("granikv")
@@ -59,6 +62,36 @@ class Round(NoRound):
 NO_ROUND = NoRound()
 
 
+#: The start-up line's words (the correctness check reads them in each reference engine's log to
+#: know the rounding was built into its backend).
+LOG_MARK = "before attention (debug only: a reference for an FP8 KV cache)"
+
+
+class RoundingBackend(ForwardingBackend):
+    """The stock backend with its new K/V rounded (``GRANIKV_DEBUG_KV_ROUND`` where GraniKV's own
+    attention is off); everything else forwarded unchanged."""
+
+    def __init__(self, inner: Any, rounding: NoRound):
+        super().__init__(inner)
+        self.rounding = rounding
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
+                       save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        k, v = self.rounding(k, v, layer)
+        return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
+                       save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        k, v = self.rounding(k, v, layer)
+        return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+
+def wrap_stock(inner: Any) -> Any:
+    """``inner`` under ``RoundingBackend`` when ``GRANIKV_DEBUG_KV_ROUND`` is set, else ``inner``."""
+    rounding = from_env()
+    return inner if rounding is NO_ROUND else RoundingBackend(inner, rounding)
+
+
 def from_name(name: str) -> NoRound:
     """The rounding called ``name`` (``""``: none). Raises ValueError naming the variable."""
     if not name:
@@ -66,8 +99,8 @@ def from_name(name: str) -> NoRound:
     if name not in FORMATS:
         raise ValueError(f"{envs.DEBUG_KV_ROUND}={name!r} is not one of {', '.join(sorted(FORMATS))} "
                          "(or empty)")
-    logger.error("GraniKV: %s=%s is set: every layer's K/V is rounded through %s before attention "
-                 "(debug only: a reference for an FP8 KV cache)", envs.DEBUG_KV_ROUND, name, name)
+    logger.error("GraniKV: %s=%s is set: every layer's K/V is rounded through %s %s",
+                 envs.DEBUG_KV_ROUND, name, name, LOG_MARK)
     return Round(name)
 
 
