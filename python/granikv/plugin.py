@@ -259,8 +259,11 @@ def _around_build_attn_backend(orig: Callable[..., "AttentionBackend"], *, model
     from granikv.attention import backend_registry
     from granikv.attention.backend import GraniKVAttnBackend
 
+    def build_inner() -> "AttentionBackend":  # a hybrid model's second instance (decode/layer_paths.py)
+        return orig(model_runner=model_runner, backend_str=backend_str, init_new_workspace=True)
+
     backend = GraniKVAttnBackend.wrap(inner, model_runner=model_runner, cfg=cfg,
-                                      backend_name=backend_str)
+                                      backend_name=backend_str, build_inner=build_inner)
     if isinstance(backend, GraniKVAttnBackend):  # the scheduler stages every wrapped instance
         backend_registry.register(model_runner, backend)
     return backend

@@ -94,6 +94,10 @@ class PrometheusExporter:
         self._fallbacks = gauge("granikv:extend_fallbacks_total",
                                 "Extend batches with a cached prefix left to the stock prefill, per reason.",
                                 ("reason",))
+        self._layer_calls = gauge("granikv:decode_layer_calls_total",
+                                  "Decode layer calls of steps with per-layer paths (hybrid models): "
+                                  "'granikv' (GraniKV's path) or 'stock' (sliding-window layers on the "
+                                  "wrapped backend planned with the real batch).", ("path",))
         self._backends = gauge("granikv:attention_backends",
                                "GraniKV attention backends the scheduler stages (0: attention is stock).")
 
@@ -125,6 +129,8 @@ class PrometheusExporter:
             for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses"),
                               ("in_place", "work_list_in_place")):
                 self._reuse.labels(**self.labels, kind=kind).set(float(attention.get(key, 0)))
+            for path, n in (attention.get("per_layer_calls") or {}).items():
+                self._layer_calls.labels(**self.labels, path=path).set(float(n))
             hot = float(attention.get("extend_hot_batches", 0))
             self._extend.labels(**self.labels, path="hot").set(hot)
             self._extend.labels(**self.labels, path="stock").set(float(attention.get("extend_batches", 0)) - hot)

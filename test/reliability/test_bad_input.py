@@ -113,9 +113,16 @@ def _runner(**over):
     return runner
 
 
+def test_a_window_in_one_pool_is_left_to_the_layer_scan():
+    """Without SGLang's hybrid SWA pool a model-level window does not turn GraniKV off: the
+    layer scan finds the windowed layers (per-layer decode paths, decode/layer_paths.py)."""
+    assert unsupported_reason(_runner(sliding_window_size=128, is_hybrid_swa=False), GraniKVConfig(enable=True)) is None
+
+
 @pytest.mark.parametrize("runner_kwargs, reason", [
     ({"use_mla_backend": True}, "MLA attention"),
-    ({"sliding_window_size": 4096}, "sliding-window attention (window 4096)"),
+    ({"sliding_window_size": 128, "is_hybrid_swa": True},
+     "sliding-window attention (window 128) in SGLang's hybrid SWA KV pool; start with --disable-hybrid-swa-memory"),
     ({"kv_cache_dtype": torch.float4_e2m1fn_x2}, "KV cache dtype torch.float4_e2m1fn_x2"),
     ({"head_dim": 96}, "head_dim=96"),
     ({"spec": "EAGLE"}, "speculative decoding (EAGLE)"),

@@ -36,7 +36,7 @@ The per-step host input is staged by the scheduler hook (``stage_batch``: the ba
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from granikv.attention.context import AttentionContext
 from granikv.attention.debug import kv_round
 from granikv.attention.debug.compare import DebugCompare
 from granikv.attention.decode.graph_variants import GraphVariants
+from granikv.attention.decode.layer_paths import LayerPaths, per_layer_stock
 from granikv.attention.decode.planner import DecodePlanner
 from granikv.attention.dispatcher import Dispatcher, Path, build_dispatcher
 from granikv.attention.eligibility import LayerEligibility, unsupported_reason
@@ -75,16 +76,19 @@ class GraniKVAttnBackend(ForwardingBackend):
 
     @classmethod
     def wrap(cls, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig,
-             backend_name: str) -> AttentionBackend:
-        """Wraps ``inner``, or returns it unchanged (with a log line) when GraniKV cannot serve."""
+             backend_name: str, build_inner: Optional[Callable[[], AttentionBackend]] = None) -> AttentionBackend:
+        """Wraps ``inner``, or returns it unchanged (with a log line) when GraniKV cannot serve.
+        ``build_inner``: builds another instance of the wrapped backend (SGLang's own builder),
+        for per-layer decode paths of a hybrid model (decode/layer_paths.py); None: not offered."""
         reason = unsupported_reason(model_runner, cfg)
         if reason is not None:
             logger.warning("GraniKV attention off (%s): decode uses the stock %s backend",
                            reason, backend_name)
             return kv_round.wrap_stock(inner)  # debug only: itself unless GRANIKV_DEBUG_KV_ROUND
-        return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name)
+        return cls(inner, model_runner=model_runner, cfg=cfg, backend_name=backend_name, build_inner=build_inner)
 
-    def __init__(self, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig, backend_name: str):
+    def __init__(self, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig, backend_name: str,
+                 build_inner: Optional[Callable[[], AttentionBackend]] = None):
         dispatcher = build_dispatcher(model_runner, cfg, backend_name)
         geo = dispatcher.geometry
         # the one owner of what the parts below read (they get the context, never this object)
@@ -94,13 +98,22 @@ class GraniKVAttnBackend(ForwardingBackend):
         super().__init__(inner)
         self.eligibility = LayerEligibility(num_q_heads=geo.num_q_heads, head_dim=geo.head_dim,
                                             backend_name=backend_name)
-        # Any ineligible layer keeps decode stock (the wrapped backend is planned once per step
-        # for every layer, so one layer cannot opt out of the ``seq_len = 1`` plan); extend
-        # batches fall back layer by layer.
+        # An ineligible layer keeps decode stock for the whole model (the wrapped backend is
+        # planned once per step for every layer, so one layer cannot opt out of the ``seq_len =
+        # 1`` plan), unless its only refusal is a sliding window and a second wrapped instance
+        # can be built: per-layer paths (decode/layer_paths.py). Extend falls back per layer.
         self.eligibility.scan(getattr(model_runner, "model", None))
-        if self.eligibility.decode_blocked():
+        blocked = self.eligibility.decode_blocked()
+        stock_layers = per_layer_stock(blocked, self.eligibility.num_layers) if build_inner is not None else None
+        if blocked and stock_layers is None:
             self.ctx.dispatcher = self._paged_dispatcher()
         self.decode = DecodePlanner(self.ctx)
+        self.layer_paths: Optional[LayerPaths] = None
+        if stock_layers is not None and build_inner is not None:
+            self.layer_paths = LayerPaths(stock_layers, build_inner, num_layers=self.eligibility.num_layers,
+                                          backend_name=backend_name)
+            # the second instance has no graph state: this model's decode graphs stay stock
+            self.decode.graphs = GraphVariants(frozenset(), can_win=self.decode.cascade_can_win)
         self.compare = DebugCompare(self.ctx)
         self.extend = ExtendPaths(self.ctx, self.eligibility, self.compare)
         self._staged: Optional[np.ndarray] = None
@@ -144,6 +157,8 @@ class GraniKVAttnBackend(ForwardingBackend):
         """``StepStats.snapshot()`` plus how often steady steps reused the previous plan."""
         out = self.stats.snapshot()
         out.update(self.decode.reuse_counts())
+        if self.layer_paths is not None:
+            out.update(self.layer_paths.snapshot())
         return out
 
     def stage_batch(self, req_pool_indices: Optional[np.ndarray], *, seconds: float = 0.0) -> None:
@@ -168,16 +183,27 @@ class GraniKVAttnBackend(ForwardingBackend):
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
             staged, self._staged = self._staged, None
             self.decode.stock_step(extend=True)
+            self._unplan_layer_paths()
             self.compare.no_decode_compare()
             self.inner.init_forward_metadata(forward_batch)
             self.extend.plan(forward_batch, staged)
             return
         view = self._plan_decode(forward_batch, graph=False)
         self.inner.init_forward_metadata(self.compare.plan_decode(forward_batch, view))
+        if self.layer_paths is not None:
+            if self.decode.path is Path.PAGED:
+                self.layer_paths.unplan()
+            else:  # the windowed layers' instance over the real batch
+                self.layer_paths.plan(forward_batch)
+
+    def _unplan_layer_paths(self) -> None:
+        if self.layer_paths is not None:
+            self.layer_paths.unplan()
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         self.decode.begin_graph_metadata()
         self.compare.no_decode_compare()  # a replay runs no Python
+        self._unplan_layer_paths()
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
             self.decode.stock_step(extend=not forward_batch.forward_mode.is_decode())
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
@@ -216,9 +242,14 @@ class GraniKVAttnBackend(ForwardingBackend):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         k, v = self._kv_round(k, v, layer)
+        paths = self.layer_paths
+        if paths is not None and paths.planned and paths.runs_stock(layer.layer_id):
+            return paths.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         o = self.inner.forward_decode(q, k, v, layer, forward_batch,
                                       save_kv_cache=save_kv_cache, **kwargs)
         if self.decode.path is not Path.PAGED:  # paged: the stock work only
+            if paths is not None and paths.planned:
+                paths.served()
             self._unscanned_decode_feature(layer, self.eligibility.decode_reason(layer, k, v, kwargs))
             sinks = kwargs.get("sinks")  # checked by decode_reason: one logit per q-head
             due = self.compare.decode_due(layer)

@@ -42,8 +42,11 @@ def unsupported_reason(model_runner: ModelRunner, cfg: GraniKVConfig) -> Optiona
     mc = model_runner.model_config
     if getattr(model_runner, "use_mla_backend", False):
         return "MLA attention"
-    if getattr(model_runner, "sliding_window_size", None):
-        return f"sliding-window attention (window {model_runner.sliding_window_size})"
+    window = getattr(model_runner, "sliding_window_size", None)
+    if window and (getattr(model_runner, "is_hybrid_swa", False) or getattr(mc, "is_hybrid_swa", False)):
+        # windowed layers in a pool of their own: not a pool GraniKV's allocator replaces
+        return (f"sliding-window attention (window {window}) in SGLang's hybrid SWA KV pool; start "
+                "with --disable-hybrid-swa-memory for per-layer decode paths")
     if model_runner.kv_cache_dtype not in SUPPORTED_KV_DTYPES:
         return f"KV cache dtype {model_runner.kv_cache_dtype} (supported: fp16, bf16, fp8_e4m3, fp8_e5m2)"
     if mc.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -73,6 +76,9 @@ def attention_tp_size(model_runner: ModelRunner) -> int:
 
 _SINK_HINT = "sink"  # model-side attention-sink tensors (gpt-oss ``sinks``, MiMo ``attention_sink_bias``)
 SINKS = "attention sinks"  # the scan's reason for such layers: served in decode (the merge), stock in extend
+#: Scan reasons of a layer the wrapped backend serves per layer in decode, with the real
+#: batch's metadata, beside GraniKV's path on the other layers (decode/layer_paths.py).
+PER_LAYER_REASONS = ("sliding window",)
 
 
 def layer_reason(layer: RadixAttention, *, num_q_heads: Optional[int] = None,
@@ -146,6 +152,14 @@ def _is_attention_layer(module: object) -> bool:
     return all(hasattr(module, a) for a in ("layer_id", "tp_q_head_num", "scaling", "head_dim"))
 
 
+def count_attention_layers(model: object) -> int:
+    """How many attention layers (distinct ``layer_id``) ``model`` holds (0 without modules)."""
+    named = getattr(model, "named_modules", None)
+    if named is None:
+        return 0
+    return len({int(m.layer_id) for _, m in named() if _is_attention_layer(m)})
+
+
 def scan_layers(model: object, *, num_q_heads: Optional[int] = None,
                 head_dim: Optional[int] = None) -> Dict[int, str]:
     """``layer_id -> reason`` for every attention layer of ``model`` GraniKV cannot serve.
@@ -204,6 +218,7 @@ class LayerEligibility:
         self.scanned: Dict[int, str] = {}  # layer_id -> why it runs stock (scan and ``record``)
         self._memo: Dict[int, Optional[str]] = {}  # id(layer) -> its layer_reason (None: served)
         self._logged: Set[str] = set()
+        self.num_layers = 0  # attention layers the scan saw
 
     def scan(self, model: object) -> Dict[int, str]:
         """Scans ``model``'s attention layers (logged once per reason); returns the verdicts."""
@@ -217,8 +232,11 @@ class LayerEligibility:
                             "sink joins the merge), their prefill runs the stock %s backend",
                             layer_ranges(ids), self.backend_name)
                 continue
-            logger.warning("GraniKV: attention layers %s run the stock %s backend (%s); decode "
-                           "stays stock for the whole model", layer_ranges(ids), self.backend_name, reason)
+            then = ("in decode they may take per-layer paths" if reason.startswith(PER_LAYER_REASONS)
+                    else "decode stays stock for the whole model")
+            logger.warning("GraniKV: attention layers %s run the stock %s backend (%s); %s",
+                           layer_ranges(ids), self.backend_name, reason, then)
+        self.num_layers = count_attention_layers(model)
         return self.scanned
 
     def decode_blocked(self) -> Dict[int, str]:
