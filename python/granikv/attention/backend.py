@@ -74,6 +74,8 @@ class GraniKVAttnBackend(ForwardingBackend):
     ``ForwardingBackend`` hands the wrapped backend the rest.
     """
 
+    layer_paths: Optional[LayerPaths] = None  # a hybrid model's per-layer decode paths (set in __init__)
+
     @classmethod
     def wrap(cls, inner: AttentionBackend, *, model_runner: ModelRunner, cfg: GraniKVConfig,
              backend_name: str, build_inner: Optional[Callable[[], AttentionBackend]] = None) -> AttentionBackend:
@@ -108,7 +110,6 @@ class GraniKVAttnBackend(ForwardingBackend):
         if blocked and stock_layers is None:
             self.ctx.dispatcher = self._paged_dispatcher()
         self.decode = DecodePlanner(self.ctx)
-        self.layer_paths: Optional[LayerPaths] = None
         if stock_layers is not None and build_inner is not None:
             self.layer_paths = LayerPaths(stock_layers, build_inner, num_layers=self.eligibility.num_layers,
                                           backend_name=backend_name)
