@@ -108,31 +108,32 @@ def _rejected_by(token: Optional[bool], layer: Optional[bool]) -> Optional[List[
     return [name for name, ok in (("tokens", token), ("layer_output", layer)) if ok is False]
 
 
-def _token_pair(engines, workload: str, backend: str, backends: Sequence[str]):
+def _token_pair(engines, workload: str, backend: str, backends: Sequence[str],
+                stock: Optional[metrics.Outputs]):
     """``(base, reference, label)`` of the token rule: GraniKV is compared with ``base``, and
-    ``base`` with ``reference`` (two correct kernels on the same prompts): the other backend's
-    stock engine, or, with dequantized engines (an FP8 check), the same backend's dequantized
-    engine and the other dequantized one."""
+    ``base`` with ``reference`` (two correct kernels on the same prompts): ``stock`` (this
+    backend's baseline) and the other backend's, or, with dequantized engines (an FP8 check),
+    the same backend's dequantized engine and the other dequantized one."""
     if any(c == DEQUANTIZED for _, c in engines):
         other = next(b for b in DEQUANTIZED_BACKENDS if b != backend)
         label = f"{backend} vs {other}, both stock over the dequantized KV"
         return (_outputs(engines, backend, DEQUANTIZED, workload),
                 _outputs(engines, other, DEQUANTIZED, workload), label)
-    base = _outputs(engines, backend, "baseline", workload)
     others = [b for b in backends if b != backend]
     if not others:  # one backend and no dequantized engines: no reference
-        return base, None, None
-    return base, _outputs(engines, others[0], "baseline", workload), f"{backend} vs {others[0]}"
+        return stock, None, None
+    return stock, _outputs(engines, others[0], "baseline", workload), f"{backend} vs {others[0]}"
 
 
 def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[str, Any]:
-    base, reference, label = _token_pair(engines, workload, backend, backends)
     stock = _outputs(engines, backend, "baseline", workload)
+    base, reference, label = _token_pair(engines, workload, backend, backends, stock)
     cross_pair: Tuple[Optional[metrics.Outputs], ...] = (base, reference)
     cross = metrics.compare(*cross_pair) if None not in cross_pair else None
     out: Dict[str, Any] = dict(workload=workload, backend=backend, cross_backend=label)
+    outputs: Dict[str, Optional[metrics.Outputs]] = {}
     for config, key in (("granikv", "granikv"), ("fault", "fault")):
-        ours = _outputs(engines, backend, config, workload)
+        ours = outputs[config] = _outputs(engines, backend, config, workload)
         c = metrics.compare(ours, base) if ours is not None and base is not None else None
         out[f"{key}_agreement"] = _r(c.agreement) if c else None
         out[f"{key}_agreement_stderr"] = _r(c.agreement_stderr) if c else None
@@ -169,7 +170,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
     out["cross_logprob_dev_mean"] = _r(cross.logprob_dev_mean) if cross else None
     # GraniKV against the same backend's stock engine over the same cache (the token rule's base
     # unless dequantized engines stand in for it)
-    ours = _outputs(engines, backend, "granikv", workload)
+    ours = outputs["granikv"]
     vs_stock = metrics.compare(ours, stock) if ours is not None and stock is not None else None
     out["granikv_vs_stock_agreement"] = _r(vs_stock.agreement) if vs_stock else None
     out["passed"] = out.pop("granikv_passes")

@@ -13,6 +13,7 @@ an FP8 KV cache (``attention/debug/kv_round.py``). Unset or empty: no rounding.
 """
 
 import os
+from typing import Iterable
 
 DEBUG_FAULT = "GRANIKV_DEBUG_FAULT"
 
@@ -28,3 +29,10 @@ DEBUG_KV_ROUND = "GRANIKV_DEBUG_KV_ROUND"
 def debug_kv_round() -> str:
     """The KV rounding format, ``""`` when none (validated by ``kv_round.from_name``)."""
     return os.environ.get(DEBUG_KV_ROUND, "").strip()
+
+
+def check_debug_value(var: str, value: str, allowed: Iterable[str]) -> None:
+    """Raises ValueError naming ``var`` unless ``value`` is one of ``allowed`` (empty: unset)."""
+    names = sorted(allowed)
+    if value and value not in names:
+        raise ValueError(f"{var}={value!r} is not one of {', '.join(names)} (or empty)")

@@ -94,11 +94,9 @@ def wrap_stock(inner: Any) -> Any:
 
 def from_name(name: str) -> NoRound:
     """The rounding called ``name`` (``""``: none). Raises ValueError naming the variable."""
+    envs.check_debug_value(envs.DEBUG_KV_ROUND, name, FORMATS)
     if not name:
         return NO_ROUND
-    if name not in FORMATS:
-        raise ValueError(f"{envs.DEBUG_KV_ROUND}={name!r} is not one of {', '.join(sorted(FORMATS))} "
-                         "(or empty)")
     logger.error("GraniKV: %s=%s is set: every layer's K/V is rounded through %s %s",
                  envs.DEBUG_KV_ROUND, name, name, LOG_MARK)
     return Round(name)

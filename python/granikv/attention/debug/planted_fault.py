@@ -45,11 +45,9 @@ FAULTS = {f.name: f for f in (HalfPrefix(),)}
 
 def from_name(name: str) -> NoFault:
     """The fault called ``name`` (``""``: none). Raises ValueError naming the variable."""
+    envs.check_debug_value(envs.DEBUG_FAULT, name, FAULTS)
     if not name:
         return NO_FAULT
-    if name not in FAULTS:
-        raise ValueError(f"{envs.DEBUG_FAULT}={name!r} is not one of {', '.join(sorted(FAULTS))} "
-                         "(or empty)")
     logger.error("GraniKV: %s=%s is set: decode attention is deliberately WRONG (debug only)",
                  envs.DEBUG_FAULT, name)
     return FAULTS[name]

@@ -60,13 +60,10 @@ class LayerPaths:
         self.planned = False  # the current step planned ``real``
         self.steps = 0  # decode steps that ran per-layer paths
         self.layer_calls = {"granikv": 0, "stock": 0}  # decode layer calls of those steps
-        by_reason: Dict[str, list] = {}
-        for i, r in sorted(stock.items()):
-            by_reason.setdefault(r, []).append(i)
         logger.info("GraniKV: per-layer decode paths: %d of %d attention layers on GraniKV's path, "
                     "layers %s on the %s backend planned with the real batch (%s); eager steps only, "
                     "decode CUDA graphs stay stock", num_layers - len(stock), num_layers,
-                    layer_ranges(self.stock_ids), backend_name, "; ".join(by_reason))
+                    layer_ranges(self.stock_ids), backend_name, "; ".join(sorted(set(stock.values()))))
 
     def runs_stock(self, layer_id: int) -> bool:
         return layer_id in self.stock_ids
