@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "multi_agent" / "configs"
 
@@ -27,6 +27,13 @@ def split_model_name(name: str) -> Tuple[str, Optional[str]]:
 def kv_dtype_bytes(name: str) -> int:
     """Bytes per KV element of a grid model name (2 without a KV dtype: bf16)."""
     return KV_DTYPE_BYTES[split_model_name(name)[1] or "auto"]
+
+
+def full_attention_layers(cfg: Mapping[str, Any]) -> int:
+    """Layers of a config that attend to the whole context: all, except a hybrid model's
+    sliding-window layers (``layer_types`` "sliding_attention", as gpt-oss)."""
+    types = cfg.get("layer_types")
+    return sum(1 for t in types if t != "sliding_attention") if types else int(cfg["num_hidden_layers"])
 
 
 def model_config_path(model: str) -> Path:

@@ -20,7 +20,8 @@ the distinct prefixes of a forest; an agent loop (turns > 1) prefills each later
 result against the prefix (the outputs before it are cached) and decodes turns * (out - 1)
 steps at least, its private history growing inside the ceiling's wall. Hq, Hkv, D and layers
 are the row's model shape (its config under configs/, heads divided by TP), so GQA 3, 4, 7 ...
-each get their own bytes-to-FLOPs balance. Peak rates: the best attention rate measured on the
+each get their own bytes-to-FLOPs balance; ``layers`` counts full-attention layers only (a hybrid
+model's sliding-window layers read their window whatever the prefix: nothing to remove there). Peak rates: the best attention rate measured on the
 host (FlashInfer FA3 prefill over a HOT extent, 646-647 TFLOP/s, docs/results/kernels.md) and
 the H200's HBM bandwidth (4.8 TB/s).
 
@@ -87,7 +88,9 @@ def model_shape(name: str, tp: int = 1) -> Dict[str, int]:
         cfg = json.load(f)
     hq = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
-    return dict(layers=cfg["num_hidden_layers"], hq=hq // tp, hkv=max(1, cfg["num_key_value_heads"] // tp), d=d,
+    # a hybrid model's sliding-window layers read at most their window, however long the prefix:
+    # only its full-attention layers have prefix work to remove
+    return dict(layers=model_config.full_attention_layers(cfg), hq=hq // tp, hkv=max(1, cfg["num_key_value_heads"] // tp), d=d,
                 kv_bytes=model_config.kv_dtype_bytes(name))
 
 

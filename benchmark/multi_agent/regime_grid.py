@@ -18,7 +18,11 @@ changes:
   prefix, no shared prefix at all, and the KV-bound row (more distinct prompts than the KV
   pool holds);
 - the same regimes on the other shapes: Qwen2.5-7B (GQA 7), Llama-3.2-3B (GQA 3) and a
-  4-layer Llama-3.1-8B whose decode step is short enough to be host-bound.
+  4-layer Llama-3.1-8B whose decode step is short enough to be host-bound;
+- the models agent workloads serve: the gpt-oss-20b shape (12 full-attention layers between 12
+  of a 128-token sliding window, learned sinks, MoE, head_dim 64; triton only, as SGLang allows
+  for it) and the Qwen3-30B-A3B shape (MoE, GQA 8, 48 layers). Their configs drop the released
+  checkpoints' quantization (gpt-oss's MXFP4 experts): dummy weights are bf16.
 
 Output lengths are 64-128 tokens (256 on one row) so that a row takes seconds; every agent
 count stays within the decode CUDA graphs (<= 256). The Llama-3.1-8B engines cap the KV pool at
@@ -51,6 +55,7 @@ class Model:
     name: str  # folder under configs/, or <folder>+<kv cache dtype> (model_config.split_model_name)
     start_s: float  # estimated engine start (weights, CUDA graphs, the first requests)
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    backends: Optional[Tuple[str, ...]] = None  # the attention backends SGLang serves it on (None: any)
 
     @property
     def config_path(self) -> Path:
@@ -76,6 +81,12 @@ MODELS: Tuple[Model, ...] = (
     # FP8 KV cache (--kv-cache-dtype fp8_e4m3): stock and GraniKV both on it (no GPU run yet;
     # on the offline GPU host run it with --backend triton: FlashInfer's FP8 modules are not prebuilt there)
     Model("llama-3.1-8b+fp8_e4m3", 39.0, {"max_total_tokens": LLAMA_POOL_TOKENS}),
+    # hybrid sliding-window model with sinks: SGLang 0.5.17 serves GptOssForCausalLM on triton (not
+    # flashinfer) on this GPU; its SWA pool is off on both engines (GraniKV refuses that pool)
+    Model("gpt-oss-20b", 90.0, {"max_total_tokens": LLAMA_POOL_TOKENS, "disable_hybrid_swa_memory": True},
+          backends=("triton",)),
+    # 61 GB of bf16 weights per engine: two engines side by side need the smaller pool and reserve
+    Model("qwen3-30b-a3b", 120.0, {"max_total_tokens": 65536, "mem_fraction_static": 0.93}),
 )
 MODEL_NAMES = tuple(m.name for m in MODELS)
 
@@ -155,7 +166,7 @@ def _one(prefix: int, agents: int, out: int = 128, suffix: int = 256) -> Dict[st
 
 def default_grid() -> List[Regime]:
     """Every row, in run order within a model (see the module docstring)."""
-    L, Q, G3, H, F8 = MODEL_NAMES
+    L, Q, G3, H, F8, OSS, Q3 = MODEL_NAMES
     g, ns = "grouped", "no_sharing"
     rows = [
         Regime("hom16k_x64", L, g, _one(16384, 64), 0),
@@ -195,6 +206,13 @@ def default_grid() -> List[Regime]:
         Regime("forest16", F8, g, _forest16(), 0),
         Regime("agent_loop_10k_x24", F8, g, dict(_one(10240, 24, out=64), turns=4, tool=128), 1),
         Regime("no_sharing_1k_x64", F8, ns, dict(agents=64, prompt_len=1024, out=128), 1),
+        # hybrid (half the layers windowed) and MoE models
+        Regime("hom16k_x64", OSS, g, _one(16384, 64), 0),
+        Regime("forest16", OSS, g, _forest16(), 0),
+        Regime("agent_loop_10k_x24", OSS, g, dict(_one(10240, 24, out=64), turns=4, tool=128), 1),
+        Regime("no_sharing_1k_x64", OSS, ns, dict(agents=64, prompt_len=1024, out=128), 0),
+        Regime("hom16k_x64", Q3, g, _one(16384, 64), 0),
+        Regime("no_sharing_1k_x64", Q3, ns, dict(agents=64, prompt_len=1024, out=128), 0),
     ]
     return rows
 
@@ -211,11 +229,14 @@ ROW_OVERHEAD_S = 1.5  # per measured run: cache flush, warm-up request, submit, 
 
 
 def model_facts(cfg: Mapping[str, Any], kv_bytes: int = 2) -> Dict[str, float]:
-    """Parameter count and KV bytes per token (``kv_bytes`` per element: 2 for bf16) of a config."""
+    """Parameter count and KV bytes per token (``kv_bytes`` per element: 2 for bf16) of a config
+    (an MoE config: every expert counted, as a decode step of many requests touches them all)."""
     h, layers, hq = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
-    hkv, inter, vocab = cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["vocab_size"]
+    hkv, vocab = cfg["num_key_value_heads"], cfg["vocab_size"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts > 1 else cfg["intermediate_size"]
     d = cfg.get("head_dim") or h // hq
-    per_layer = 2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter
+    per_layer = 2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter * experts
     params = layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
     return dict(params=float(params), kv_bytes=float(layers * hkv * d * 2 * kv_bytes))
 
@@ -270,9 +291,10 @@ class Selection:
 
 def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
            rows: Optional[Sequence[str]] = None, budget_s: float = 0.0,
-           model_table: Sequence[Model] = MODELS, repeats: int = 1) -> Selection:
+           model_table: Sequence[Model] = MODELS, repeats: int = 1, backend: Optional[str] = None) -> Selection:
     """The rows to run: those of ``models`` (names) and ``rows`` (row names, or model/row
-    keys), then, under a ``budget_s`` (0: none), the most important that fit the estimate.
+    keys) whose model serves on ``backend`` (None: every row), then, under a ``budget_s`` (0:
+    none), the most important that fit the estimate.
 
     Dropping goes from the lowest priority up and, within one, from the most expensive row; a
     model left without rows costs no start. Run order stays the grid's order (grouped by model:
@@ -290,8 +312,13 @@ def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
             and (not rows or r.name in rows or r.key in rows)]
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be >= 1")
-    cost = {r.key: estimate_s(r, by_name[r.model], repeats) for r in kept}
     skipped: List[Tuple[str, str]] = []
+    for r in list(kept):
+        allowed = by_name[r.model].backends
+        if backend is not None and allowed is not None and backend not in allowed:
+            kept.remove(r)
+            skipped.append((r.key, f"{r.model} is served on {', '.join(allowed)} only, not {backend}"))
+    cost = {r.key: estimate_s(r, by_name[r.model], repeats) for r in kept}
 
     def total(sel: Sequence[Regime]) -> float:
         return sum(cost[r.key] for r in sel) + sum(start_s(by_name[m]) for m in {r.model for r in sel})

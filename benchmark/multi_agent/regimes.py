@@ -301,7 +301,7 @@ def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline
 
 def main_parent(args, argv: Sequence[str]) -> int:
     sel = grid.select(grid.default_grid(), models=args.models, rows=args.rows, budget_s=args.time_budget_s,
-                      repeats=args.repeats)
+                      repeats=args.repeats, backend=args.backend)
     print_plan(sel, args)
     if args.dry_run:
         return 0

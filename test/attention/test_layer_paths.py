@@ -87,8 +87,101 @@ def test_full_layers_take_the_cascade_path_and_windowed_layers_the_real_batch(hy
     # planted: the windowed layer through the instance planned with the seq_len = 1 view
     wrong = ours.inner.forward_decode(*qkv[1], layers[1], fb, save_kv_cache=False)
     assert (wrong - stock[1]).abs().max() > 10 * tb.ATOL
-    # the decode graphs of such a model stay stock (the second instance has no graph state)
-    assert not ours.graphs.wants_cascade(fb.batch_size)
+
+
+def _static_batch(fb, size):
+    """What SGLang's decode graph runner captures with: its static buffers (request 0, every
+    seq_len the fill value 1, the padding slot 0)."""
+    view = tb._replay_view(fb, size)
+    view.req_pool_indices = torch.zeros(size, dtype=torch.int64)
+    view.seq_lens = torch.ones(size, dtype=torch.int64)
+    view.seq_lens_cpu, view.seq_lens_sum = view.seq_lens.clone(), size
+    view.out_cache_loc = torch.zeros(size, dtype=torch.int64)
+    return view
+
+
+class _Spy:
+    """Records which instance each layer call of a forward reached."""
+
+    def __init__(self, backend, name, log):
+        self._backend, self._name, self._log = backend, name, log
+
+    def __getattr__(self, attr):
+        return getattr(self._backend, attr)
+
+    def forward_decode(self, q, k, v, layer, fb, **kw):
+        self._log.append((self._name, layer.layer_id))
+        return self._backend.forward_decode(q, k, v, layer, fb, **kw)
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_cascade_graphs_capture_the_second_instance_and_replays_refill_it(hybrid, monkeypatch, refill):
+    """A hybrid model's decode graphs: the stock graph of a size is the wrapped backend alone; its
+    cascade graph is captured with the second instance's capture metadata (the windowed layer calls
+    it inside the capture); a step that replays the cascade graph refills the second instance's
+    buffers with its real padded batch. What the graph's layers compute then equals stock triton
+    over the real batch (rows past the batch are padding). Planted (``refill`` False): a replay that
+    leaves the second instance's buffers as captured (static batch) gives the windowed layer wrong
+    outputs."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+    from granikv import plugin
+    from granikv.attention.decode.graph_variants import CASCADE_LABEL, GraphVariants
+    from test_graph_variants import FakeRunner, _load_orig
+
+    runner = hybrid
+    fb, rows = tb._batch(runner, hot={0, 2, 3})
+    fb.spec_info, fb.encoder_lens = None, None
+    bind_kv_loc_plan(runner, fb)
+    layers = _layers()
+    view = tb._replay_view(fb, 8)
+    qkv = _qkv(view, 5)
+    stock = _step(TritonAttnBackend(runner), fb, [tuple(t[:5] for t in x) for x in qkv], layers)
+
+    cfg = GraniKVConfig(enable=True, attention_path="cascade")
+    ours = GraniKVAttnBackend.wrap(TritonAttnBackend(runner), model_runner=runner, cfg=cfg, backend_name="triton",
+                                   build_inner=lambda: TritonAttnBackend(runner))
+    ours.graphs = GraphVariants(frozenset({8}), can_win=None)
+    ours.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    paths = ours.layer_paths
+    calls = []
+    ours.inner, paths.real = _Spy(ours.inner, "inner", calls), _Spy(paths.real, "real", calls)
+    static = _static_batch(fb, 8)
+    captured = {}
+
+    def capture_one_shape(gr, size, forward, stream_idx=None, variant_label=None):
+        del calls[:]
+        gr.attn_backend.init_forward_metadata_out_graph(static, in_capture=True)
+        for (q, k, v), layer in zip(_qkv(static, 40), layers):  # the forward the graph records
+            gr.attn_backend.forward_decode(q, k, v, layer, static, save_kv_cache=False)
+        captured[gr._make_graph_key(size, stream_idx, variant_label)] = list(calls)
+
+    gr = FakeRunner(ours, capture_bs=[8])
+    plugin._around_capture_one_shape(capture_one_shape, gr, 8, forward=None)
+    assert captured == {ShapeKey(8): [("inner", 0), ("inner", 1)],
+                        ShapeKey(8, variant_label=CASCADE_LABEL): [("inner", 0), ("real", 1)]}
+    assert paths.layer_calls == {"granikv": 0, "stock": 0}  # a capture is not a step
+
+    if not refill:  # planted: the replay does not refill the second instance
+        monkeypatch.setattr(paths.real._backend, "init_forward_metadata_out_graph", lambda *a, **k: None)
+    ours.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, view)
+    assert gr._replay_graph_key == ShapeKey(8, variant_label=CASCADE_LABEL)
+    del calls[:]
+    out = [ours.forward_decode(q, k, v, layer, view, save_kv_cache=True) for (q, k, v), layer in zip(qkv, layers)]
+    assert calls == [("inner", 0), ("real", 1)]  # the calls the cascade graph replays
+    torch.testing.assert_close(out[0][:5], stock[0], atol=tb.ATOL, rtol=tb.RTOL)
+    if refill:
+        torch.testing.assert_close(out[1][:5], stock[1], atol=tb.ATOL, rtol=tb.RTOL)
+    else:
+        assert (out[1][:5] - stock[1]).abs().max() > 10 * tb.ATOL
+    snap = ours.stats_snapshot()
+    assert snap["per_layer_graph_steps"] == 1 and snap["per_layer_steps"] == 1
+    # the eager forward above stands in for the replay, which runs no Python: its calls are the replay's
+    assert paths.layer_calls == {"granikv": 2, "stock": 2}
+    paths.check_integrity()
+    ours.graphs.check_integrity()
 
 
 def test_a_paged_step_calls_the_wrapped_backend_alone(hybrid):

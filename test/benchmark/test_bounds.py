@@ -121,3 +121,14 @@ def test_an_fp8_grid_model_halves_the_kv_bytes_of_its_floor():
     assert d1 == pytest.approx(d2 / 2, rel=1e-9)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
         b.model_shape("llama-3.1-8b+int4")
+
+
+def test_a_hybrid_models_floor_counts_its_full_attention_layers_only():
+    """gpt-oss-20b's windowed layers read 128 tokens whatever the prefix: the floor's layers are
+    its 12 full-attention layers, and a config without ``layer_types`` counts every layer."""
+    b = _mod()
+    assert b.model_shape("gpt-oss-20b") == dict(layers=12, hq=64, hkv=8, d=64, kv_bytes=2)
+    assert b.model_shape("llama-3.1-8b")["layers"] == 32
+    from benchmark.harness.model_config import full_attention_layers
+    assert full_attention_layers({"num_hidden_layers": 3, "layer_types": ["sliding_attention"] * 3}) == 0
+    assert full_attention_layers({"num_hidden_layers": 3}) == 3

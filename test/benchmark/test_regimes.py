@@ -549,3 +549,28 @@ def test_the_fp8_model_serves_the_same_config_on_an_fp8_cache():
     bf16 = next(r for r in regime_grid.default_grid() if r.key == "llama-3.1-8b/hom16k_x64")
     fp8 = next(r for r in regime_grid.default_grid() if r.key == "llama-3.1-8b+fp8_e4m3/hom16k_x64")
     assert regime_grid.estimate_s(fp8, m) < regime_grid.estimate_s(bf16, regime_grid.MODELS[0])  # half the KV bytes
+
+
+def test_hybrid_and_moe_models_and_the_backends_they_serve_on():
+    """gpt-oss-20b: 12 of its 24 layers windowed (128 tokens), served on triton only (SGLang
+    refuses flashinfer for it): a flashinfer grid skips its rows with that reason, a triton grid
+    keeps them, and both engines run without SGLang's hybrid SWA pool. Qwen3-30B-A3B: every
+    expert counted in the weights a decode step reads (the row estimate), not one MLP."""
+    by = {x.name: x for x in regime_grid.MODELS}
+    oss, q3 = by["gpt-oss-20b"], by["qwen3-30b-a3b"]
+    cfg = oss.config()
+    assert cfg["layer_types"].count("sliding_attention") == 12 and cfg["sliding_window"] == 128
+    assert "quantization_config" not in cfg  # dummy weights are bf16
+    assert regime_grid.model_facts(cfg)["params"] == pytest.approx(20.9e9, rel=0.02)
+    assert regime_grid.model_facts(q3.config())["params"] == pytest.approx(30.5e9, rel=0.02)
+    for side in ("baseline", "granikv"):
+        assert regimes_mod.engine_kwargs(oss, "triton", side, {})["disable_hybrid_swa_memory"] is True
+    grid = regime_grid.default_grid()
+    fi = regime_grid.select(grid, models=[oss.name, q3.name], backend="flashinfer")
+    assert {r.model for r in fi.rows} == {q3.name}
+    assert {k for k, _ in fi.skipped} == {r.key for r in grid if r.model == oss.name}
+    assert all("triton only, not flashinfer" in why for _, why in fi.skipped)
+    tr = regime_grid.select(grid, models=[oss.name], backend="triton")
+    assert {r.name for r in tr.rows} == {"hom16k_x64", "forest16", "agent_loop_10k_x24", "no_sharing_1k_x64"}
+    assert not tr.skipped
+    assert {r.name for r in regime_grid.select(grid, models=[q3.name]).rows} == {"hom16k_x64", "no_sharing_1k_x64"}

@@ -113,8 +113,6 @@ class GraniKVAttnBackend(ForwardingBackend):
         if stock_layers is not None and build_inner is not None:
             self.layer_paths = LayerPaths(stock_layers, build_inner, num_layers=self.eligibility.num_layers,
                                           backend_name=backend_name)
-            # the second instance has no graph state: this model's decode graphs stay stock
-            self.decode.graphs = GraphVariants(frozenset(), can_win=self.decode.cascade_can_win)
         self.compare = DebugCompare(self.ctx)
         self.extend = ExtendPaths(self.ctx, self.eligibility, self.compare)
         self._staged: Optional[np.ndarray] = None
@@ -208,10 +206,16 @@ class GraniKVAttnBackend(ForwardingBackend):
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
             self.decode.stock_step(extend=not forward_batch.forward_mode.is_decode())
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        paths = self.layer_paths
         if in_capture:
-            return self.decode.capture_metadata_for(forward_batch)
+            self.decode.capture_metadata_for(forward_batch)
+            if paths is not None and self.decode.path is not Path.PAGED:  # the cascade graph of a size
+                paths.capture(forward_batch)
+            return
         view = self._plan_decode(forward_batch, graph=True)
         self.inner.init_forward_metadata_out_graph(view)
+        if paths is not None and self.graphs.planned_cascade:  # the windowed layers' buffers, real batch
+            paths.replay(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata_in_graph(forward_batch)
@@ -219,6 +223,8 @@ class GraniKVAttnBackend(ForwardingBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
         self.decode.init_graph_state(max_bs)
+        if self.layer_paths is not None:
+            self.layer_paths.init_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.inner.get_cuda_graph_seq_len_fill_value()
