@@ -225,3 +225,81 @@ def test_check_integrity_catches_a_batch_begun_without_a_plan():
     be.extend.full_extend.begin()
     with pytest.raises(AssertionError, match="without a plan"):
         be.extend.full_extend.check_integrity()
+
+
+def _expected_with_sinks(runner, fb, q, k, v, sinks):
+    """Float64 causal attention of each new token over its row, the sink's logit in each q-head's
+    softmax denominator (kernels/reference.with_sinks_ref, as SGLang's triton extend kernel adds
+    ``exp(sink - max)`` to its denominator)."""
+    from granikv.kernels.reference import attend_ref, with_sinks_ref
+
+    kb, vb = runner.token_to_kv_pool.k_buffer[0].clone(), runner.token_to_kv_pool.v_buffer[0].clone()
+    kb[fb.out_cache_loc] = k.view(-1, HKV, D)
+    vb[fb.out_cache_loc] = v.view(-1, HKV, D)
+    rt = runner.req_to_token_pool.req_to_token
+    q3, outs, t = q.view(-1, HQ, D), [], 0
+    for row, p, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+        slots = rt[row, : p + n].long()
+        for j in range(n):
+            st = attend_ref(q3[t + j], kb[slots[: p + j + 1]], vb[slots[: p + j + 1]], SCALE)
+            outs.append(with_sinks_ref(type(st)(st.o[None], st.lse[None]), sinks).o[0])
+        t += n
+    return torch.stack(outs).view(-1, HQ * D)
+
+
+def test_attention_sinks_join_the_softmax_of_the_whole_extend():
+    """gpt-oss's layers carry learned sinks: the whole extend (causal + HOT prefix + COLD
+    remainder, merged) scales each q-head's output by sigmoid(lse - sink), which equals the
+    float64 reference with the sink in the denominator; the wrapped backend is not called.
+    Planted: the same batch without the sinks is off by far more than the tolerance. Sinks of
+    another shape go to the wrapped backend."""
+    runner, fb, rows, q, k, v = _setup(["A", "cold", "A+", "none", "B"], [3, 4, 5, 2, 3])
+    sinks = torch.linspace(-1.0, 2.5, HQ)  # around the scores' log-sum-exp: a visible share
+    expected = _expected_with_sinks(runner, fb, q, k, v, sinks)
+    be = _backend(runner)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    out = be.forward_extend(q, k, v, LAYER, fb, sinks=sinks.to(torch.bfloat16).float())
+    assert be.inner.calls == 0
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=RTOL)
+    wrong = be.extend.full_extend.forward(q, k, v, LAYER, fb, runner.token_to_kv_pool, False, sinks=None)
+    assert (wrong.double() - expected).abs().max() > 20 * ATOL
+    be.forward_extend(q, k, v, LAYER, fb, sinks=torch.zeros(HQ + 1))
+    assert be.inner.calls == 1  # not one logit per q-head: stock
+
+
+def test_the_prefix_part_proxy_leaves_a_layer_with_sinks_to_the_wrapped_backend():
+    """Under a ragged + paged backend (flashinfer) GraniKV swaps only the prefix call, so it cannot
+    add the sink: such a layer runs the wrapped backend whole."""
+    from test_hot_extend import _backend as proxy_backend
+
+    runner, fb, rows, q, k, v = _setup(["A", "A"], [3, 4])
+    be = proxy_backend(runner)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    assert be.extend.full_extend is None or not be.extend.full_extend.active
+    assert be.eligibility.reason(LAYER, k, v, {"sinks": torch.zeros(HQ)}) is not None
+    assert be.eligibility.sinks_reason(LAYER, k, v, {"sinks": torch.zeros(HQ)}) is None
+
+
+def test_the_sink_convention_is_sglangs_triton_extend_kernel():
+    """SGLang's own triton extend kernel (what gpt-oss's prefill runs on) with the same sinks over
+    the same batch equals the float64 reference the whole extend is held to above."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    runner, fb, rows, q, k, v = _setup(["A", "cold", "A+", "none", "B"], [3, 4, 5, 2, 3])
+    sinks = torch.linspace(-1.0, 2.5, HQ)
+    expected = _expected_with_sinks(runner, fb, q, k, v, sinks)
+    rt = runner.req_to_token_pool.req_to_token
+    pool = runner.token_to_kv_pool
+    pool.set_kv_buffer(LAYER, fb.out_cache_loc, k.view(-1, HKV, D), v.view(-1, HKV, D))
+    pre = list(fb.extend_prefix_lens_cpu)
+    new = list(fb.extend_seq_lens_cpu)
+    kv_indptr = torch.tensor([0] + list(np.cumsum(pre)), dtype=torch.int32)
+    qo_indptr = torch.tensor([0] + list(np.cumsum(new)), dtype=torch.int32)
+    kv_indices = torch.cat([rt[r, :p] for r, p in zip(fb.req_pool_indices.tolist(), pre)]).long()
+    out = torch.empty(q.shape[0], HQ, D, dtype=q.dtype)
+    extend_attention_fwd(q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D), out, pool.k_buffer[0],
+                         pool.v_buffer[0], qo_indptr, kv_indptr, kv_indices, None, True, None, max(new),
+                         1.0, 1.0, sm_scale=SCALE, sinks=sinks)
+    torch.testing.assert_close(out.view(-1, HQ * D).double(), expected, atol=ATOL, rtol=RTOL)

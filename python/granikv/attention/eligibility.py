@@ -75,7 +75,7 @@ def attention_tp_size(model_runner: ModelRunner) -> int:
 # ---- per-layer eligibility -----------------------------------------------------------------
 
 _SINK_HINT = "sink"  # model-side attention-sink tensors (gpt-oss ``sinks``, MiMo ``attention_sink_bias``)
-SINKS = "attention sinks"  # the scan's reason for such layers: served in decode (the merge), stock in extend
+SINKS = "attention sinks"  # the scan's reason for such layers: served where the path adds the sink (``sinks_served``)
 #: Scan reasons of a layer the wrapped backend serves per layer in decode, with the real
 #: batch's metadata, beside GraniKV's path on the other layers (decode/layer_paths.py).
 PER_LAYER_REASONS = ("sliding window",)
@@ -203,9 +203,12 @@ def scan_layers(model: object, *, num_q_heads: Optional[int] = None,
 #
 # - decode: the wrapped backend is planned once per step for every layer, so one layer cannot
 #   opt out of the ``seq_len = 1`` plan. Any ineligible layer found by the scan keeps decode
-#   stock for the whole model (attention sinks excepted: decode adds them in the merge); one
-#   found only at call time (``record``) makes decode stock from the next step on;
-# - extend: the layer's call goes to the wrapped backend (logged once per reason).
+#   stock for the whole model (attention sinks excepted: decode adds them in the merge; a
+#   sliding window alone: per-layer paths); one found only at call time (``record``) makes
+#   decode stock from the next step on;
+# - extend: the layer's call goes to the wrapped backend (logged once per reason); attention
+#   sinks are served by the whole extend (``full_extend``: the sink scales the merged output),
+#   not by the prefix-part proxy.
 
 
 class LayerEligibility:
@@ -229,8 +232,8 @@ class LayerEligibility:
         for reason, ids in by_reason.items():
             if reason == SINKS:
                 logger.info("GraniKV: attention layers %s have attention sinks: served in decode (the "
-                            "sink joins the merge), their prefill runs the stock %s backend",
-                            layer_ranges(ids), self.backend_name)
+                            "sink joins the merge) and in GraniKV's whole-extend prefill; the prefix-part "
+                            "prefill of the %s backend keeps them stock", layer_ranges(ids), self.backend_name)
                 continue
             then = ("in decode they may take per-layer paths" if reason.startswith(PER_LAYER_REASONS)
                     else "decode stays stock for the whole model")
@@ -247,7 +250,13 @@ class LayerEligibility:
                       kwargs: Mapping[str, object]) -> Optional[str]:
         """``reason`` for a decode call: a ``sinks=`` argument of one fp32-convertible logit per
         q-head of this rank is served (the merge adds it), whatever else ``reason`` refuses."""
-        reason = self.reason(layer, k, v, kwargs, decode=True)
+        return self.sinks_reason(layer, k, v, kwargs)
+
+    def sinks_reason(self, layer: RadixAttention, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                     kwargs: Mapping[str, object]) -> Optional[str]:
+        """``reason`` for a call on a path that adds attention sinks (decode's merge, the whole
+        extend's final scaling): a ``sinks=`` argument of one logit per q-head is served."""
+        reason = self.reason(layer, k, v, kwargs, sinks_served=True)
         sinks = kwargs.get("sinks")
         if reason is None and sinks is not None and (
                 not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (self.num_q_heads,)):
@@ -256,7 +265,7 @@ class LayerEligibility:
         return reason
 
     def reason(self, layer: RadixAttention, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-               kwargs: Mapping[str, object], *, decode: bool = False) -> Optional[str]:
+               kwargs: Mapping[str, object], *, sinks_served: bool = False) -> Optional[str]:
         """Why this call runs the wrapped backend's attention (None: GraniKV serves it)."""
         memo, key = self._memo, id(layer)
         if key in memo:
@@ -265,9 +274,9 @@ class LayerEligibility:
             reason = self.scanned.get(layer.layer_id) or layer_reason(
                 layer, num_q_heads=self.num_q_heads, head_dim=self.head_dim)
             memo[key] = reason
-        if decode and reason == SINKS:  # decode adds the sinks in the merge
+        if sinks_served and reason == SINKS:  # the path adds the sinks itself
             reason = None
-        return reason or call_reason(k, v, kwargs, served=("sinks",) if decode else ())
+        return reason or call_reason(k, v, kwargs, served=("sinks",) if sinks_served else ())
 
     def record(self, layer_id: int, reason: str) -> None:
         """A decode call showed a feature the scan did not see (kept beside the scan's verdicts)."""

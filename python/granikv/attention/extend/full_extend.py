@@ -12,6 +12,8 @@ does::
     prefix part   (cached prefix)        HotExtendAttention.prefix_part: one dense call per HOT
                                          extent + one paged call for the COLD remainder
     out = merge(causal, prefix)          runner.merge (tokens without a cached prefix: lse -inf)
+    out *= sigmoid(lse - sink)           attention sinks (gpt-oss): the sink's logit joins each
+                                         q-head's softmax denominator once (``apply_sinks``)
 
 On the GPU the runner is ``FlashInferDense`` (FlashInfer ships with SGLang; ``backend="auto"``
 is FA3 on Hopper). A layer this module does not serve (``eligibility.layer_reason`` /
@@ -34,7 +36,18 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-__all__ = ["FullExtend", "backend_reason", "graph_reason"]
+__all__ = ["FullExtend", "apply_sinks", "backend_reason", "graph_reason"]
+
+LN2 = 0.6931471805599453
+
+
+def apply_sinks(o: torch.Tensor, lse2: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``o`` [n, Hq, D] with base-2 log-sum-exp ``lse2`` [n, Hq] (the runner's merged
+    state), re-normalised as if each q-head's softmax denominator also held ``exp(sinks[h])``
+    (natural-log logits, a key that attends to nothing, as gpt-oss learns them and SGLang's triton
+    extend kernel applies them): ``o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)``."""
+    scale = torch.sigmoid(lse2.float() * LN2 - sinks.to(device=lse2.device, dtype=torch.float32))
+    return (o.float() * scale[..., None]).to(o.dtype)
 
 
 try:  # SGLang's flag for torch.compile's piecewise prefill graph (looked up once, not per layer)
@@ -96,8 +109,9 @@ class FullExtend:
         self.attn.check_integrity()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch,
-                pool: KVCache, save_kv_cache: bool) -> torch.Tensor:
-        """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write).
+                pool: KVCache, save_kv_cache: bool, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer's extend output ``[T, Hq * D]`` in q's dtype (and the KV write); ``sinks``
+        [Hq]: the layer's attention-sink logits, or None.
 
         ``T`` may exceed the batch's token count: SGLang's breakable prefill CUDA graph pads
         the model's inputs to its bucket and plans the metadata from the real batch. The K/V of
@@ -122,7 +136,9 @@ class FullExtend:
         o1, s1 = runner.run_causal(q3[:n], k3[:n], v3[:n])
         o2, s2 = self.attn.prefix_part(q3[:n], pool.get_key_buffer(layer.layer_id),
                                        pool.get_value_buffer(layer.layer_id), layer.scaling)
-        o, _ = runner.merge(o1, s1, o2, s2)
+        o, lse = runner.merge(o1, s1, o2, s2)
+        if sinks is not None:
+            o = apply_sinks(o, lse, sinks)
         out = getattr(fb, "_attn_output", None)
         if out is not None:  # some models hand the backend the output buffer
             out3 = out.view(-1, hq, d)

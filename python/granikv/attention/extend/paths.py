@@ -203,10 +203,11 @@ class ExtendPaths:
         ctx = self.ctx
         full = self.full_extend
         if full is not None and full.active:  # planned for a backend without ragged + paged calls
-            reason = self.eligibility.reason(layer, k, v, kwargs) or graph_reason()
+            reason = self.eligibility.sinks_reason(layer, k, v, kwargs) or graph_reason()
             if reason is None:
                 try:
-                    o = full.forward(q, k, v, layer, fb, ctx.model_runner.token_to_kv_pool, save_kv_cache)
+                    o = full.forward(q, k, v, layer, fb, ctx.model_runner.token_to_kv_pool, save_kv_cache,
+                                     sinks=kwargs.get("sinks"))
                 except Exception as e:  # noqa: BLE001 - serve the stock way, never fail the forward
                     self.failed(e)
                 else:
