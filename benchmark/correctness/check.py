@@ -37,6 +37,12 @@
    a larger change than the fault's on this model, so it is not the token rule's reference; the
    layer rule still compares GraniKV with it (its tolerance grows with that error),
    with bootstrap stderrs and 95% intervals (2,000 resamples of the requests, seed 0).
+   With ``--model gpt-oss`` (a hybrid model: sliding-window layers, attention sinks on every
+   layer; checkpoint.GptOssShape), SGLang serves it on triton only, so the token rule's second
+   correct kernel is the SPLITS engine: stock triton with its decode split over
+   ``SPLITS_KV_SPLITS`` KV chunks instead of SGLang's default 8 (the same kernel, another
+   summation order); every engine runs with ``--disable-hybrid-swa-memory`` (one KV pool, where
+   GraniKV's per-layer decode paths apply).
 
 The pass rule of a row (results.py): BOTH
 
@@ -89,6 +95,8 @@ FAULT = "half_prefix"
 KV_ROUND_FORMATS = ("fp8_e4m3", "fp8_e5m2")  # attention/debug/kv_round.py's FORMATS (a test checks)
 KV_ROUND_MARK = "before attention (debug only: a reference for an FP8 KV cache)"  # its LOG_MARK (likewise)
 RESULT_TAG = "RESULT "
+SPLITS_KV_SPLITS = 16  # the SPLITS reference engine's --triton-attention-num-kv-splits (SGLang's default: 8)
+MODEL_BACKENDS = {"gpt-oss": ("triton",)}  # what SGLang serves each check model on (absent: any)
 VOCAB_LO = 16  # remapped token ids stay clear of the special ids 0..15
 
 # The benchmarks' engine kwargs (harness.engine_args), for a real checkpoint and a short run.
@@ -230,15 +238,20 @@ def main_child(job_path: str) -> int:
 
 
 def engine_kwargs(backend: str, config: str, attention_path: str, compare_every: int = 0,
-                  kv_cache_dtype: Optional[str] = None) -> Dict[str, Any]:
+                  kv_cache_dtype: Optional[str] = None, model: str = "llama") -> Dict[str, Any]:
     """The engine of ``config`` under ``backend``. ``compare_every`` > 0: decode CUDA graphs off
     on every engine (a replay runs no Python, so the layer compare needs eager steps, and all
     engines then decode alike) and the GraniKV engines compare every layer of every
     ``compare_every``-th decode step. ``kv_cache_dtype``: every engine's (e.g. ``fp8_e4m3``:
-    GraniKV against stock over the same FP8 cache)."""
+    GraniKV against stock over the same FP8 cache). ``model`` "gpt-oss": every engine without
+    SGLang's hybrid SWA pool; the SPLITS engine is stock with another KV split count."""
     kw = dict(ENGINE_KWARGS, attention_backend=backend)
     if kv_cache_dtype:
         kw.update(kv_cache_dtype=kv_cache_dtype)
+    if model == "gpt-oss":
+        kw.update(disable_hybrid_swa_memory=True)
+    if config == results.SPLITS:
+        kw.update(triton_attention_num_kv_splits=SPLITS_KV_SPLITS)
     if compare_every:
         kw.update(disable_cuda_graph=True)
     if config == results.DEQUANTIZED:  # GraniKV's backend only rounds the K/V: stock kernels attend
@@ -317,6 +330,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="With --kv-cache-dtype fp8_* and one backend: the token rule's reference is "
                         "stock flashinfer and triton over a bf16 cache holding the K/V rounded "
                         "through that FP8 format (GRANIKV_DEBUG_KV_ROUND).")
+    p.add_argument("--model", choices=sorted(checkpoint.SHAPES), default="llama",
+                   help="Check model: llama (checkpoint.LlamaShape) or gpt-oss (GptOssShape: "
+                        "sliding-window layers and attention sinks; triton only, SPLITS reference).")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
     p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -334,8 +350,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"--dequantized-reference needs one backend and --kv-cache-dtype one of "
                              f"{', '.join(KV_ROUND_FORMATS)} (got --backends {','.join(args.backends)}, "
                              f"--kv-cache-dtype {args.kv_cache_dtype})")
+    allowed = MODEL_BACKENDS.get(args.model)
+    if allowed is not None and not set(args.backends) <= set(allowed):
+        raise SystemExit(f"--model {args.model} is served on --backends {','.join(allowed)} only "
+                         f"(got {','.join(args.backends)})")
+    if args.model != "llama" and args.dequantized_reference:
+        raise SystemExit(f"--dequantized-reference is for --model llama (got --model {args.model})")
     t0 = time.time()
-    shape = checkpoint.LlamaShape()
+    shape = checkpoint.SHAPES[args.model]()
     model_dir = args.model_dir or checkpoint.write_checkpoint(
         tempfile.mkdtemp(prefix="granikv_check_model_"), shape)
     print(f"checkpoint {model_dir} ({time.time() - t0:.0f} s)", flush=True)
@@ -343,7 +365,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configs = [c for c in CONFIGS if not (args.no_fault and c == "fault")]
     meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 command="python3 -m benchmark.correctness.check " + " ".join(argv or sys.argv[1:]),
-                model=dict(dataclasses.asdict(shape), std=checkpoint.DEFAULT_STD, dtype="bfloat16"),
+                model=dict(dataclasses.asdict(shape), architecture=shape.hf_config()["architectures"][0],
+                           std=checkpoint.DEFAULT_STD, dtype="bfloat16"),
                 fault=FAULT, attention_path=args.attention_path,
                 workloads=[s.to_json() for s in spec_list],
                 engine_kwargs=ENGINE_KWARGS, margin=metrics.AGREEMENT_MARGIN, agreement_z=metrics.AGREEMENT_Z,
@@ -356,12 +379,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dequantized_reference:
         meta["dequantized_reference"] = list(results.DEQUANTIZED_BACKENDS)
         runs += [(b, results.DEQUANTIZED) for b in results.DEQUANTIZED_BACKENDS]
+    if allowed is not None:  # one backend serves this model: the second correct kernel is SPLITS
+        meta["splits_reference"] = dict(triton_attention_num_kv_splits=SPLITS_KV_SPLITS)
+        runs += [(b, results.SPLITS) for b in args.backends]
     engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
     for backend, config in runs:
         dequantized = config == results.DEQUANTIZED
         job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
                    engine_kwargs=engine_kwargs(backend, config, args.attention_path, args.compare_every,
-                                               None if dequantized else args.kv_cache_dtype))
+                                               None if dequantized else args.kv_cache_dtype, args.model))
         try:
             engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout,
                                                     kv_round=args.kv_cache_dtype if dequantized else None)

@@ -1,4 +1,5 @@
-"""A context-sensitive Llama checkpoint: random-normal weights written as a real HF folder.
+"""Context-sensitive checkpoints: random-normal weights written as a real HF folder (a Llama, and
+a gpt-oss-shaped hybrid model with sliding-window layers and attention sinks).
 
 SGLang's dummy weights (uniform +-1e-3) leave the residual stream dominated by the embedding,
 so logits barely depend on attention and a request that attends to the wrong KV would still
@@ -7,7 +8,9 @@ weights, each attention layer's output is ~100x the embedding: the next token de
 context, and a wrong prefix changes it.
 
 The folder (``config.json`` + ``model.safetensors``) is loaded through SGLang's normal loader
-(``load_format="safetensors"``) and by ``transformers.LlamaForCausalLM.from_pretrained``.
+(``load_format="safetensors"``) and by transformers' ``LlamaForCausalLM`` / ``GptOssForCausalLM``
+``from_pretrained``. Which tensors are drawn how (``init_of``): matrices N(0, std^2), norm weights
+1, biases 0, gpt-oss's sinks N(0, 1) (logits that take a visible share of each softmax).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Tuple, Union
 
 DEFAULT_STD = 0.02
+SINK_STD = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,104 @@ class LlamaShape:
         return out
 
 
-def write_checkpoint(dest: str, shape: LlamaShape = LlamaShape(), *, std: float = DEFAULT_STD,
+@dataclass(frozen=True)
+class GptOssShape:
+    """A hybrid check model of gpt-oss's attention shape: layers alternating a 128-token sliding
+    window and full attention (layer 0 windowed, as gpt-oss), 64 q / 8 kv heads of 64, learned
+    sinks on every layer, biased projections, a small MoE (8 experts, top 4) and a 4,096-token
+    vocabulary (4 layers: ~0.9 B parameters, 1.8 GB in bf16)."""
+
+    num_layers: int = 4
+    hidden: int = 2880
+    intermediate: int = 2880
+    num_q_heads: int = 64
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    num_experts: int = 8
+    experts_per_token: int = 4
+    window: int = 128
+    vocab: int = 4096
+    max_positions: int = 16384
+
+    def __post_init__(self):
+        for name, v in asdict(self).items():
+            if v < 1:
+                raise ValueError(f"GptOssShape.{name}={v} must be >= 1")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads={self.num_q_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}")
+
+    @property
+    def layer_types(self) -> Tuple[str, ...]:
+        return tuple("sliding_attention" if n % 2 == 0 else "full_attention" for n in range(self.num_layers))
+
+    def hf_config(self) -> Dict[str, object]:
+        return {
+            "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+            "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_q_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "num_local_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token,
+            "experts_per_token": self.experts_per_token, "layer_types": list(self.layer_types),
+            "sliding_window": self.window, "swiglu_limit": 7.0, "attention_bias": True,
+            "vocab_size": self.vocab, "max_position_embeddings": self.max_positions,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+            # gpt-oss's YaRN, its factor fitted to this context length (4,096 x 4 = 16,384)
+            "rope_scaling": {"rope_type": "yarn", "factor": self.max_positions / 4096,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False},
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "torch_dtype": "bfloat16",
+        }
+
+    def tensor_shapes(self) -> Dict[str, tuple]:
+        """HF (transformers GptOss) parameter name -> shape, in the order they are written."""
+        h, i, q, kv, d, e = (self.hidden, self.intermediate, self.num_q_heads, self.num_kv_heads,
+                             self.head_dim, self.num_experts)
+        out: Dict[str, tuple] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            out.update({
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.sinks": (q,),
+                p + "self_attn.q_proj.weight": (q * d, h), p + "self_attn.q_proj.bias": (q * d,),
+                p + "self_attn.k_proj.weight": (kv * d, h), p + "self_attn.k_proj.bias": (kv * d,),
+                p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.v_proj.bias": (kv * d,),
+                p + "self_attn.o_proj.weight": (h, q * d), p + "self_attn.o_proj.bias": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
+                p + "mlp.experts.gate_up_proj": (e, h, 2 * i), p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
+                p + "mlp.experts.down_proj": (e, i, h), p + "mlp.experts.down_proj_bias": (e, h),
+            })
+        out["model.norm.weight"] = (h,)
+        out["lm_head.weight"] = (self.vocab, h)
+        return out
+
+
+Shape = Union[LlamaShape, GptOssShape]
+SHAPES = {"llama": LlamaShape, "gpt-oss": GptOssShape}  # check.py --model
+
+
+def init_of(name: str) -> Tuple[str, float]:
+    """How the tensor ``name`` is drawn: ("ones", 0) for norm weights, ("zeros", 0) for biases,
+    ("normal", std) otherwise (std None: the writer's ``std``; sinks: ``SINK_STD``)."""
+    if name.endswith("norm.weight"):
+        return "ones", 0.0
+    if name.endswith("bias"):
+        return "zeros", 0.0
+    if name.endswith("sinks"):
+        return "normal", SINK_STD
+    return "normal", -1.0
+
+
+def write_checkpoint(dest: str, shape: Shape = LlamaShape(), *, std: float = DEFAULT_STD,
                      seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Writes ``config.json`` and ``model.safetensors`` into ``dest`` (created) and returns it.
 
     Every matrix is N(0, std^2) from a seeded CPU generator (the same bytes on every host for
-    one seed and shape); every norm weight is 1.
+    one seed and shape); norm weights 1, biases 0, sinks N(0, SINK_STD^2) (``init_of``).
     """
     import torch
     from safetensors.torch import save_file
@@ -96,10 +192,13 @@ def write_checkpoint(dest: str, shape: LlamaShape = LlamaShape(), *, std: float 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shp in shape.tensor_shapes().items():
-        if len(shp) == 1:
+        kind, sd = init_of(name)
+        if kind == "ones":
             tensors[name] = torch.ones(shp, dtype=torch_dtype)
+        elif kind == "zeros":
+            tensors[name] = torch.zeros(shp, dtype=torch_dtype)
         else:
-            tensors[name] = (torch.randn(shp, generator=gen) * std).to(torch_dtype)
+            tensors[name] = (torch.randn(shp, generator=gen) * (std if sd < 0 else sd)).to(torch_dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(shape.hf_config(), torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))

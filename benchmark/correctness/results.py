@@ -40,6 +40,9 @@ ATTENTION_KEYS = ("decode_steps", "steps_per_path", "unplanned_steps", "extend_b
 #: kernels over a bf16 cache holding the K/V rounded through the FP8 format, on both backends.
 DEQUANTIZED = "dequantized"
 DEQUANTIZED_BACKENDS = ("flashinfer", "triton")
+#: The engine config of a one-backend model's second correct kernel (check.py ``--model gpt-oss``):
+#: the same stock backend with another decode KV split count.
+SPLITS = "splits"
 
 
 def _outputs(engines, backend: str, config: str, workload: str) -> Optional[metrics.Outputs]:
@@ -113,7 +116,10 @@ def _token_pair(engines, workload: str, backend: str, backends: Sequence[str],
     """``(base, reference, label)`` of the token rule: GraniKV is compared with ``base``, and
     ``base`` with ``reference`` (two correct kernels on the same prompts): ``stock`` (this
     backend's baseline) and the other backend's, or, with dequantized engines (an FP8 check),
-    the same backend's dequantized engine and the other dequantized one."""
+    the same backend's dequantized engine and the other dequantized one, or, with a SPLITS engine
+    (a model one backend serves), ``stock`` and that engine."""
+    if (backend, SPLITS) in engines:
+        return stock, _outputs(engines, backend, SPLITS, workload), f"{backend} vs {backend} with another KV split count"
     if any(c == DEQUANTIZED for _, c in engines):
         other = next(b for b in DEQUANTIZED_BACKENDS if b != backend)
         label = f"{backend} vs {other}, both stock over the dequantized KV"
@@ -247,12 +253,20 @@ def _by(rules: Optional[Sequence[str]]) -> str:
     return f" ({', '.join(rules) or 'none'})" if rules is not None else ""
 
 
+def _arch(m: Mapping[str, Any]) -> str:
+    """The check model in words (a run recorded before the field existed was a Llama)."""
+    if m.get("architecture") == "GptOssForCausalLM":
+        return (f"gpt-oss-shaped model (sliding window {m.get('window')} on every other layer, attention "
+                f"sinks, {m.get('num_experts')} experts top {m.get('experts_per_token')})")
+    return "Llama"
+
+
 def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str:
     m = meta.get("model", {})
     lines = [
         "# Correctness on a context-sensitive model: GraniKV vs stock SGLang",
         "",
-        f"Model: random-normal Llama (std {m.get('std')}), {m.get('num_layers')} layers, "
+        f"Model: random-normal {_arch(m)} (std {m.get('std')}), {m.get('num_layers')} layers, "
         f"{m.get('num_q_heads')} q / {m.get('num_kv_heads')} kv heads of {m.get('head_dim')}, "
         f"hidden {m.get('hidden')}, vocab {m.get('vocab')}, {m.get('dtype')}; loaded from a "
         f"safetensors checkpoint. GPU: {meta.get('gpu')}. Greedy, logprobs. GraniKV decode "

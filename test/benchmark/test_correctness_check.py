@@ -309,6 +309,8 @@ FAKE_SGLANG = textwrap.dedent('''
             out = [(h + 7 * k) % 4000 for k in range(n)]
             if self.kw["attention_backend"] == "triton":
                 out[-2:] = [1, 1]  # a second correct kernel diverges late
+            if self.kw.get("triton_attention_num_kv_splits"):
+                out[-2:] = [4, 4]  # so does the same kernel with another summation order
             if self.kw.get("kv_cache_dtype") == "fp8_e4m3":
                 out[-3:] = [5, 5, 5]  # stock's own FP8 decode diverges from the exact FP8 values
                 if self.kw.get("enable_granikv"):
@@ -408,6 +410,66 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
                                           "--dequantized-reference"],
                              env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
         assert bad.returncode != 0 and "--dequantized-reference needs one backend" in bad.stdout + bad.stderr
+
+
+def test_a_one_backend_hybrid_model_is_checked_against_another_kv_split_count(tmp_path):
+    """``--model gpt-oss``: SGLang serves it on triton only, so the token rule's second correct
+    kernel is stock triton with another decode KV split count (the SPLITS engine); every engine
+    runs without SGLang's hybrid SWA pool. Another backend is refused, naming the flag."""
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_SGLANG)
+    (tmp_path / "model").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
+    env.pop("GRANIKV_DEBUG_FAULT", None)
+    cmd = [sys.executable, "-m", "benchmark.correctness.check", "--model-dir", str(tmp_path / "model"),
+           "--out-tokens", "8", "--scale", "1", "--model", "gpt-oss", "--backends", "triton",
+           "--out", str(tmp_path / "out")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "correctness.json").read_text())
+    assert doc["meta"]["splits_reference"] == {"triton_attention_num_kv_splits": check.SPLITS_KV_SPLITS}
+    assert doc["meta"]["model"]["architecture"] == "GptOssForCausalLM"
+    for r in doc["rows"]:
+        n = 4 if r["workload"] == "agent_loop" else 8
+        assert r["cross_backend"] == "triton vs triton with another KV split count"
+        assert r["cross_backend_agreement"] == pytest.approx((n - 2) / n)
+        assert r["passed"] and r["planted_fault_caught"] and r["fault_caught_by"] == ["tokens", "layer_output"]
+    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "out2"), "--backends", "flashinfer,triton"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "--model gpt-oss is served on --backends triton only" in bad.stdout + bad.stderr
+    for config in ("baseline", "granikv", "fault", "splits"):
+        kw = check.engine_kwargs("triton", config, "cascade", 4, model="gpt-oss")
+        assert kw["disable_hybrid_swa_memory"] is True
+        assert ("triton_attention_num_kv_splits" in kw) == (config == "splits")
+    assert "disable_hybrid_swa_memory" not in check.engine_kwargs("triton", "baseline", "cascade", 4)
+
+
+def test_the_gpt_oss_checkpoint_loads_as_a_real_gpt_oss_and_depends_on_context(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers has no GptOss")
+    shape = checkpoint.GptOssShape(num_layers=2, hidden=64, intermediate=64, num_q_heads=4, num_kv_heads=2,
+                                   head_dim=16, num_experts=4, experts_per_token=2, window=8, vocab=97,
+                                   max_positions=256)
+    assert shape.layer_types == ("sliding_attention", "full_attention")
+    path = checkpoint.write_checkpoint(str(tmp_path / "m"), shape, seed=3, dtype="float32")
+    model = transformers.GptOssForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shape.tensor_shapes()
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    assert torch.equal(tensors["model.layers.0.self_attn.q_proj.bias"], torch.zeros(64))
+    assert float(tensors["model.layers.1.self_attn.sinks"].abs().max()) > 0.1  # N(0, 1), not the matrices' 0.02
+    assert abs(float(tensors["model.layers.1.mlp.experts.down_proj"].std()) - 0.02) < 0.002
+    model.eval()
+    tail = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():  # past the 8-token window: the full-attention layer carries the context
+        a = model(torch.cat([torch.tensor([[11] * 32]), tail], 1)).logits[0, -1]
+        b = model(torch.cat([torch.tensor([[42] * 32]), tail], 1)).logits[0, -1]
+    assert float((a - b).abs().max()) > 0.1 * float(a.abs().max())
+    with pytest.raises(ValueError, match="experts_per_token=5"):
+        checkpoint.GptOssShape(num_experts=4, experts_per_token=5)
 
 
 def test_kv_round_formats_are_the_debug_modules():
