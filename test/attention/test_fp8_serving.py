@@ -131,6 +131,78 @@ def test_hot_extents_copy_the_fp8_bytes_exactly():
         assert buf.dtype == torch.uint8 and torch.equal(buf[200:205], old[src])
 
 
-def test_the_hot_prefill_path_stays_stock_on_fp8_with_its_reason():
+def test_flashinfers_prefix_part_proxy_stays_stock_on_fp8_with_its_reason():
     assert "not verified on FP8 KV" in fp8_reason(SimpleNamespace(kv_cache_dtype=FP8["e5m2"]))
     assert fp8_reason(SimpleNamespace(kv_cache_dtype=torch.bfloat16)) is None
+
+
+def _fp8_extend_setup(kinds, new, dtype, seed=0):
+    """test_hot_extend's batch over an FP8 pool: the same cached K/V stored as SGLang stores
+    them (divided by the layer's scale, cast to FP8, uint8 storage)."""
+    from test_hot_extend import D, HKV, SLOTS, _setup
+
+    runner, fb, rows, q, k, v = _setup(kinds, new, seed=seed)
+    half = runner.token_to_kv_pool
+    pool = MHATokenToKVPool(SLOTS, page_size=1, dtype=dtype, head_num=HKV, head_dim=D, layer_num=1,
+                            device="cpu", enable_memory_saver=False)
+    for src, dst, scale in ((half.k_buffer[0], pool.k_buffer[0], K_SCALE), (half.v_buffer[0], pool.v_buffer[0], V_SCALE)):
+        dst.copy_((src.float() / scale).to(dtype).view(torch.uint8))
+    runner.token_to_kv_pool, runner.kv_cache_dtype = pool, dtype
+    return runner, fb, rows, q, k, v
+
+
+def _fp8_expected(runner, fb, q):
+    """Float64 causal attention of each new token over its row of the FP8 cache as it stands
+    (after the extend's write), every slot dequantized: stored value x the layer's scale."""
+    from granikv.kernels.reference import attend_ref
+    from test_hot_extend import D, HQ, SCALE
+
+    pool = runner.token_to_kv_pool
+    kb = pool.get_key_buffer(0).double() * K_SCALE
+    vb = pool.get_value_buffer(0).double() * V_SCALE
+    rt = runner.req_to_token_pool.req_to_token
+    q3, outs, t = q.view(-1, HQ, D), [], 0
+    for row, p, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+        slots = rt[row, : p + n].long()
+        for j in range(n):
+            outs.append(attend_ref(q3[t + j], kb[slots[: p + j + 1]], vb[slots[: p + j + 1]], SCALE).o)
+        t += n
+    return torch.stack(outs).view(-1, HQ * D)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_whole_extend_over_an_fp8_cache_attends_to_what_the_cache_holds(fmt):
+    """Under triton (the whole extend), prefill over HOT prefixes serves an FP8 cache: it writes
+    the new K/V as the stock backend does (divided by the scales, cast), and every part (causal
+    over the new tokens, the HOT extents, the COLD remainder) attends to the cache's values
+    dequantized with the layer's scales, as GraniKV's decode does: equal to the float64
+    reference over the same bytes. Planted: the scales left out miss it by far."""
+    from extend_standin import TritonExtendStandIn
+    from test_hot_extend import D, HKV, HQ, SCALE
+
+    runner, fb, rows, q, k, v = _fp8_extend_setup(["A", "cold", "A+", "none", "B"], [3, 4, 5, 2, 3], FP8[fmt])
+    layer = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,
+                            k_scale=torch.tensor(K_SCALE), v_scale=torch.tensor(V_SCALE), k_scale_float=K_SCALE,
+                            v_scale_float=V_SCALE, sliding_window_size=-1, logit_cap=0.0, is_cross_attention=False)
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, extend_path="hot"),
+                            backend_name="triton")
+    be.inner = TritonExtendStandIn(runner)
+    assert be.extend.off_reason is None
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    k0, v0 = k.clone(), v.clone()
+    out = be.forward_extend(q, k, v, layer, fb)
+    assert be.inner.calls == 0 and be.stats_snapshot()["extend_hot_batches"] == 1
+    assert torch.equal(k, k0) and torch.equal(v, v0)  # the caller's K/V are not divided in place
+    stock = _fp8_extend_setup(["A", "cold", "A+", "none", "B"], [3, 4, 5, 2, 3], FP8[fmt])[0].token_to_kv_pool
+    stock.set_kv_buffer(layer, fb.out_cache_loc, k0.view(-1, HKV, D).clone(), v0.view(-1, HKV, D).clone(),
+                        layer.k_scale, layer.v_scale)  # what SGLang's pool writes for the stock backend
+    for ours, theirs in ((runner.token_to_kv_pool.k_buffer[0], stock.k_buffer[0]),
+                         (runner.token_to_kv_pool.v_buffer[0], stock.v_buffer[0])):
+        assert torch.equal(ours, theirs)  # every byte of the cache, the new tokens' slots included
+    expected = _fp8_expected(runner, fb, q)
+    per_request = (out.double() - expected).abs().max() / expected.abs().max()
+    assert per_request < 1e-2, per_request
+    unscaled = SimpleNamespace(**{**vars(layer), "k_scale_float": None, "v_scale_float": None})
+    wrong = be.extend.full_extend.forward(q, k, v, unscaled, fb, runner.token_to_kv_pool, False)
+    assert (wrong.double() - expected).abs().max() / expected.abs().max() > 0.5

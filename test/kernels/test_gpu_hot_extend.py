@@ -152,6 +152,66 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     assert (op[:n_tok].float() - o.float()).abs().max() <= 2 ** -6  # same inputs; the plan is reused
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_full_extend_over_an_fp8_cache_matches_paged_prefill_over_the_dequantized_cache(fp8):
+    """``FullExtend`` over SGLang's real FP8 pool (uint8 storage): the new K/V written as the
+    stock backend writes them (divided by the layer's scales, cast), then every part over the
+    cache's values widened exactly, the query times ``k_scale``, the output times ``v_scale``;
+    against FlashInfer's bf16 paged prefill, causal, over each request's whole row of the same
+    cache widened to bf16 (exact) with the scales applied the same way. Scales are powers of two
+    (the scaled query is exact in bf16), so the tolerance is the bf16 one above. Planted: the
+    scales left out miss it."""
+    from types import SimpleNamespace
+
+    import flashinfer
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from granikv.attention.extend.full_extend import FullExtend
+
+    dev, dt, ks, vs = "cuda", torch.bfloat16, 0.5, 0.25
+    g = torch.Generator(device=dev).manual_seed(2)
+    pool = MHATokenToKVPool(20000, page_size=1, dtype=fp8, head_num=HKV, head_dim=D, layer_num=1, device=dev,
+                            enable_memory_saver=False)
+    for buf, sc in ((pool.k_buffer[0], ks), (pool.v_buffer[0], vs)):
+        buf.copy_((torch.randn(buf.shape, device=dev, generator=g) / sc).to(fp8).view(torch.uint8))
+    rows, prefix, start, length, req_to_token, out_loc = _batch(dev, with_new_slots=True)
+    plan, reason = plan_extend(rows, prefix, NEW, start, length)
+    assert reason == ""
+    n_tok = int(NEW.sum())
+    q = torch.randn(n_tok, HQ * D, device=dev, dtype=dt, generator=g) * 2
+    k = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
+    v = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
+    scale = D ** -0.5
+    layer = SimpleNamespace(layer_id=0, scaling=scale, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,
+                            k_scale=torch.tensor(ks, device=dev), v_scale=torch.tensor(vs, device=dev),
+                            k_scale_float=ks, v_scale_float=vs, sliding_window_size=-1, logit_cap=0.0,
+                            is_cross_attention=False)
+    fb = SimpleNamespace(out_cache_loc=torch.tensor(out_loc, device=dev))
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    attn = HotExtendAttention(FlashInferDense(ws), dev)
+    attn.begin(plan, req_to_token)
+    full = FullExtend(attn)
+    full.begin()
+    o = full.forward(q, k, v, layer, fb, pool, True)
+    stored = pool.get_key_buffer(0)[fb.out_cache_loc].to(torch.float32)
+    assert torch.equal(stored, (k.view(-1, HKV, D).clone().div_(ks)).to(fp8).to(torch.float32))
+
+    i32 = dict(dtype=torch.int32, device=dev)
+    seq = prefix + NEW
+    kb, vb = pool.get_key_buffer(0).to(dt), pool.get_value_buffer(0).to(dt)
+    paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    paged.plan(torch.tensor(np.concatenate([[0], np.cumsum(NEW)]), **i32),
+               torch.tensor(np.concatenate([[0], np.cumsum(seq)]), **i32),
+               torch.cat([req_to_token[r, :s] for r, s in zip(rows, seq)]), torch.ones(len(KINDS), **i32),
+               HQ, HKV, D, 1, causal=True, sm_scale=scale * ks, q_data_type=dt, kv_data_type=dt)
+    ref = paged.run(q.view(-1, HQ, D), (kb.view(-1, 1, HKV, D), vb.view(-1, 1, HKV, D))).float() * vs
+    assert o.shape == (n_tok, HQ * D) and not torch.isnan(o).any()
+    assert (o.view(-1, HQ, D).float() - ref).abs().max() <= 2 ** -5
+    unscaled = SimpleNamespace(**{**vars(layer), "k_scale_float": None, "v_scale_float": None})
+    wrong = full.forward(q, k, v, unscaled, fb, pool, False)
+    assert (wrong.view(-1, HQ, D).float() - ref).abs().max() > 2 ** -2
+
+
 def test_flashinfer_forest_prefix_part_is_one_call_and_matches_paged_prefill():
     """A forest prefill: 16 extents of 1.5-6K tokens (gaps between them, two adjacent), 4-12
     requests each in shuffled batch order, a few matching only the first 1K of their extent

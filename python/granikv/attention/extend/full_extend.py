@@ -15,6 +15,12 @@ does::
     out *= sigmoid(lse - sink)           attention sinks (gpt-oss): the sink's logit joins each
                                          q-head's softmax denominator once (``apply_sinks``)
 
+Over an FP8 cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``) every part attends to what the
+cache holds, as GraniKV's decode does: the new tokens' K/V are read back from the pool after the
+write (the values later steps read), the prefix parts widen the FP8 tiles exactly, and the
+layer's scales apply as SGLang's backends apply them (``kv_scales``): the query times
+``k_scale`` (scores times it), the output times ``v_scale``.
+
 On the GPU the runner is ``FlashInferDense`` (FlashInfer ships with SGLang; ``backend="auto"``
 is FA3 on Hopper). A layer this module does not serve (``eligibility.layer_reason`` /
 ``call_reason``) goes to the wrapped backend's ``forward_extend``, which SGLang planned for the
@@ -29,6 +35,7 @@ import torch
 
 from granikv import sglang_compat as compat
 from granikv.attention.extend.hot_extend import HotExtendAttention
+from granikv.attention.kv_scales import kv_scales
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -75,9 +82,12 @@ def backend_reason(inner: AttentionBackend, pool: KVCache) -> Optional[str]:
         return "decode context parallelism"
     if compat.backend_translates_kv_slots(inner) or not hasattr(pool, "set_kv_buffer"):
         return "KV pool with translated slots"
-    if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "store_dtype", None) != getattr(
-            pool, "dtype", None):
-        return "quantised KV cache"
+    if getattr(pool, "is_quantized_kv_cache", False):
+        return "quantised KV cache (block-scaled)"
+    dtype, store = getattr(pool, "dtype", None), getattr(pool, "store_dtype", None)
+    fp8_in_bytes = dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and store == torch.uint8
+    if store != dtype and not fp8_in_bytes:  # an FP8 cache stored as bytes is served (widened per tile)
+        return f"KV cache stored as {store} for {dtype}"
     return None
 
 
@@ -131,12 +141,24 @@ class FullExtend:
         if key != self._planned_key:  # once per batch: every layer has the same shapes
             runner.plan_causal(plan.token_indptr.tolist(), hq, hkv, d, q.dtype, layer.scaling, 0.0)
             self._planned_key = key
-        if save_kv_cache:  # before the prefix part: it may read the new tokens' slots (it does not today)
-            pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
-        o1, s1 = runner.run_causal(q3[:n], k3[:n], v3[:n])
-        o2, s2 = self.attn.prefix_part(q3[:n], pool.get_key_buffer(layer.layer_id),
-                                       pool.get_value_buffer(layer.layer_id), layer.scaling)
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        quantized = k_buf.dtype != q.dtype  # an FP8 cache
+        if save_kv_cache:  # as the stock triton backend writes it (an FP8 cache: divided by the scales)
+            if quantized and getattr(layer, "k_scale", None) is not None:  # the pool divides in place
+                pool.set_kv_buffer(layer, fb.out_cache_loc, k3.clone(), v3.clone(), layer.k_scale, layer.v_scale)
+            else:
+                pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
+        qn, kn, vn = q3[:n], k3[:n], v3[:n]
+        k_scale, v_scale = kv_scales(layer) if quantized else (1.0, 1.0)
+        if quantized:
+            kn, vn = self._cached_new_kv(fb, k_buf, v_buf, kn, vn, k_scale, v_scale, n, q.dtype, save_kv_cache)
+            if k_scale != 1.0:
+                qn = (qn.float() * k_scale).to(q.dtype)
+        o1, s1 = runner.run_causal(qn, kn, vn)
+        o2, s2 = self.attn.prefix_part(qn, k_buf, v_buf, layer.scaling)
         o, lse = runner.merge(o1, s1, o2, s2)
+        if v_scale != 1.0:
+            o = (o.float() * v_scale).to(o.dtype)
         if sinks is not None:
             o = apply_sinks(o, lse, sinks)
         out = getattr(fb, "_attn_output", None)
@@ -148,3 +170,16 @@ class FullExtend:
         if rows > n:
             o = torch.cat([o, o.new_zeros(rows - n, hq, d)])
         return o.reshape(-1, hq * d)
+
+    @staticmethod
+    def _cached_new_kv(fb: ForwardBatch, k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, k_scale: float, v_scale: float, n: int, dtype: torch.dtype,
+                       written: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K/V as an FP8 cache holds them, widened to ``dtype`` (unscaled: the
+        scales apply to the query and the output): read back from their slots when this call
+        wrote them, else rounded the way the pool writes them (divided by the scale, cast)."""
+        if written:
+            loc = fb.out_cache_loc[:n]
+            return k_buf[loc].to(dtype), v_buf[loc].to(dtype)
+        return ((k.float() / k_scale).to(k_buf.dtype).to(dtype),
+                (v.float() / v_scale).to(v_buf.dtype).to(dtype))

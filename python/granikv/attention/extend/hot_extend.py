@@ -204,6 +204,7 @@ class HotExtendAttention:
         self._token_idx: List[Optional[torch.Tensor]] = []
         self._paged_idx: Optional[torch.Tensor] = None  # the paged remainder's stacked token positions
         self._paged_kv: Optional[torch.Tensor] = None  # ... and its KV slots (int32)
+        self._paged_rows: Optional[torch.Tensor] = None  # 0..n-1: its slots gathered and widened (FP8)
 
     def begin(self, plan: ExtendPlan, req_to_token: torch.Tensor) -> None:
         """Per batch. The paged remainder's slots are gathered from ``req_to_token`` (SGLang's
@@ -216,11 +217,12 @@ class HotExtendAttention:
             rows, cols = plan.paged.slot_coords()
             self._paged_kv = req_to_token[self._h2d(rows), self._h2d(cols)].to(torch.int32)
             self._paged_idx = self._h2d(plan.paged.token_idx)
+            self._paged_rows = torch.arange(self._paged_kv.numel(), dtype=torch.int32, device=self.device)
 
     def end(self) -> None:
         self.plan = None
         self._token_idx = []
-        self._paged_idx = self._paged_kv = None
+        self._paged_idx = self._paged_kv = self._paged_rows = None
 
     def check_integrity(self) -> None:
         """The batch's device state matches its plan (debug mode and tests; reads device
@@ -262,6 +264,11 @@ class HotExtendAttention:
         """``(o [T, Hq, D], lse [T, Hq] fp32, base 2)`` of the stacked new tokens ``q`` against
         their HOT prefixes in ``k_buf`` / ``v_buf`` (``[slots, Hkv, D]``).
 
+        Buffers of another dtype than ``q`` (an FP8 cache) are widened to it per call: each dense
+        call's extent slice, and the COLD remainder's slots gathered into rows of their own (its
+        paged call then indexes those rows). The cast is exact (every e4m3 / e5m2 value is a bf16
+        / fp16 value); the layer's scales are the caller's (``FullExtend``).
+
         ``q`` may have more rows than the batch has tokens: SGLang's breakable prefill CUDA graph
         pads the model's inputs to its bucket size while the metadata is planned from the real
         batch. The rows past the batch get no prefix part (o = 0, lse = -inf); SGLang drops them.
@@ -274,13 +281,16 @@ class HotExtendAttention:
             raise RuntimeError(f"GraniKV extend: {n_tok} query tokens, the plan has {plan.num_tokens}")
         if n_tok > plan.num_tokens:
             return pad_rows(*self.prefix_part(q[: plan.num_tokens], k_buf, v_buf, sm_scale, logits_soft_cap), n_tok)
+        widen = k_buf.dtype != q.dtype  # an FP8 cache under a bf16 / fp16 query
         key = (sm_scale, logits_soft_cap, q.dtype, hq, k_buf.shape[1], d)
         if key != self._planned_key:  # once per batch (every layer has the same shapes)
             self.runner.plan([(c.qo_indptr, c.kv_indptr) for c in plan.calls], hq, k_buf.shape[1],
                              d, q.dtype, sm_scale, logits_soft_cap)
             if plan.paged is not None:
                 assert self._paged_kv is not None, "paged remainder without its slots (begin)"
-                self.runner.plan_paged(plan.paged.qo_indptr, plan.paged.kv_indptr, self._paged_kv, hq,
+                indices = self._paged_rows if widen else self._paged_kv
+                assert indices is not None
+                self.runner.plan_paged(plan.paged.qo_indptr, plan.paged.kv_indptr, indices, hq,
                                        k_buf.shape[1], d, q.dtype, sm_scale, logits_soft_cap)
             self._planned_key = key
         if plan.covers_all_tokens:
@@ -292,6 +302,8 @@ class HotExtendAttention:
         for ci, c in enumerate(plan.calls):
             k = k_buf[c.kv_lo: c.kv_hi]
             v = v_buf[c.kv_lo: c.kv_hi]
+            if widen:
+                k, v = k.to(q.dtype), v.to(q.dtype)
             idx = self._token_idx[ci]
             if idx is None:
                 a, b = c.token_range
@@ -303,7 +315,13 @@ class HotExtendAttention:
         if plan.paged is not None:  # the COLD remainder, merged into what the dense calls wrote
             idx = self._paged_idx
             assert idx is not None, "paged remainder without its tokens (begin)"
-            op, lp = self.runner.run_paged(q.index_select(0, idx), k_buf, v_buf)
+            if widen:  # the remainder's slots as rows of their own (planned with 0..n-1)
+                slots = self._paged_kv
+                assert slots is not None
+                op, lp = self.runner.run_paged(q.index_select(0, idx), k_buf[slots].to(q.dtype),
+                                               v_buf[slots].to(q.dtype))
+            else:
+                op, lp = self.runner.run_paged(q.index_select(0, idx), k_buf, v_buf)
             om, lm = self.runner.merge(o.index_select(0, idx), lse.index_select(0, idx), op, lp)
             o.index_copy_(0, idx, om)
             lse.index_copy_(0, idx, lm)

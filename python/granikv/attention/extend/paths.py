@@ -57,10 +57,15 @@ class ExtendPaths:
         self.full_compare = False  # debug compare due on this batch's layer 0 (full extend)
         self.stock_prefill_wrappers: Optional[List[Any]] = None  # the batch's wrappers the proxies stand in for
         # set when the dense prefill path has no workspace or failed: stock from then on
-        self.off_reason = self.workspace_reason() or fp8_reason(ctx.model_runner)
+        self.off_reason = self.workspace_reason()
         if self.off_reason is not None and ctx.cfg.extend_path != "paged":
             logger.warning("GraniKV: prefill over HOT prefixes is off under %s (%s)", ctx.backend_name,
                            self.off_reason)
+        # an FP8 cache: the whole extend (triton) widens the tiles itself; the prefix-part proxy
+        # (flashinfer) would hand FlashInfer FP8 K/V, which no GPU run has checked
+        self.proxy_off_reason = fp8_reason(ctx.model_runner)
+        if self.proxy_off_reason is not None and ctx.cfg.extend_path != "paged" and ctx.backend_name == "flashinfer":
+            logger.warning("GraniKV: prefill over HOT prefixes is off under flashinfer (%s)", self.proxy_off_reason)
 
     # ---- planning (host side, once per extend batch) ---------------------------------------
 
@@ -88,6 +93,8 @@ class ExtendPaths:
             return  # no cached prefix anywhere: the stock extend has nothing to share
         elif unservable is not None:
             reason = unservable
+        elif not full and self.proxy_off_reason is not None:
+            reason = self.proxy_off_reason
         elif not full and not getattr(md, "use_ragged", False):
             reason = "flashinfer prefill without its ragged call"
         elif not full and getattr(md, "extend_no_prefix", True):
@@ -240,10 +247,12 @@ class ExtendPaths:
 
 
 def fp8_reason(model_runner: Any) -> Optional[str]:
-    """Why the HOT prefill path is off for this KV cache (None: it is not): over an FP8 cache
-    the prefix part would run FlashInfer's dense prefill on FP8 K/V, which no GPU run has checked
-    yet, so prefill stays SGLang's (decode still shares the prefix)."""
+    """Why the prefix-part proxy (flashinfer's extend) is off for this KV cache (None: it is not):
+    over an FP8 cache it would run FlashInfer's dense prefill on FP8 K/V, which no GPU run has
+    checked yet, so that prefill stays SGLang's (decode still shares the prefix). The whole
+    extend (triton) serves FP8 caches: it widens the tiles itself (full_extend.py)."""
     dtype = getattr(model_runner, "kv_cache_dtype", None)
     if dtype in FP8_KV_DTYPES:
-        return f"KV cache dtype {dtype}: the prefill path over HOT prefixes is not verified on FP8 KV"
+        return (f"KV cache dtype {dtype}: flashinfer's prefill over HOT prefixes is not verified on FP8 KV "
+                "(the triton backend's is served)")
     return None
