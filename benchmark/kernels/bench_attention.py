@@ -56,6 +56,9 @@ SHAPES = {  # --shape: (q heads, kv heads, head_dim) per layer at TP 1
     "llama-3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen2.5-14b": (40, 8, 128), "gqa3": (24, 8, 128),
     "mha": (32, 32, 128), "llama-3.1-8b-d64": (32, 8, 64), "qwen2.5-7b-d64": (28, 4, 64), "gqa3-d64": (24, 8, 64),
     "qwen2.5-14b-d64": (40, 8, 64), "mha-d64": (32, 32, 64),
+    # the grid's hybrid and MoE models (docs/results/hybrid_models.md): gpt-oss's full-attention
+    # layers (GQA 8 at head_dim 64, where its decode step sits furthest from the floor) and Qwen3-MoE's
+    "gpt-oss-20b": (64, 8, 64), "qwen3-30b-a3b": (32, 4, 128),
 }
 HQ, HKV, D = SHAPES["llama-3.1-8b"]
 SCALE = D**-0.5
