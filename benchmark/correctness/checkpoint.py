@@ -24,6 +24,16 @@ DEFAULT_STD = 0.02
 SINK_STD = 1.0
 
 
+def _check_heads(shape: object) -> None:
+    """Every field of a shape dataclass >= 1, and whole q-head groups per kv head."""
+    for name, v in asdict(shape).items():  # type: ignore[call-overload]
+        if v < 1:
+            raise ValueError(f"{type(shape).__name__}.{name}={v} must be >= 1")
+    q, kv = getattr(shape, "num_q_heads"), getattr(shape, "num_kv_heads")
+    if q % kv:
+        raise ValueError(f"num_q_heads={q} is not a multiple of num_kv_heads={kv}")
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     """Architecture of the check model. Defaults: Llama-3.1-8B's layer shape (32 q / 8 kv
@@ -40,12 +50,7 @@ class LlamaShape:
     max_positions: int = 16384
 
     def __post_init__(self):
-        for name, v in asdict(self).items():
-            if v < 1:
-                raise ValueError(f"LlamaShape.{name}={v} must be >= 1")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads={self.num_q_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+        _check_heads(self)
 
     def hf_config(self) -> Dict[str, object]:
         return {
@@ -102,12 +107,7 @@ class GptOssShape:
     max_positions: int = 16384
 
     def __post_init__(self):
-        for name, v in asdict(self).items():
-            if v < 1:
-                raise ValueError(f"GptOssShape.{name}={v} must be >= 1")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads={self.num_q_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+        _check_heads(self)
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}")
 

@@ -344,16 +344,23 @@ FAKE_SGLANG = textwrap.dedent('''
 ''')
 
 
-def test_parent_end_to_end_with_fake_engine(tmp_path):
+def _fake_check(tmp_path):
+    """The environment whose children import FAKE_SGLANG, and the check's command up to its
+    options (an empty model folder: no checkpoint is written)."""
     fake = tmp_path / "fake" / "sglang"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_SGLANG)
     (tmp_path / "model").mkdir()
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
     env.pop("GRANIKV_DEBUG_FAULT", None)
+    return env, [sys.executable, "-m", "benchmark.correctness.check", "--model-dir", str(tmp_path / "model"),
+                 "--out-tokens", "8", "--scale", "1"]
+
+
+def test_parent_end_to_end_with_fake_engine(tmp_path):
+    env, cmd = _fake_check(tmp_path)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmark.correctness.check", "--model-dir", str(tmp_path / "model"),
-           "--out-tokens", "8", "--scale", "1", "--out", str(out)]
+    cmd += ["--out", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "correctness.json").read_text())
@@ -416,15 +423,8 @@ def test_a_one_backend_hybrid_model_is_checked_against_another_kv_split_count(tm
     """``--model gpt-oss``: SGLang serves it on triton only, so the token rule's second correct
     kernel is stock triton with another decode KV split count (the SPLITS engine); every engine
     runs without SGLang's hybrid SWA pool. Another backend is refused, naming the flag."""
-    fake = tmp_path / "fake" / "sglang"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(FAKE_SGLANG)
-    (tmp_path / "model").mkdir()
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"))
-    env.pop("GRANIKV_DEBUG_FAULT", None)
-    cmd = [sys.executable, "-m", "benchmark.correctness.check", "--model-dir", str(tmp_path / "model"),
-           "--out-tokens", "8", "--scale", "1", "--model", "gpt-oss", "--backends", "triton",
-           "--out", str(tmp_path / "out")]
+    env, cmd = _fake_check(tmp_path)
+    cmd += ["--model", "gpt-oss", "--backends", "triton", "--out", str(tmp_path / "out")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((tmp_path / "out" / "correctness.json").read_text())

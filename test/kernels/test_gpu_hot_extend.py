@@ -92,6 +92,19 @@ def test_flashinfer_dense_prefix_part_matches_paged_prefill():
     assert (o[none] == 0).all() and torch.isneginf(lse[none]).all()
 
 
+def _full_extend_batch(dev, dt, g):
+    """The batch of the FullExtend tests, new-token slots included: its plan, rows, prefix
+    lengths, req_to_token, the new tokens' slots and their q / k / v (drawn from ``g``)."""
+    rows, prefix, start, length, req_to_token, out_loc = _batch(dev, with_new_slots=True)
+    plan, reason = plan_extend(rows, prefix, NEW, start, length)
+    assert reason == ""
+    n_tok = int(NEW.sum())
+    q = torch.randn(n_tok, HQ * D, device=dev, dtype=dt, generator=g) * 2
+    k = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
+    v = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
+    return plan, rows, prefix, req_to_token, out_loc, q, k, v
+
+
 def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     """``FullExtend`` (wrapped backends without ragged + paged calls, e.g. triton): KV write
     through SGLang's real pool, ragged causal call, prefix part, merge; against FlashInfer's
@@ -111,13 +124,8 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, device=dev, dtype=dt, generator=g))
     pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, device=dev, dtype=dt, generator=g))
     kinds, new = KINDS, NEW
-    rows, prefix, start, length, req_to_token, out_loc = _batch(dev, with_new_slots=True)
-    plan, reason = plan_extend(rows, prefix, new, start, length)
-    assert reason == ""
+    plan, rows, prefix, req_to_token, out_loc, q, k, v = _full_extend_batch(dev, dt, g)
     n_tok = int(new.sum())
-    q = torch.randn(n_tok, HQ * D, device=dev, dtype=dt, generator=g) * 2
-    k = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
-    v = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
     scale = D ** -0.5
     layer = SimpleNamespace(layer_id=0, scaling=scale, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,
                             k_scale=None, v_scale=None, sliding_window_size=-1, logit_cap=0.0,
@@ -174,13 +182,8 @@ def test_full_extend_over_an_fp8_cache_matches_paged_prefill_over_the_dequantize
                             enable_memory_saver=False)
     for buf, sc in ((pool.k_buffer[0], ks), (pool.v_buffer[0], vs)):
         buf.copy_((torch.randn(buf.shape, device=dev, generator=g) / sc).to(fp8).view(torch.uint8))
-    rows, prefix, start, length, req_to_token, out_loc = _batch(dev, with_new_slots=True)
-    plan, reason = plan_extend(rows, prefix, NEW, start, length)
-    assert reason == ""
+    plan, rows, prefix, req_to_token, out_loc, q, k, v = _full_extend_batch(dev, dt, g)
     n_tok = int(NEW.sum())
-    q = torch.randn(n_tok, HQ * D, device=dev, dtype=dt, generator=g) * 2
-    k = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
-    v = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
     scale = D ** -0.5
     layer = SimpleNamespace(layer_id=0, scaling=scale, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,
                             k_scale=torch.tensor(ks, device=dev), v_scale=torch.tensor(vs, device=dev),
