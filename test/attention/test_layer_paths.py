@@ -113,6 +113,10 @@ class _Spy:
         self._log.append((self._name, layer.layer_id))
         return self._backend.forward_decode(q, k, v, layer, fb, **kw)
 
+    def init_forward_metadata_in_graph(self, fb):
+        self._log.append((self._name, "in_graph"))
+        return self._backend.init_forward_metadata_in_graph(fb)
+
 
 @pytest.mark.parametrize("refill", [True, False])
 def test_cascade_graphs_capture_the_second_instance_and_replays_refill_it(hybrid, monkeypatch, refill):
@@ -153,14 +157,16 @@ def test_cascade_graphs_capture_the_second_instance_and_replays_refill_it(hybrid
     def capture_one_shape(gr, size, forward, stream_idx=None, variant_label=None):
         del calls[:]
         gr.attn_backend.init_forward_metadata_out_graph(static, in_capture=True)
+        gr.attn_backend.init_forward_metadata_in_graph(static)  # inside graph.capture(), as SGLang calls it
         for (q, k, v), layer in zip(_qkv(static, 40), layers):  # the forward the graph records
             gr.attn_backend.forward_decode(q, k, v, layer, static, save_kv_cache=False)
         captured[gr._make_graph_key(size, stream_idx, variant_label)] = list(calls)
 
     gr = FakeRunner(ours, capture_bs=[8])
     plugin._around_capture_one_shape(capture_one_shape, gr, 8, forward=None)
-    assert captured == {ShapeKey(8): [("inner", 0), ("inner", 1)],
-                        ShapeKey(8, variant_label=CASCADE_LABEL): [("inner", 0), ("real", 1)]}
+    assert captured == {ShapeKey(8): [("inner", "in_graph"), ("inner", 0), ("inner", 1)],
+                        ShapeKey(8, variant_label=CASCADE_LABEL): [("inner", "in_graph"), ("real", "in_graph"),
+                                                                    ("inner", 0), ("real", 1)]}
     assert paths.layer_calls == {"granikv": 0, "stock": 0}  # a capture is not a step
 
     if not refill:  # planted: the replay does not refill the second instance

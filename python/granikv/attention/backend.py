@@ -219,6 +219,9 @@ class GraniKVAttnBackend(ForwardingBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata_in_graph(forward_batch)
+        paths = self.layer_paths
+        if paths is not None and paths.planned:  # a cascade capture: the windowed layers' instance too
+            paths.real.init_forward_metadata_in_graph(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
