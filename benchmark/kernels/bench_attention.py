@@ -333,6 +333,15 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "bm32": dict(block_m=32),
     "bn32": dict(block_n=32),
     "bn128": dict(block_n=128),
+    # Hopper-shaped prefix tiles (two warpgroups of 64 rows per program), stages and kv tile
+    "bm128_w8_s2": dict(block_m=128, prefix_warps=8, prefix_stages=2),
+    "bm128_w8_s4": dict(block_m=128, prefix_warps=8, prefix_stages=4),
+    "bm128_w8_bn128_s2": dict(block_m=128, prefix_warps=8, block_n=128, prefix_stages=2),
+    "bm128_w8_pw1.0": dict(block_m=128, prefix_warps=8, prefix_waves=1.0),
+    "bm128_w8_pw2.0": dict(block_m=128, prefix_warps=8, prefix_waves=2.0),
+    "s2": dict(prefix_stages=2),
+    "s4": dict(prefix_stages=4),
+    "pw3.0": dict(prefix_waves=3.0),
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents
 FOREST_64 = [(512 + 57 * g, 2 + g % 3) for g in range(64)]  # 64 prefixes 0.5-4K, 2-4 agents
@@ -344,14 +353,29 @@ SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192,
                (FOREST_16, 256), (FOREST_64, 256)]
 
 
+def prefix_flops(groups) -> float:
+    """Useful FLOPs of the prefix part: QK^T and PV over every group's prefix, per layer."""
+    return float(sum(4 * HQ * n * lp * D for lp, n in groups))
+
+
+def sweep_selection(variants: str, cases: str):
+    """(names, cases) of a sweep: every SWEEP variant, or "default" plus ``variants``; every
+    SWEEP_CASES entry, or those at the comma-separated indices ``cases``."""
+    names = list(SWEEP) if not variants else ["default"] + [n for n in variants.split(",") if n and n != "default"]
+    picked = SWEEP_CASES if not cases else [SWEEP_CASES[int(i)] for i in cases.split(",") if i.strip()]
+    return names, picked
+
+
 def sweep(args):
-    """Every SWEEP variant of the default config at SWEEP_CASES: cascade graph time + parts (us)."""
+    """SWEEP variants of the default config at SWEEP_CASES: cascade graph time + parts (us)."""
     base = base_config()
     rows = []
-    for groups, sfx in SWEEP_CASES:
+    names, cases = sweep_selection(args.variants, args.sweep_cases)
+    for groups, sfx in cases:
         case = Case(groups, sfx)
         ref = None
-        for name, kw in SWEEP.items():
+        for name in names:
+            kw = SWEEP[name]
             row = dict(groups=groups, suffix=sfx, config=name)
             try:
                 cfg = dataclasses.replace(base, **kw)
@@ -368,6 +392,7 @@ def sweep(args):
                     ("merge", lambda: merge_state(ws.plan, out)),
                 ):
                     row[part + "_us"] = round(bench(f)[0] * 1e3, 1)
+                row["prefix_tflops"] = round(prefix_flops(groups) / (row["prefix_us"] * 1e-6) / 1e12, 1)
                 wl = ws.work_list
                 row.update(prefix_chunk=wl.prefix_chunk, prefix_items=wl.num_prefix_items,
                            suffix_chunk=wl.suffix_chunk, suffix_items=wl.num_suffix_items)
@@ -385,6 +410,7 @@ def sweep(args):
     for r in rows:
         print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
               + " ".join(f"{k[:-3]}={r.get(k, '-')}" for k in ("cascade_us", "prefix_us", "suffix_us", "merge_us"))
+              + f" prefix_TFLOP/s={r.get('prefix_tflops', '-')}"
               + f" diff={r.get('maxdiff', r.get('error', '-'))}")
 
 
@@ -394,7 +420,10 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="tile/launch tuning only: GraniKV cascade (graph) + its parts per config, no baselines")
     ap.add_argument("--variants", default="",
-                    help="comma-separated SWEEP names also timed (with the baselines) as gkv_cascade@NAME")
+                    help="comma-separated SWEEP names also timed (with the baselines) as gkv_cascade@NAME; "
+                         "with --sweep: the variants swept beside the default (default: every SWEEP entry)")
+    ap.add_argument("--sweep-cases", default="",
+                    help="with --sweep: comma-separated indices into SWEEP_CASES (default: all)")
     ap.add_argument("--max-bs", type=int, default=0,
                     help="GraniKV workspace capacity (grids scale with it); serving uses the largest CUDA-graph "
                          "batch, e.g. 256. 0 (default, as in the recorded runs): the case's request count")

@@ -46,3 +46,18 @@ def test_every_shape_plans_the_forest_cases(shape):
             ws.check_integrity()
     finally:
         bench.set_shape("llama-3.1-8b")
+
+
+def test_sweep_selection_restricts_variants_and_cases():
+    names, cases = bench.sweep_selection("bm128_w8,default", "0,5")
+    assert names == ["default", "bm128_w8"]
+    assert cases == [bench.SWEEP_CASES[0], bench.SWEEP_CASES[5]]
+    assert bench.sweep_selection("", "") == (list(bench.SWEEP), bench.SWEEP_CASES)
+
+
+def test_prefix_flops_counts_both_products():
+    bench.set_shape("gpt-oss-20b")
+    try:  # 64 q-heads x 64 requests x 16K keys x head_dim 64, QK^T and PV: 17.2 GFLOP
+        assert bench.prefix_flops([(16384, 64)]) == 4 * 64 * 64 * 16384 * 64
+    finally:
+        bench.set_shape("llama-3.1-8b")
