@@ -382,7 +382,7 @@ def sweep(args):
                 ws = CascadeWorkspace(ws_max_bs(case.n_req, args.max_bs), HQ, HKV, D, DEV, config=cfg)
                 case.fill(ws)
                 out = torch.empty_like(case.q)
-                row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws,
+                row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws.plan,
                                                                           sm_scale=SCALE, out=out))[0] * 1e3, 1)
                 ref = out.clone() if ref is None else ref
                 row["maxdiff"] = round((out.float() - ref.float()).abs().max().item(), 4)

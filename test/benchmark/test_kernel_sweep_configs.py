@@ -61,3 +61,29 @@ def test_prefix_flops_counts_both_products():
         assert bench.prefix_flops([(16384, 64)]) == 4 * 64 * 64 * 16384 * 64
     finally:
         bench.set_shape("llama-3.1-8b")
+
+
+def test_sweep_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
+    """The sweep's own calls (cascade, prefix, suffix, merge on a filled workspace) run under the
+    Triton interpreter on a tiny case, so a launcher signature the sweep calls wrongly fails here,
+    not on the GPU host; every timed call is made once (the timer replaced)."""
+    import json
+    import types
+
+    import torch
+
+    mod = load("kernels", "bench_attention.py")
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(mod, "DT", torch.float16)
+    monkeypatch.setattr(mod, "SWEEP_CASES", [([(40, 3)], 6)])
+    monkeypatch.setattr(mod, "bench", lambda fn: (fn(), (1e-3, "eager"))[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    mod.set_shape("gqa3-d64")  # small heads: 24 q / 8 kv of 64
+    mod.HQ, mod.HKV, mod.D, mod.SCALE = 6, 2, 16, 0.25
+    args = types.SimpleNamespace(variants="bm32", sweep_cases="", max_bs=0, out=str(tmp_path))
+    mod.sweep(args)
+    rows = json.loads((tmp_path / "kernels_sweep.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["default", "bm32"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["maxdiff"] <= 2e-3 and r["prefix_tflops"] >= 0
