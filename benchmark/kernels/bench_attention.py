@@ -342,6 +342,16 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "s2": dict(prefix_stages=2),
     "s4": dict(prefix_stages=4),
     "pw3.0": dict(prefix_waves=3.0),
+    "pw4.0": dict(prefix_waves=4.0),
+    # the descriptor (TMA) prefix kernel with wave targets and kv tiles; kv tiles of 128 with waves
+    "desc_pw1.75": dict(prefix_kernel="descriptor", prefix_waves=1.75),
+    "desc_pw2.0": dict(prefix_kernel="descriptor", prefix_waves=2.0),
+    "desc_pw3.0": dict(prefix_kernel="descriptor", prefix_waves=3.0),
+    "desc_bn128": dict(prefix_kernel="descriptor", block_n=128),
+    "desc_bn128_pw2.0": dict(prefix_kernel="descriptor", block_n=128, prefix_waves=2.0),
+    "desc_bn128_pw3.0": dict(prefix_kernel="descriptor", block_n=128, prefix_waves=3.0),
+    "bn128_pw2.0": dict(block_n=128, prefix_waves=2.0),
+    "bn128_pw3.0": dict(block_n=128, prefix_waves=3.0),
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents
 FOREST_64 = [(512 + 57 * g, 2 + g % 3) for g in range(64)]  # 64 prefixes 0.5-4K, 2-4 agents
