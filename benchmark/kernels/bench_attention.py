@@ -46,7 +46,7 @@ from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, 
 from granikv.kernels.merge_state import merge_state
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.suffix_attention import suffix_attention
-from granikv.kernels.kernel_config import tile_config
+from granikv.kernels.kernel_config import device_has_tma, tile_config
 from granikv.kernels.plan import Grouping
 from granikv.attention.decode.workspace import CascadeWorkspace
 
@@ -73,7 +73,7 @@ def set_shape(name: str) -> None:
 
 def base_config():
     """The config GraniKV picks for the shape being run (kernel_config.tile_config)."""
-    return tile_config(HQ // HKV, D)
+    return tile_config(HQ // HKV, D, tma=device_has_tma(DEV))
 
 
 def ws_max_bs(n_req: int, max_bs: int) -> int:

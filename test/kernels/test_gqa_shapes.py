@@ -195,3 +195,43 @@ def test_descriptor_kernel_rejects_a_strided_kv_buffer_and_a_bad_variant():
         prefix_attention(b.q, wide, wide, ws.plan, sm_scale=b.sm_scale)
     with pytest.raises(ValueError, match="prefix_kernel"):
         KernelConfig(prefix_kernel="tma")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "fp8"])
+def test_auto_prefix_kernel_uses_descriptors_where_the_buffers_allow(layout):
+    """``prefix_kernel="auto"`` (sm90+, ``tile_config(tma=True)``): descriptor loads over
+    contiguous fp16 buffers (a descriptor made once per buffer and tile, reused by the next
+    call), pointer loads over a strided buffer and an FP8 cache; the same states either way."""
+    from granikv.kernels import prefix_attention as pa
+
+    b = make_batch(groups=((37, 7), (53, 3)), n_ungrouped=1, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                   dtype=torch.float16, seed=3)
+    k, v = b.k, b.v
+    if layout == "strided":
+        k = torch.zeros(b.k.shape[0], 3, 64, dtype=b.k.dtype)[:, :2]
+        k.copy_(b.k)
+    elif layout == "fp8":
+        k, v = b.k.to(torch.float8_e4m3fn), b.v.to(torch.float8_e4m3fn)
+    cfg = dataclasses.replace(SMALL_CONFIG, prefix_kernel="auto")
+    ws = CascadeWorkspace(b.bs, 8, 2, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
+    wl = fill(ws, b)
+    pa._DESCRIPTORS.clear()
+    ws.part_o.fill_(float("nan"))
+    prefix_attention(b.q, k, v, ws.plan, sm_scale=b.sm_scale)
+    assert len(pa._DESCRIPTORS) == (2 if layout == "contiguous" else 0)
+    if layout == "contiguous":
+        cached = dict(pa._DESCRIPTORS)
+        prefix_attention(b.q, k, v, ws.plan, sm_scale=b.sm_scale)
+        assert all(pa._DESCRIPTORS[key] is d for key, d in cached.items())
+    exp = partials_ref(b.q, k.to(b.q.dtype), v.to(b.q.dtype), b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
+    for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
+        torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+def test_tile_config_picks_auto_with_tma_and_two_waves_for_gqa8_head_dim_64():
+    from granikv.kernels.kernel_config import device_has_tma, tile_config
+
+    assert tile_config(4, 128).prefix_kernel == "pointer"
+    assert tile_config(4, 128, tma=True).prefix_kernel == "auto"
+    assert tile_config(8, 64).prefix_waves == 2.0 and tile_config(4, 128).prefix_waves == 1.5
+    assert not device_has_tma("cpu")

@@ -53,13 +53,16 @@ class KernelConfig:
     decode steps of one batch then cost a few numpy calls instead of a full build. After a full
     build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
     ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
-    prefix_kernel: Literal["pointer", "descriptor"] = "pointer"
-    """Prefix launch kernel: "pointer" (pointer loads, software-pipelined by ``prefix_stages``)
-    or "descriptor" (Hopper-class: the full K/V tiles come through host-side tensor descriptors,
+    prefix_kernel: Literal["pointer", "descriptor", "auto"] = "pointer"
+    """Prefix launch kernel: "pointer" (pointer loads, software-pipelined by ``prefix_stages``),
+    "descriptor" (Hopper-class: the full K/V tiles come through host-side tensor descriptors,
     i.e. TMA loads on sm90+, in a ``tl.range`` loop pipelined by ``prefix_stages`` and, with
-    ``prefix_warp_specialize``, warp-specialised; the masked tail stays a pointer load). The
-    descriptor kernel is not measured yet: "pointer" until ``bench_attention.py --variants
-    descriptor,descriptor_ws`` shows it faster on the GPU."""
+    ``prefix_warp_specialize``, warp-specialised; the masked tail stays a pointer load; a KV
+    buffer it cannot describe is a ValueError), or "auto" (descriptor wherever the layer's
+    buffers are contiguous fp16 / bf16 / fp32, pointer otherwise, e.g. an FP8 cache).
+    ``tile_config`` picks "auto" on sm90+: on an H200 the descriptor kernel's cascade layer was
+    never slower than the pointer kernel's beyond noise (+0.3 us) and up to 8.5% faster at 16K
+    prefixes, its prefix launch 9-12% faster (docs/results/kernels.md, "TMA prefix loads")."""
     prefix_warp_specialize: bool = False
     """With ``prefix_kernel="descriptor"``: ``tl.range(..., warp_specialize=True)`` (producer
     warps issue the loads, consumer warps the MMAs)."""
@@ -79,8 +82,8 @@ class KernelConfig:
     by 128 / head_dim."""
 
     def __post_init__(self) -> None:
-        if self.prefix_kernel not in ("pointer", "descriptor"):
-            raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer' or 'descriptor'")
+        if self.prefix_kernel not in ("pointer", "descriptor", "auto"):
+            raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer', 'descriptor' or 'auto'")
         for name in ("block_m", "block_n", "suffix_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -90,6 +93,10 @@ class KernelConfig:
 SHAPE_TILES: Dict[Union[str, Tuple[int, int]], Dict[str, Any]] = {
     # head_dim > 128: smaller tiles to fit the register file (untuned)
     "head_dim>128": dict(block_m=32, block_n=32, prefix_warps=4, suffix_block_n=16),
+    # GQA 8 at head_dim 64 (gpt-oss): smaller tiles leave room for more programs per SM, so the
+    # prefix launch aims at 2 waves; cascade layer 100.8 -> 68.9 us at 16K x 64, 55.6 -> 51.8 at
+    # the 4-group mix, forests within 1.5% (H200, docs/results/kernels.md, "Per-shape tiles")
+    (8, 64): dict(prefix_waves=2.0),
 }
 """Overrides of the defaults per head shape. The defaults are the H200 tuning at Llama-3.1-8B
 heads (GQA 4, head_dim 128; docs/results/kernels.md). With flat rows no GQA ratio pads a
@@ -98,15 +105,26 @@ until ``bench_attention.py --shape NAME --sweep`` measures a better tile for one
 measured winner goes here as ``(ratio, head_dim): overrides``."""
 
 
-def tile_config(ratio: int, head_dim: int) -> KernelConfig:
-    """The kernel config for ``ratio`` q-heads per kv head at ``head_dim``."""
+def device_has_tma(device: Any) -> bool:
+    """A CUDA device of compute capability 9.0 or later (TMA: the descriptor prefix kernel)."""
+    import torch
+
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tile_config(ratio: int, head_dim: int, *, tma: bool = False) -> KernelConfig:
+    """The kernel config for ``ratio`` q-heads per kv head at ``head_dim``; ``tma``: the device
+    has TMA (``device_has_tma``), so the prefix kernel is "auto" (descriptor loads wherever the
+    buffers allow them)."""
     if ratio < 1 or head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head shape (GQA ratio {ratio}, head_dim {head_dim}) needs ratio >= 1 and a "
                          f"power-of-two head_dim >= 16")
     over = SHAPE_TILES.get((ratio, head_dim))
     if over is None and head_dim > 128:
         over = SHAPE_TILES["head_dim>128"]
-    base = replace(KernelConfig(), suffix_max_keys=max(16, KernelConfig.suffix_max_keys * 128 // head_dim))
+    base = replace(KernelConfig(), suffix_max_keys=max(16, KernelConfig.suffix_max_keys * 128 // head_dim),
+                   prefix_kernel="auto" if tma else "pointer")
     return replace(base, **(over or {}))
 
 

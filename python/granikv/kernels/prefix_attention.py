@@ -11,7 +11,7 @@ partial state (o, lse) per row into the workspace's partial table (see work_list
     tile 1  item(0,1) -> split 0  item(1,1) -> split 1
 """
 
-from typing import Any
+from typing import Any, Dict, Tuple
 
 import torch
 import triton
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["prefix_attention"]
+__all__ = ["prefix_attention", "descriptor_fits"]
 
 LOG2E = 1.4426950408889634
 
@@ -174,16 +174,35 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
                        HEAD_DIM)
 
 
-def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:  # triton's TensorDescriptor
-    """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``."""
+_DESCRIBED = (torch.float16, torch.bfloat16, torch.float32)
+_DESCRIPTORS: Dict[Tuple[int, Tuple[int, ...], torch.dtype, int], Any] = {}
+_MAX_DESCRIPTORS = 512  # K and V of every layer of a few models; cleared past it
+
+
+def descriptor_fits(buf: torch.Tensor) -> bool:
+    """The descriptor kernel can read ``buf``: a contiguous ``[slots, Hkv, D]`` fp16 / bf16 /
+    fp32 buffer (an FP8 cache keeps the pointer kernel)."""
     slots, hkv, d = buf.shape
-    if buf.stride() != (hkv * d, d, 1):
+    return buf.stride() == (hkv * d, d, 1) and buf.dtype in _DESCRIBED
+
+
+def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:  # triton's TensorDescriptor
+    """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``, made
+    once per buffer and tile (a decode step launches one per layer)."""
+    if buf.stride() != (buf.shape[1] * buf.shape[2], buf.shape[2], 1):
         raise ValueError(f"prefix_kernel='descriptor' needs a contiguous [slots, Hkv, D] KV buffer, got strides "
                          f"{buf.stride()} for shape {tuple(buf.shape)}")
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    key = (buf.data_ptr(), tuple(buf.shape), buf.dtype, block_n)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
 
-    flat = buf.view(slots, hkv * d)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, d])
+        slots, hkv, d = buf.shape
+        flat = buf.view(slots, hkv * d)
+        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
+            _DESCRIPTORS.clear()
+        desc = _DESCRIPTORS[key] = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, d])
+    return desc
 
 
 def qk_scale(sm_scale: float, k_scale: float) -> float:
@@ -210,14 +229,18 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     plan:      the step's CascadePlan (buffers filled); writes ``part_o`` [rows, Hq, D] fp32 and
                ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
     Grid: (``ws.grid_items("prefix")``, Hkv), fixed per set of buffers (CUDA-graph safe). The kernel is
-    ``KernelConfig.prefix_kernel``'s: pointer loads, or tensor-descriptor (TMA) loads, which need
-    contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise).
+    ``KernelConfig.prefix_kernel``'s: pointer loads; tensor-descriptor (TMA) loads, which need
+    contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise); or "auto": descriptor loads where
+    ``descriptor_fits`` both buffers, pointer loads otherwise.
     """
     ws = plan.buffers
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)
-    if cfg.prefix_kernel == "descriptor":
+    kind = cfg.prefix_kernel
+    if kind == "auto":
+        kind = "descriptor" if descriptor_fits(k_buffer) and descriptor_fits(v_buffer) else "pointer"
+    if kind == "descriptor":
         _prefix_desc_kernel[grid](
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
             ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
