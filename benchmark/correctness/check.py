@@ -238,14 +238,16 @@ def main_child(job_path: str) -> int:
 
 
 def engine_kwargs(backend: str, config: str, attention_path: str, compare_every: int = 0,
-                  kv_cache_dtype: Optional[str] = None, model: str = "llama") -> Dict[str, Any]:
+                  kv_cache_dtype: Optional[str] = None, model: str = "llama",
+                  base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The engine of ``config`` under ``backend``. ``compare_every`` > 0: decode CUDA graphs off
     on every engine (a replay runs no Python, so the layer compare needs eager steps, and all
     engines then decode alike) and the GraniKV engines compare every layer of every
     ``compare_every``-th decode step. ``kv_cache_dtype``: every engine's (e.g. ``fp8_e4m3``:
     GraniKV against stock over the same FP8 cache). ``model`` "gpt-oss": every engine without
-    SGLang's hybrid SWA pool; the SPLITS engine is stock with another KV split count."""
-    kw = dict(ENGINE_KWARGS, attention_backend=backend)
+    SGLang's hybrid SWA pool; the SPLITS engine is stock with another KV split count. ``base``:
+    the kwargs every engine starts from (default ``ENGINE_KWARGS``; ``memory_kwargs``)."""
+    kw = dict(ENGINE_KWARGS if base is None else base, attention_backend=backend)
     if kv_cache_dtype:
         kw.update(kv_cache_dtype=kv_cache_dtype)
     if model == "gpt-oss":
@@ -306,6 +308,22 @@ def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float,
     return result
 
 
+def memory_kwargs(mem_fraction_static: Optional[float], max_total_tokens: Optional[int]) -> Dict[str, Any]:
+    """``ENGINE_KWARGS`` with the engines' memory settings: two checks can share one GPU when
+    each caps its KV pool (``max_total_tokens``; the workloads need well under 100K tokens) and
+    lets SGLang's memory profile see the other's use (``mem_fraction_static`` near 1)."""
+    kw = dict(ENGINE_KWARGS)
+    if mem_fraction_static is not None:
+        if not 0.0 < mem_fraction_static < 1.0:
+            raise SystemExit(f"--mem-fraction-static {mem_fraction_static} must be in (0, 1)")
+        kw.update(mem_fraction_static=mem_fraction_static)
+    if max_total_tokens is not None:
+        if max_total_tokens < 1:
+            raise SystemExit(f"--max-total-tokens {max_total_tokens} must be >= 1")
+        kw.update(max_total_tokens=max_total_tokens)
+    return kw
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
@@ -334,6 +352,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="Check model: llama (checkpoint.LlamaShape) or gpt-oss (GptOssShape: "
                         "sliding-window layers and attention sinks; triton only, SPLITS reference).")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help=f"Every engine's (default {ENGINE_KWARGS['mem_fraction_static']}); see memory_kwargs.")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="Every engine's KV pool cap in tokens (default: what the memory fraction gives).")
     p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -356,6 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"(got {','.join(args.backends)})")
     if args.model != "llama" and args.dequantized_reference:
         raise SystemExit(f"--dequantized-reference is for --model llama (got --model {args.model})")
+    base = memory_kwargs(args.mem_fraction_static, args.max_total_tokens)
     t0 = time.time()
     shape = checkpoint.SHAPES[args.model]()
     model_dir = args.model_dir or checkpoint.write_checkpoint(
@@ -369,7 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            std=checkpoint.DEFAULT_STD, dtype="bfloat16"),
                 fault=FAULT, attention_path=args.attention_path,
                 workloads=[s.to_json() for s in spec_list],
-                engine_kwargs=ENGINE_KWARGS, margin=metrics.AGREEMENT_MARGIN, agreement_z=metrics.AGREEMENT_Z,
+                engine_kwargs=base, margin=metrics.AGREEMENT_MARGIN, agreement_z=metrics.AGREEMENT_Z,
                 logprob_factor=metrics.LOGPROB_FACTOR, logprob_slack=metrics.LOGPROB_SLACK,
                 bootstrap_resamples=metrics.BOOTSTRAP_RESAMPLES, bootstrap_seed=metrics.BOOTSTRAP_SEED,
                 compare_every=args.compare_every, tolerance_factor=TOLERANCE_FACTOR,
@@ -387,7 +410,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dequantized = config == results.DEQUANTIZED
         job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
                    engine_kwargs=engine_kwargs(backend, config, args.attention_path, args.compare_every,
-                                               None if dequantized else args.kv_cache_dtype, args.model))
+                                               None if dequantized else args.kv_cache_dtype, args.model,
+                                               base=base))
         try:
             engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout,
                                                     kv_round=args.kv_cache_dtype if dequantized else None)

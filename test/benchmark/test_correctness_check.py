@@ -129,6 +129,19 @@ def test_engine_kwargs_turn_the_compare_on_with_eager_decode():
     assert check.parse_args([]).compare_every == 4
 
 
+def test_memory_kwargs_reach_every_engine_and_reject_bad_values():
+    base = check.memory_kwargs(0.9, 262144)
+    for config in ("baseline", "granikv", "fault"):
+        kw = check.engine_kwargs("triton", config, "cascade", 4, base=base)
+        assert kw["mem_fraction_static"] == 0.9 and kw["max_total_tokens"] == 262144
+    default = check.engine_kwargs("triton", "granikv", "cascade", 4)
+    assert default["mem_fraction_static"] == check.ENGINE_KWARGS["mem_fraction_static"]
+    assert "max_total_tokens" not in default and check.memory_kwargs(None, None) == check.ENGINE_KWARGS
+    for bad in ((1.0, None), (0.0, None), (None, 0)):
+        with pytest.raises(SystemExit, match="must be"):
+            check.memory_kwargs(*bad)
+
+
 # ---- checkpoint ------------------------------------------------------------------------------
 
 

@@ -110,7 +110,9 @@ def device_has_tma(device: Any) -> bool:
     import torch
 
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def tile_config(ratio: int, head_dim: int, *, tma: bool = False) -> KernelConfig:
