@@ -25,6 +25,9 @@ the unique bytes (each K/V token read once, q read, out written) and the useful 
                                              # the TMA prefix kernel beside the default and FlashInfer
     python -m benchmark.kernels.bench_attention --shape qwen2.5-7b --sweep --out DIR
                                              # another model's heads (SHAPES): per-shape tile sweep
+    python -m benchmark.kernels.bench_attention --kv-dtype fp8_e4m3 --sweep --variants descriptor --out DIR
+                                             # over an FP8 cache ("auto" keeps pointer loads there;
+                                             # "descriptor" forces tensor-descriptor loads of FP8 tiles)
 
 Writes DIR/kernels.json and DIR/kernels.png (if matplotlib is importable).
 """
@@ -62,6 +65,17 @@ SHAPES = {  # --shape: (q heads, kv heads, head_dim) per layer at TP 1
 }
 HQ, HKV, D = SHAPES["llama-3.1-8b"]
 SCALE = D**-0.5
+KV_DTYPES = {"bf16": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # --kv-dtype
+KV_DT = None  # the KV cache's dtype when it is not DT (an FP8 cache: --kv-dtype, sweeps only)
+
+
+def set_kv_dtype(name: str) -> None:
+    """Store every case's K/V as SGLang stores an FP8 cache (``--kv-cache-dtype``: divided by
+    the layer's scale, then cast), the kernels given the scales."""
+    global KV_DT
+    if name not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype {name}: one of {', '.join(KV_DTYPES)}")
+    KV_DT = KV_DTYPES[name]
 
 
 def set_shape(name: str) -> None:
@@ -109,6 +123,13 @@ class Case:
         n_tok = 1 + n_pre + n_cold
         self.k = torch.randn(n_tok, HKV, D, device=DEV, dtype=DT)
         self.v = torch.randn(n_tok, HKV, D, device=DEV, dtype=DT)
+        self.k_scale = self.v_scale = 1.0
+        if KV_DT is not None:  # as SGLang's set_kv_buffer writes an FP8 cache: x / scale, cast
+            half_max = 0.5 * torch.finfo(KV_DT).max
+            self.k_scale = float(self.k.float().abs().max()) / half_max
+            self.v_scale = float(self.v.float().abs().max()) / half_max
+            self.k = (self.k.float() / self.k_scale).to(KV_DT)
+            self.v = (self.v.float() / self.v_scale).to(KV_DT)
         self.q = torch.randn(n_req, HQ, D, device=DEV, dtype=DT)
         cold = 1 + n_pre + torch.randperm(n_cold, device=DEV).to(torch.int32)
         starts = 1 + np.cumsum([0] + [lp for lp, _ in groups[:-1]])
@@ -386,20 +407,23 @@ def sweep(args):
         ref = None
         for name in names:
             kw = SWEEP[name]
-            row = dict(groups=groups, suffix=sfx, config=name)
+            row = dict(groups=groups, suffix=sfx, config=name, kv_dtype=str(case.k.dtype).replace("torch.", ""))
             try:
                 cfg = dataclasses.replace(base, **kw)
                 ws = CascadeWorkspace(ws_max_bs(case.n_req, args.max_bs), HQ, HKV, D, DEV, config=cfg)
                 case.fill(ws)
                 out = torch.empty_like(case.q)
+                ks, vs = case.k_scale, case.v_scale
                 row["cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws.plan,
-                                                                          sm_scale=SCALE, out=out))[0] * 1e3, 1)
+                                                                          sm_scale=SCALE, out=out, k_scale=ks,
+                                                                          v_scale=vs))[0] * 1e3, 1)
                 ref = out.clone() if ref is None else ref
                 row["maxdiff"] = round((out.float() - ref.float()).abs().max().item(), 4)
                 for part, f in (
-                    ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws.plan, sm_scale=SCALE)),
-                    ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws.plan, sm_scale=SCALE)),
-                    ("merge", lambda: merge_state(ws.plan, out)),
+                    ("prefix", lambda: prefix_attention(case.q, case.k, case.v, ws.plan, sm_scale=SCALE, k_scale=ks)),
+                    ("suffix", lambda: suffix_attention(case.q, case.k, case.v, case.r2t, ws.plan, sm_scale=SCALE,
+                                                        k_scale=ks)),
+                    ("merge", lambda: merge_state(ws.plan, out, v_scale=vs)),
                 ):
                     row[part + "_us"] = round(bench(f)[0] * 1e3, 1)
                 row["prefix_tflops"] = round(prefix_flops(groups) / (row["prefix_us"] * 1e-6) / 1e12, 1)
@@ -415,7 +439,8 @@ def sweep(args):
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs,
-                       shape=dict(hq=HQ, hkv=HKV, d=D), base=dataclasses.asdict(base),
+                       shape=dict(hq=HQ, hkv=HKV, d=D), kv_dtype=str(KV_DT or DT).replace("torch.", ""),
+                       base=dataclasses.asdict(base),
                        variants=SWEEP, rows=rows), f, indent=1)
     for r in rows:
         print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
@@ -439,9 +464,15 @@ def main():
                          "batch, e.g. 256. 0 (default, as in the recorded runs): the case's request count")
     ap.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES),
                     help="head shape of every case (q heads / kv heads / head_dim per layer)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES),
+                    help="the KV cache's dtype (fp8_*: K/V stored as SGLang stores an FP8 cache, the "
+                         "kernels given its scales; with --sweep only: the baselines read bf16)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     set_shape(args.shape)
+    set_kv_dtype(args.kv_dtype)
+    if KV_DT is not None and not args.sweep:
+        ap.error(f"--kv-dtype {args.kv_dtype} runs with --sweep only (the baselines here read a bf16 cache)")
     unknown = [n for n in filter(None, args.variants.split(",")) if n not in SWEEP]
     if unknown:
         ap.error(f"--variants {','.join(unknown)}: not in SWEEP ({', '.join(SWEEP)})")

@@ -63,7 +63,8 @@ def test_prefix_flops_counts_both_products():
         bench.set_shape("llama-3.1-8b")
 
 
-def test_sweep_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_sweep_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path, kv_dtype):
     """The sweep's own calls (cascade, prefix, suffix, merge on a filled workspace) run under the
     Triton interpreter on a tiny case, so a launcher signature the sweep calls wrongly fails here,
     not on the GPU host; every timed call is made once (the timer replaced)."""
@@ -80,10 +81,38 @@ def test_sweep_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     mod.set_shape("gqa3-d64")  # small heads: 24 q / 8 kv of 64
     mod.HQ, mod.HKV, mod.D, mod.SCALE = 6, 2, 16, 0.25
-    args = types.SimpleNamespace(variants="bm32", sweep_cases="", max_bs=0, out=str(tmp_path))
+    monkeypatch.setattr(mod, "KV_DT", None)
+    mod.set_kv_dtype(kv_dtype)
+    seen = {}  # the scales each kernel call got: an FP8 sweep must pass the case's, not 1.0
+
+    def recording(name, fn):
+        def call(*a, **kw):
+            seen.setdefault(name, set()).add((kw.get("k_scale", 1.0), kw.get("v_scale", 1.0)))
+            return fn(*a, **kw)
+        return call
+
+    for name in ("cascade_attention", "prefix_attention", "suffix_attention", "merge_state"):
+        monkeypatch.setattr(mod, name, recording(name, getattr(mod, name)))
+    cases = []
+
+    class RecordedCase(mod.Case):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            cases.append(self)
+
+    monkeypatch.setattr(mod, "Case", RecordedCase)
+    args = types.SimpleNamespace(variants="bm32,descriptor", sweep_cases="", max_bs=0, out=str(tmp_path))
     mod.sweep(args)
-    rows = json.loads((tmp_path / "kernels_sweep.json").read_text())["rows"]
-    assert [r["config"] for r in rows] == ["default", "bm32"]
+    (case,) = cases
+    ks, vs = case.k_scale, case.v_scale
+    assert (ks != 1.0 and vs != 1.0) == (kv_dtype != "bf16")
+    assert seen == {"cascade_attention": {(ks, vs)}, "prefix_attention": {(ks, 1.0)},
+                    "suffix_attention": {(ks, 1.0)}, "merge_state": {(1.0, vs)}}
+    doc = json.loads((tmp_path / "kernels_sweep.json").read_text())
+    rows = doc["rows"]
+    assert [r["config"] for r in rows] == ["default", "bm32", "descriptor"]
+    want = {"bf16": "float16", "fp8_e4m3": "float8_e4m3fn"}[kv_dtype]  # DT is fp16 here
+    assert doc["kv_dtype"] == want and all(r["kv_dtype"] == want for r in rows)
     for r in rows:
         assert "error" not in r, r
         assert r["maxdiff"] <= 2e-3 and r["prefix_tflops"] >= 0

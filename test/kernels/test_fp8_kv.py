@@ -9,6 +9,8 @@ planted faults: a K scale 10% off, the V scale left out, and the cache read as i
 unscaled values: each fails the same check.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import SMALL_CONFIG, fill, make_batch
@@ -44,8 +46,8 @@ def _ref(b, k_scale=None, v_scale=None):
                                 b.req_pool_indices, b.seq_lens, b.sm_scale).o
 
 
-def _run(path, b, **scales):
-    ws = CascadeWorkspace(b.bs + 1, b.q.shape[1], b.k.shape[1], b.q.shape[2], "cpu", config=SMALL_CONFIG,
+def _run(path, b, config=SMALL_CONFIG, **scales):
+    ws = CascadeWorkspace(b.bs + 1, b.q.shape[1], b.k.shape[1], b.q.shape[2], "cpu", config=config,
                           sm_count=32, max_splits=4)
     fill(ws, b, single_prefix_chunk=path == "bgemm")
     out = torch.full_like(b.q, float("nan"))
@@ -64,6 +66,20 @@ def _assert_per_request(out, ref):
 def test_every_path_over_an_fp8_cache_matches_the_dequantized_reference(path, hq, hkv, d, fmt):
     b = _quantized(hq, hkv, d, fmt, seed=hq + d)
     _assert_per_request(_run(path, b), _ref(b))
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("hq, hkv, d", SHAPES)
+def test_descriptor_prefix_loads_over_an_fp8_cache_match_the_dequantized_reference(hq, hkv, d, fmt):
+    """``prefix_kernel="descriptor"`` reads FP8 tiles through tensor descriptors (one byte per
+    element) and widens them in registers as the pointer kernel does; "auto" keeps pointer loads
+    on an FP8 cache (``descriptor_fits``) until a GPU sweep (``bench_attention.py --kv-dtype``)
+    says which is faster there."""
+    b = _quantized(hq, hkv, d, fmt, seed=hq + d + 1)
+    cfg = dataclasses.replace(SMALL_CONFIG, prefix_kernel="descriptor")
+    _assert_per_request(_run("cascade", b, cfg), _ref(b))
+    with pytest.raises(AssertionError, match="^request "):  # planted: the K scale 10% off
+        _assert_per_request(_run("cascade", b, cfg, k_scale=b.k_scale * 1.1), _ref(b))
 
 
 @pytest.mark.parametrize("fault", ["k_scale_off", "no_v_scale", "unscaled"])

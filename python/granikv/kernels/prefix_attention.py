@@ -180,8 +180,10 @@ _MAX_DESCRIPTORS = 512  # K and V of every layer of a few models; cleared past i
 
 
 def descriptor_fits(buf: torch.Tensor) -> bool:
-    """The descriptor kernel can read ``buf``: a contiguous ``[slots, Hkv, D]`` fp16 / bf16 /
-    fp32 buffer (an FP8 cache keeps the pointer kernel)."""
+    """"auto" takes the descriptor kernel over ``buf``: a contiguous ``[slots, Hkv, D]`` fp16 /
+    bf16 / fp32 buffer. An FP8 cache keeps pointer loads under "auto" (no GPU measurement of
+    descriptor loads of FP8 tiles yet); ``prefix_kernel="descriptor"`` reads it too (CPU-tested
+    against the dequantized reference; ``bench_attention.py --kv-dtype fp8_e4m3`` times it)."""
     slots, hkv, d = buf.shape
     return buf.stride() == (hkv * d, d, 1) and buf.dtype in _DESCRIBED
 
