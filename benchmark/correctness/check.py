@@ -42,7 +42,9 @@
    correct kernel is the SPLITS engine: stock triton with its decode split over
    ``SPLITS_KV_SPLITS`` KV chunks instead of SGLang's default 8 (the same kernel, another
    summation order); every engine runs with ``--disable-hybrid-swa-memory`` (one KV pool, where
-   GraniKV's per-layer decode paths apply).
+   GraniKV's per-layer decode paths apply). With ``--model qwen3-moe`` (Qwen3-30B-A3B's
+   attention: GQA 8 at head_dim 128, RMSNorm on each q and k head, a small MoE;
+   checkpoint.Qwen3MoeShape) the engines and references are the Llama check's.
 
 The pass rule of a row (results.py): BOTH
 
@@ -349,7 +351,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "stock flashinfer and triton over a bf16 cache holding the K/V rounded "
                         "through that FP8 format (GRANIKV_DEBUG_KV_ROUND).")
     p.add_argument("--model", choices=sorted(checkpoint.SHAPES), default="llama",
-                   help="Check model: llama (checkpoint.LlamaShape) or gpt-oss (GptOssShape: "
+                   help="Check model: llama (checkpoint.LlamaShape), qwen3-moe (Qwen3MoeShape: GQA 8, "
+                        "q/k norms, MoE) or gpt-oss (GptOssShape: "
                         "sliding-window layers and attention sinks; triton only, SPLITS reference).")
     p.add_argument("--model-dir", help="Use this checkpoint folder instead of writing one.")
     p.add_argument("--mem-fraction-static", type=float, default=None,

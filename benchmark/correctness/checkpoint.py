@@ -1,5 +1,6 @@
-"""Context-sensitive checkpoints: random-normal weights written as a real HF folder (a Llama, and
-a gpt-oss-shaped hybrid model with sliding-window layers and attention sinks).
+"""Context-sensitive checkpoints: random-normal weights written as a real HF folder (a Llama, a
+gpt-oss-shaped hybrid model with sliding-window layers and attention sinks, and a Qwen3-MoE-shaped
+model with q/k norms and GQA 8).
 
 SGLang's dummy weights (uniform +-1e-3) leave the residual stream dominated by the embedding,
 so logits barely depend on attention and a request that attends to the wrong KV would still
@@ -9,7 +10,7 @@ context, and a wrong prefix changes it.
 
 The folder (``config.json`` + ``model.safetensors``) is loaded through SGLang's normal loader
 (``load_format="safetensors"``) and by transformers' ``LlamaForCausalLM`` / ``GptOssForCausalLM``
-``from_pretrained``. Which tensors are drawn how (``init_of``): matrices N(0, std^2), norm weights
+/ ``Qwen3MoeForCausalLM`` ``from_pretrained``. Which tensors are drawn how (``init_of``): matrices N(0, std^2), norm weights
 1, biases 0, gpt-oss's sinks N(0, 1) (logits that take a visible share of each softmax).
 """
 
@@ -158,8 +159,71 @@ class GptOssShape:
         return out
 
 
-Shape = Union[LlamaShape, GptOssShape]
-SHAPES = {"llama": LlamaShape, "gpt-oss": GptOssShape}  # check.py --model
+@dataclass(frozen=True)
+class Qwen3MoeShape:
+    """A check model of Qwen3-30B-A3B's attention shape: 32 q / 4 kv heads of 128 (GQA 8) with
+    RMSNorm over each q and k head before RoPE, hidden 2048, every layer a small MoE (8 experts of
+    768, top 2; the released model has 128, top 8) and a 4,096-token vocabulary. Experts are
+    written one by one (``mlp.experts.{j}.gate_proj``, the released checkpoints' layout, which
+    SGLang's loader and transformers both read); 4 layers: ~0.4 B parameters."""
+
+    num_layers: int = 4
+    hidden: int = 2048
+    moe_intermediate: int = 768
+    num_q_heads: int = 32
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    num_experts: int = 8
+    experts_per_token: int = 2
+    vocab: int = 4096
+    max_positions: int = 16384
+
+    def __post_init__(self):
+        _check_heads(self)
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}")
+
+    def hf_config(self) -> Dict[str, object]:
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": self.hidden, "intermediate_size": 4 * self.moe_intermediate,
+            "moe_intermediate_size": self.moe_intermediate, "num_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_q_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab, "max_position_embeddings": self.max_positions,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+        }
+
+    def tensor_shapes(self) -> Dict[str, tuple]:
+        """Parameter name (the released checkpoints' per-expert layout) -> shape, in order."""
+        h, mi, q, kv, d = self.hidden, self.moe_intermediate, self.num_q_heads, self.num_kv_heads, self.head_dim
+        out: Dict[str, tuple] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            out.update({
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q * d, h),
+                p + "self_attn.k_proj.weight": (kv * d, h),
+                p + "self_attn.v_proj.weight": (kv * d, h),
+                p + "self_attn.o_proj.weight": (h, q * d),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate.weight": (self.num_experts, h),
+            })
+            for j in range(self.num_experts):
+                e = f"{p}mlp.experts.{j}."
+                out.update({e + "gate_proj.weight": (mi, h), e + "up_proj.weight": (mi, h),
+                            e + "down_proj.weight": (h, mi)})
+        out["model.norm.weight"] = (h,)
+        out["lm_head.weight"] = (self.vocab, h)
+        return out
+
+
+Shape = Union[LlamaShape, GptOssShape, Qwen3MoeShape]
+SHAPES = {"llama": LlamaShape, "gpt-oss": GptOssShape, "qwen3-moe": Qwen3MoeShape}  # check.py --model
 
 
 def init_of(name: str) -> Tuple[str, float]:

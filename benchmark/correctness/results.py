@@ -258,6 +258,9 @@ def _arch(m: Mapping[str, Any]) -> str:
     if m.get("architecture") == "GptOssForCausalLM":
         return (f"gpt-oss-shaped model (sliding window {m.get('window')} on every other layer, attention "
                 f"sinks, {m.get('num_experts')} experts top {m.get('experts_per_token')})")
+    if m.get("architecture") == "Qwen3MoeForCausalLM":
+        return (f"Qwen3-MoE-shaped model (q/k norms, {m.get('num_experts')} experts top "
+                f"{m.get('experts_per_token')})")
     return "Llama"
 
 

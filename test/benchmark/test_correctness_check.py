@@ -485,6 +485,36 @@ def test_the_gpt_oss_checkpoint_loads_as_a_real_gpt_oss_and_depends_on_context(t
         checkpoint.GptOssShape(num_experts=4, experts_per_token=5)
 
 
+def test_the_qwen3_moe_checkpoint_loads_as_a_real_qwen3_moe_and_depends_on_context(tmp_path):
+    """Written in the released checkpoints' per-expert layout; transformers reads it into its own
+    (fused experts) with no missing or unexpected tensor, and the logits depend on the context."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+        pytest.skip("this transformers has no Qwen3Moe")
+    shape = checkpoint.Qwen3MoeShape(num_layers=2, hidden=64, moe_intermediate=32, num_q_heads=8, num_kv_heads=1,
+                                     head_dim=16, num_experts=4, experts_per_token=2, vocab=97, max_positions=256)
+    path = checkpoint.write_checkpoint(str(tmp_path / "m"), shape, seed=5, dtype="float32")
+    model, info = transformers.Qwen3MoeForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
+                                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    assert set(tensors) == set(shape.tensor_shapes()) and len(tensors) == 3 + 2 * (9 + 3 * 4)
+    assert torch.equal(tensors["model.layers.0.self_attn.k_norm.weight"], torch.ones(16))  # q/k norms: unit
+    w = model.state_dict()["model.layers.1.mlp.experts.down_proj"]  # the experts, as transformers holds them
+    assert w.shape[0] == 4 and abs(float(w.std()) - 0.02) < 0.003
+    model.eval()
+    tail = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        a = model(torch.cat([torch.tensor([[11] * 32]), tail], 1)).logits[0, -1]
+        b = model(torch.cat([torch.tensor([[42] * 32]), tail], 1)).logits[0, -1]
+    assert float((a - b).abs().max()) > 0.1 * float(a.abs().max())
+    assert checkpoint.SHAPES["qwen3-moe"] is checkpoint.Qwen3MoeShape
+    with pytest.raises(ValueError, match="experts_per_token=3"):
+        checkpoint.Qwen3MoeShape(num_experts=2, experts_per_token=3)
+
+
 def test_kv_round_formats_are_the_debug_modules():
     from granikv.attention.debug import kv_round
 
