@@ -321,11 +321,32 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
             f"{_pm(r['fault_agreement'], r.get('fault_agreement_stderr'))} | {_dev(r, 'fault')} | "
             f"{_fmt(r['planted_fault_caught'])}{_by(r.get('fault_caught_by'))} | "
             f"{_fmt(r.get('granikv_vs_stock_agreement'))} |")
+    prefill = prefill_lines(rows_)
+    if prefill:
+        lines += ["", "GraniKV's prefill per row (extend batches with a cached prefix; a request "
+                  "prefilled by the stock kernel can start differently from the reference):", ""]
+        lines += prefill
     for e in meta.get("errors") or []:
         lines.append(f"\nEngine failure: {e}")
     lines.append("")
     lines.append(f"Command: `{meta.get('command')}`")
     return "\n".join(lines) + "\n"
+
+
+def prefill_lines(rows_: Sequence[Mapping[str, Any]]) -> List[str]:
+    """One line per row whose GraniKV engine counted extend batches: how many ran over HOT
+    extents and why the others stayed stock (``extend_fallbacks``)."""
+    out = []
+    for r in rows_:
+        att = r.get("granikv_attention") or {}
+        n = att.get("extend_batches")
+        if not n:
+            continue
+        left = att.get("extend_fallbacks") or {}
+        why = ", ".join(f"{reason}: {k}" for reason, k in sorted(left.items()) if k) or "none"
+        out.append(f"- {r['workload']} / {r['backend']}: over HOT extents in {att.get('extend_hot_batches', 0)} "
+                   f"of {n} extend batches; left stock: {why}")
+    return out
 
 
 def write(out_dir: str, meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> List[Path]:

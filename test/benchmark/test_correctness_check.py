@@ -519,6 +519,18 @@ def test_the_qwen3_moe_checkpoint_loads_as_a_real_qwen3_moe_and_depends_on_conte
         checkpoint.Qwen3MoeShape(num_experts=2, experts_per_token=3)
 
 
+def test_the_report_says_how_each_row_prefilled():
+    from benchmark.correctness import results
+
+    rows_ = [dict(workload="heterogeneous", backend="triton", granikv_attention=dict(
+                 extend_batches=5, extend_hot_batches=3, extend_fallbacks={"no HOT prefix in the batch": 2})),
+             dict(workload="homogeneous", backend="triton", granikv_attention=dict(extend_batches=0)),
+             dict(workload="agent_loop", backend="triton", granikv_attention=None)]
+    assert results.prefill_lines(rows_) == [
+        "- heterogeneous / triton: over HOT extents in 3 of 5 extend batches; left stock: "
+        "no HOT prefix in the batch: 2"]
+
+
 def test_kv_round_formats_are_the_debug_modules():
     from granikv.attention.debug import kv_round
 
