@@ -10,8 +10,9 @@ context, and a wrong prefix changes it.
 
 The folder (``config.json`` + ``model.safetensors``) is loaded through SGLang's normal loader
 (``load_format="safetensors"``) and by transformers' ``LlamaForCausalLM`` / ``GptOssForCausalLM``
-/ ``Qwen3MoeForCausalLM`` ``from_pretrained``. Which tensors are drawn how (``init_of``): matrices N(0, std^2), norm weights
-1, biases 0, gpt-oss's sinks N(0, 1) (logits that take a visible share of each softmax).
+/ ``Qwen3MoeForCausalLM`` ``from_pretrained``. Which tensors are drawn how (``init_of``): matrices
+N(0, std^2), norm weights 1, biases 0, gpt-oss's sinks N(0, 1) (logits that take a visible
+share of each softmax).
 """
 
 from __future__ import annotations
