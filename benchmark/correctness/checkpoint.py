@@ -36,6 +36,13 @@ def _check_heads(shape: object) -> None:
         raise ValueError(f"num_q_heads={q} is not a multiple of num_kv_heads={kv}")
 
 
+def _check_experts(shape: object) -> None:
+    """A MoE shape routes each token to at most all of its experts."""
+    top, n = getattr(shape, "experts_per_token"), getattr(shape, "num_experts")
+    if top > n:
+        raise ValueError(f"experts_per_token={top} > num_experts={n}")
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     """Architecture of the check model. Defaults: Llama-3.1-8B's layer shape (32 q / 8 kv
@@ -110,8 +117,7 @@ class GptOssShape:
 
     def __post_init__(self):
         _check_heads(self)
-        if self.experts_per_token > self.num_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}")
+        _check_experts(self)
 
     @property
     def layer_types(self) -> Tuple[str, ...]:
@@ -181,8 +187,7 @@ class Qwen3MoeShape:
 
     def __post_init__(self):
         _check_heads(self)
-        if self.experts_per_token > self.num_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}")
+        _check_experts(self)
 
     def hf_config(self) -> Dict[str, object]:
         return {

@@ -402,12 +402,13 @@ def sweep(args):
     base = base_config()
     rows = []
     names, cases = sweep_selection(args.variants, args.sweep_cases)
+    kv_name = str(KV_DT or DT).replace("torch.", "")  # what every case stores its K/V as
     for groups, sfx in cases:
         case = Case(groups, sfx)
         ref = None
         for name in names:
             kw = SWEEP[name]
-            row = dict(groups=groups, suffix=sfx, config=name, kv_dtype=str(case.k.dtype).replace("torch.", ""))
+            row = dict(groups=groups, suffix=sfx, config=name, kv_dtype=kv_name)
             try:
                 cfg = dataclasses.replace(base, **kw)
                 ws = CascadeWorkspace(ws_max_bs(case.n_req, args.max_bs), HQ, HKV, D, DEV, config=cfg)
@@ -439,7 +440,7 @@ def sweep(args):
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs,
-                       shape=dict(hq=HQ, hkv=HKV, d=D), kv_dtype=str(KV_DT or DT).replace("torch.", ""),
+                       shape=dict(hq=HQ, hkv=HKV, d=D), kv_dtype=kv_name,
                        base=dataclasses.asdict(base),
                        variants=SWEEP, rows=rows), f, indent=1)
     for r in rows:

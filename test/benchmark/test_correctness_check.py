@@ -145,6 +145,17 @@ def test_memory_kwargs_reach_every_engine_and_reject_bad_values():
 # ---- checkpoint ------------------------------------------------------------------------------
 
 
+def _assert_depends_on_context(model) -> None:
+    """Same last tokens after a different earlier context (32 tokens, past a gpt-oss test
+    model's 8-token window: its full-attention layer carries it): the next-token logits move."""
+    model.eval()
+    tail = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        a = model(torch.cat([torch.tensor([[11] * 32]), tail], 1)).logits[0, -1]
+        b = model(torch.cat([torch.tensor([[42] * 32]), tail], 1)).logits[0, -1]
+    assert float((a - b).abs().max()) > 0.1 * float(a.abs().max())
+
+
 def test_checkpoint_loads_as_a_real_llama_and_depends_on_context(tmp_path):
     transformers = pytest.importorskip("transformers")
     shape = checkpoint.LlamaShape(num_layers=2, hidden=64, intermediate=96, num_q_heads=4,
@@ -162,13 +173,7 @@ def test_checkpoint_loads_as_a_real_llama_and_depends_on_context(tmp_path):
     assert all(torch.equal(tensors[k], again[k]) for k in tensors)  # seeded: same bytes
 
     model = transformers.LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
-    model.eval()
-    tail = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():
-        a = model(torch.cat([torch.tensor([[11] * 32]), tail], 1)).logits[0, -1]
-        b = model(torch.cat([torch.tensor([[42] * 32]), tail], 1)).logits[0, -1]
-    # same last tokens, different earlier context: the next-token distribution moves
-    assert float((a - b).abs().max()) > 0.1 * float(a.abs().max())
+    _assert_depends_on_context(model)
 
 
 def test_checkpoint_shape_errors():
@@ -475,12 +480,7 @@ def test_the_gpt_oss_checkpoint_loads_as_a_real_gpt_oss_and_depends_on_context(t
     assert torch.equal(tensors["model.layers.0.self_attn.q_proj.bias"], torch.zeros(64))
     assert float(tensors["model.layers.1.self_attn.sinks"].abs().max()) > 0.1  # N(0, 1), not the matrices' 0.02
     assert abs(float(tensors["model.layers.1.mlp.experts.down_proj"].std()) - 0.02) < 0.002
-    model.eval()
-    tail = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():  # past the 8-token window: the full-attention layer carries the context
-        a = model(torch.cat([torch.tensor([[11] * 32]), tail], 1)).logits[0, -1]
-        b = model(torch.cat([torch.tensor([[42] * 32]), tail], 1)).logits[0, -1]
-    assert float((a - b).abs().max()) > 0.1 * float(a.abs().max())
+    _assert_depends_on_context(model)
     with pytest.raises(ValueError, match="experts_per_token=5"):
         checkpoint.GptOssShape(num_experts=4, experts_per_token=5)
 
@@ -508,12 +508,7 @@ def test_the_qwen3_moe_checkpoint_loads_as_a_real_qwen3_moe_and_depends_on_conte
     held = fused if fused is not None else torch.stack(
         [sd[f"model.layers.1.mlp.experts.{j}.down_proj.weight"] for j in range(4)])
     assert torch.equal(held, written)  # the written experts, not transformers' own init
-    model.eval()
-    tail = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():
-        a = model(torch.cat([torch.tensor([[11] * 32]), tail], 1)).logits[0, -1]
-        b = model(torch.cat([torch.tensor([[42] * 32]), tail], 1)).logits[0, -1]
-    assert float((a - b).abs().max()) > 0.1 * float(a.abs().max())
+    _assert_depends_on_context(model)
     assert checkpoint.SHAPES["qwen3-moe"] is checkpoint.Qwen3MoeShape
     with pytest.raises(ValueError, match="experts_per_token=3"):
         checkpoint.Qwen3MoeShape(num_experts=2, experts_per_token=3)
