@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from benchmark.correctness import metrics
 
 ATTENTION_KEYS = ("decode_steps", "steps_per_path", "unplanned_steps", "extend_batches",
-                  "extend_hot_batches", "extend_fallbacks")
+                  "extend_hot_batches", "extend_exact_batches", "extend_fallbacks")
 
 
 #: The engine config of the FP8 check's references (check.py ``--dequantized-reference``): stock
@@ -344,8 +344,10 @@ def prefill_lines(rows_: Sequence[Mapping[str, Any]]) -> List[str]:
             continue
         left = att.get("extend_fallbacks") or {}
         why = ", ".join(f"{reason}: {k}" for reason, k in sorted(left.items()) if k) or "none"
+        exact = att.get("extend_exact_batches", 0)
+        also = f", computed over the FP8 cache's values without a HOT run in {exact}" if exact else ""
         out.append(f"- {r['workload']} / {r['backend']}: over HOT extents in {att.get('extend_hot_batches', 0)} "
-                   f"of {n} extend batches; left stock: {why}")
+                   f"of {n} extend batches{also}; left stock: {why}")
     return out
 
 

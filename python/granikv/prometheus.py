@@ -81,7 +81,9 @@ class PrometheusExporter:
                             ("kind",))
         self._extend = gauge("granikv:extend_batches_total",
                              "Extend (prefill) batches with a cached prefix: prefix part 'hot' (dense "
-                             "call over HOT extents) or 'stock' (the wrapped backend's paged prefill).", ("path",))
+                             "call over HOT extents) or 'stock' (the wrapped backend's paged prefill); "
+                             "'exact': an FP8 cache's batch without a HOT run, computed by GraniKV over "
+                             "the cache's values as its decode reads them.", ("path",))
 
         self._host_overhead = gauge("granikv:host_overhead_steps_total",
                                     "Decode steps run paged because the host planning term and the launch "
@@ -132,8 +134,11 @@ class PrometheusExporter:
             for path, n in (attention.get("per_layer_calls") or {}).items():
                 self._layer_calls.labels(**self.labels, path=path).set(float(n))
             hot = float(attention.get("extend_hot_batches", 0))
+            exact = float(attention.get("extend_exact_batches", 0))
             self._extend.labels(**self.labels, path="hot").set(hot)
-            self._extend.labels(**self.labels, path="stock").set(float(attention.get("extend_batches", 0)) - hot)
+            self._extend.labels(**self.labels, path="exact").set(exact)
+            self._extend.labels(**self.labels, path="stock").set(
+                float(attention.get("extend_batches", 0)) - hot - exact)
 
     def _update_buckets(self, hist: Mapping[str, float]) -> None:
         """Prometheus histogram convention: cumulative counts per upper edge, ``+Inf`` last

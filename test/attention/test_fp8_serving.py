@@ -206,3 +206,52 @@ def test_the_whole_extend_over_an_fp8_cache_attends_to_what_the_cache_holds(fmt)
     unscaled = SimpleNamespace(**{**vars(layer), "k_scale_float": None, "v_scale_float": None})
     wrong = be.extend.full_extend.forward(q, k, v, unscaled, fb, runner.token_to_kv_pool, False)
     assert (wrong.double() - expected).abs().max() / expected.abs().max() > 0.5
+
+
+@pytest.mark.parametrize("kinds, new", [
+    (["cold", "none", "cold"], [4, 4, 4]),  # cached prefixes, none of them HOT: the COLD remainder only
+    (["none", "none"], [3, 5]),  # no cached prefix at all (a prompt's first prefill): the causal part only
+])
+def test_every_extend_batch_over_an_fp8_cache_attends_to_what_the_cache_holds(kinds, new):
+    """Over an FP8 cache under triton GraniKV computes also the extend batches it cannot share
+    (no HOT run, or no cached prefix), so that every prompt's prefill reads the same FP8 values
+    as its decode: equal to the float64 reference over the cache's bytes, counted as 'exact'.
+    Over a bf16 cache the same batches stay on the wrapped backend
+    (test_full_extend.test_batches_without_hot_runs_or_cached_prefix_stay_on_the_wrapped_backend).
+    Planted: the wrapped (stock) extend, which attends to the new tokens' unrounded K/V."""
+    from extend_standin import TritonExtendStandIn
+    from test_hot_extend import D, HKV, HQ, SCALE
+
+    runner, fb, rows, q, k, v = _fp8_extend_setup(kinds, new, FP8["e4m3"])
+    layer = SimpleNamespace(layer_id=0, scaling=SCALE, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,
+                            k_scale=torch.tensor(K_SCALE), v_scale=torch.tensor(V_SCALE), k_scale_float=K_SCALE,
+                            v_scale_float=V_SCALE, sliding_window_size=-1, logit_cap=0.0, is_cross_attention=False)
+    be = GraniKVAttnBackend(None, model_runner=runner, cfg=GraniKVConfig(enable=True, extend_path="auto",
+                                                                         debug_integrity=True),
+                            backend_name="triton")
+    be.inner = TritonExtendStandIn(runner)
+    be.stage_batch(rows)
+    be.init_forward_metadata(fb)
+    out = be.forward_extend(q, k, v, layer, fb)
+    snap = be.stats_snapshot()
+    assert be.inner.calls == 0
+    assert snap["extend_exact_batches"] == snap["extend_batches"] == 1 and snap["extend_hot_batches"] == 0
+    assert snap["extend_fallbacks"] == {}
+    be.extend.full_extend.check_integrity()
+    expected = _fp8_expected(runner, fb, q)
+    scale = expected.abs().max()
+    assert (out.double() - expected).abs().max() / scale < 1e-2
+    # planted: what SGLang's triton extend attends to, the new tokens' K/V as given (unrounded)
+    from granikv.kernels.reference import attend_ref
+
+    pool, rt = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    kb, vb = pool.get_key_buffer(0).double() * K_SCALE, pool.get_value_buffer(0).double() * V_SCALE
+    k3, v3, q3, outs, t = k.view(-1, HKV, D).double(), v.view(-1, HKV, D).double(), q.view(-1, HQ, D), [], 0
+    for row, p, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+        slots = rt[row, :p].long()
+        for j in range(n):
+            kk, vv = torch.cat([kb[slots], k3[t: t + j + 1]]), torch.cat([vb[slots], v3[t: t + j + 1]])
+            outs.append(attend_ref(q3[t + j], kk, vv, SCALE).o)
+        t += n
+    unrounded = torch.stack(outs).view(-1, HQ * D)
+    assert (unrounded - expected).abs().max() / scale > 2e-2

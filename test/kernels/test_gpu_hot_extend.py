@@ -92,12 +92,14 @@ def test_flashinfer_dense_prefix_part_matches_paged_prefill():
     assert (o[none] == 0).all() and torch.isneginf(lse[none]).all()
 
 
-def _full_extend_batch(dev, dt, g):
+def _full_extend_batch(dev, dt, g, hot=True):
     """The batch of the FullExtend tests, new-token slots included: its plan, rows, prefix
-    lengths, req_to_token, the new tokens' slots and their q / k / v (drawn from ``g``)."""
+    lengths, req_to_token, the new tokens' slots and their q / k / v (drawn from ``g``).
+    ``hot=False``: no HOT run anywhere, planned with ``cover_all`` (every cached prefix token in
+    the COLD remainder, as GraniKV plans an FP8 cache's batch without a HOT run)."""
     rows, prefix, start, length, req_to_token, out_loc = _batch(dev, with_new_slots=True)
-    plan, reason = plan_extend(rows, prefix, NEW, start, length)
-    assert reason == ""
+    plan, reason = plan_extend(rows, prefix, NEW, start, length if hot else 0 * length, cover_all=not hot)
+    assert reason == "" and bool(plan.groups) == hot
     n_tok = int(NEW.sum())
     q = torch.randn(n_tok, HQ * D, device=dev, dtype=dt, generator=g) * 2
     k = torch.randn(n_tok, HKV * D, device=dev, dtype=dt, generator=g)
@@ -160,15 +162,17 @@ def test_full_extend_matches_causal_paged_prefill_over_the_rows():
     assert (op[:n_tok].float() - o.float()).abs().max() <= 2 ** -6  # same inputs; the plan is reused
 
 
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_full_extend_over_an_fp8_cache_matches_paged_prefill_over_the_dequantized_cache(fp8):
+@pytest.mark.parametrize("fp8, hot", [(torch.float8_e4m3fn, True), (torch.float8_e5m2, True),
+                                     (torch.float8_e4m3fn, False)])
+def test_full_extend_over_an_fp8_cache_matches_paged_prefill_over_the_dequantized_cache(fp8, hot):
     """``FullExtend`` over SGLang's real FP8 pool (uint8 storage): the new K/V written as the
     stock backend writes them (divided by the layer's scales, cast), then every part over the
     cache's values widened exactly, the query times ``k_scale``, the output times ``v_scale``;
     against FlashInfer's bf16 paged prefill, causal, over each request's whole row of the same
     cache widened to bf16 (exact) with the scales applied the same way. Scales are powers of two
     (the scaled query is exact in bf16), so the tolerance is the bf16 one above. Planted: the
-    scales left out miss it."""
+    scales left out miss it. ``hot=False``: the same batch without a HOT run (the COLD remainder
+    and the causal part only)."""
     from types import SimpleNamespace
 
     import flashinfer
@@ -182,7 +186,7 @@ def test_full_extend_over_an_fp8_cache_matches_paged_prefill_over_the_dequantize
                             enable_memory_saver=False)
     for buf, sc in ((pool.k_buffer[0], ks), (pool.v_buffer[0], vs)):
         buf.copy_((torch.randn(buf.shape, device=dev, generator=g) / sc).to(fp8).view(torch.uint8))
-    plan, rows, prefix, req_to_token, out_loc, q, k, v = _full_extend_batch(dev, dt, g)
+    plan, rows, prefix, req_to_token, out_loc, q, k, v = _full_extend_batch(dev, dt, g, hot=hot)
     n_tok = int(NEW.sum())
     scale = D ** -0.5
     layer = SimpleNamespace(layer_id=0, scaling=scale, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D,

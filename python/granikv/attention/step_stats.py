@@ -126,6 +126,7 @@ class StepStats:
     plan_hist: PlanTimeHistogram = field(default_factory=PlanTimeHistogram)  # per-step plan time, all steps
     extend_batches: int = 0  # extend batches planned (prefill with a cached prefix considered)
     extend_hot_batches: int = 0  # ... whose prefix part ran as dense calls over HOT extents
+    extend_exact_batches: int = 0  # ... computed by GraniKV without a HOT run (an FP8 cache: paths.py)
     extend_hot_tokens: int = 0  # new tokens served that way
     extend_fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> extend batches left stock
     max_extend_compare_diff: float = 0.0  # debug compare mode: worst |dense - paged| prefix output
@@ -182,6 +183,8 @@ class StepStats:
         self.extend_batches += 1
         if plan is None:
             self.extend_fallbacks[reason] += 1
+        elif not plan.groups:  # no HOT run (an FP8 cache: GraniKV computes every extend batch)
+            self.extend_exact_batches += 1
         else:
             self.extend_hot_batches += 1
             self.extend_hot_tokens += plan.hot_tokens
@@ -228,6 +231,7 @@ class StepStats:
             "plan_us_hist": self.plan_hist.snapshot(),  # bucket upper edge (us) -> steps, cumulative
             "extend_batches": self.extend_batches,
             "extend_hot_batches": self.extend_hot_batches,
+            "extend_exact_batches": self.extend_exact_batches,
             "extend_hot_tokens": self.extend_hot_tokens,
             "extend_fallbacks": dict(self.extend_fallbacks),
             "max_extend_compare_diff": self.max_extend_compare_diff,

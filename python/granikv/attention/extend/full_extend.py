@@ -154,9 +154,10 @@ class FullExtend:
             kn, vn = self._cached_new_kv(fb, k_buf, v_buf, kn, vn, k_scale, v_scale, n, q.dtype, save_kv_cache)
             if k_scale != 1.0:
                 qn = (qn.float() * k_scale).to(q.dtype)
-        o1, s1 = runner.run_causal(qn, kn, vn)
-        o2, s2 = self.attn.prefix_part(qn, k_buf, v_buf, layer.scaling)
-        o, lse = runner.merge(o1, s1, o2, s2)
+        o, lse = runner.run_causal(qn, kn, vn)
+        if plan.groups or plan.paged is not None:  # else no cached prefix (an FP8 cache's batch)
+            o2, s2 = self.attn.prefix_part(qn, k_buf, v_buf, layer.scaling)
+            o, lse = runner.merge(o, lse, o2, s2)
         if v_scale != 1.0:
             o = (o.float() * v_scale).to(o.dtype)
         if sinks is not None:

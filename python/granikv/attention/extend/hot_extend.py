@@ -234,9 +234,10 @@ class HotExtendAttention:
             assert not self._token_idx and self._paged_idx is None and self._paged_kv is None, "state without a plan"
             return
         assert len(self._token_idx) == len(plan.calls), "one token list per call"
-        seen = np.concatenate([g.token_idx for g in plan.groups])
+        assert bool(plan.groups) == bool(plan.calls), "dense groups without calls or calls without groups"
+        seen = np.concatenate([g.token_idx for g in plan.groups] or [np.zeros(0, np.int64)])
         assert len(np.unique(seen)) == len(seen), "a token in two dense groups"
-        assert seen.min() >= 0 and seen.max() < plan.num_tokens, "a group token outside the batch"
+        assert not len(seen) or (seen.min() >= 0 and seen.max() < plan.num_tokens), "a group token outside the batch"
         assert sorted(i for c in plan.calls for i in c.groups) == list(range(len(plan.groups))), \
             "a group in no call or in two"
         for c, idx in zip(plan.calls, self._token_idx, strict=True):
@@ -284,8 +285,9 @@ class HotExtendAttention:
         widen = k_buf.dtype != q.dtype  # an FP8 cache under a bf16 / fp16 query
         key = (sm_scale, logits_soft_cap, q.dtype, hq, k_buf.shape[1], d)
         if key != self._planned_key:  # once per batch (every layer has the same shapes)
-            self.runner.plan([(c.qo_indptr, c.kv_indptr) for c in plan.calls], hq, k_buf.shape[1],
-                             d, q.dtype, sm_scale, logits_soft_cap)
+            if plan.calls:
+                self.runner.plan([(c.qo_indptr, c.kv_indptr) for c in plan.calls], hq, k_buf.shape[1],
+                                 d, q.dtype, sm_scale, logits_soft_cap)
             if plan.paged is not None:
                 assert self._paged_kv is not None, "paged remainder without its slots (begin)"
                 indices = self._paged_rows if widen else self._paged_kv

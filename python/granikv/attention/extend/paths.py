@@ -9,6 +9,12 @@
 - other backends (triton: one kernel per row, no LSE): ``full_extend.FullExtend`` computes each
   layer's whole extend in ``forward``.
 
+Over an FP8 cache under the whole-extend strategy GraniKV computes EVERY extend batch (also one
+without a HOT run or without a cached prefix: ``plan_extend(cover_all=True)``), so that a
+prompt's prefill attends to the same FP8 values, read exactly, as its decode steps do; SGLang's
+triton extend would attend to the new tokens' unrounded K/V and round the query and the
+probabilities to FP8. Such a batch counts in ``StepStats.extend_exact_batches``.
+
 Anything else (``--granikv-extend-path paged``, no HOT prefix, a backend or batch feature the
 dense path does not implement, the cost model under ``auto``) leaves the batch stock, with its
 reason counted in ``StepStats.extend_fallbacks``. A layer the kernels cannot serve
@@ -64,6 +70,8 @@ class ExtendPaths:
         # an FP8 cache: the whole extend (triton) widens the tiles itself; the prefix-part proxy
         # (flashinfer) would hand FlashInfer FP8 K/V, which no GPU run has checked
         self.proxy_off_reason = fp8_reason(ctx.model_runner)
+        # an FP8 cache: the whole extend serves every extend batch (module docstring)
+        self.fp8_cache = self.proxy_off_reason is not None
         if self.proxy_off_reason is not None and ctx.cfg.extend_path != "paged" and ctx.backend_name == "flashinfer":
             logger.warning("GraniKV: prefill over HOT prefixes is off under flashinfer (%s)", self.proxy_off_reason)
 
@@ -89,7 +97,7 @@ class ExtendPaths:
             reason = self.off_reason
         elif full and getattr(fb, "extend_prefix_lens_cpu", None) is None:
             reason = "no host-side prefix lengths in the batch"
-        elif full and not any(fb.extend_prefix_lens_cpu):
+        elif full and not any(fb.extend_prefix_lens_cpu) and not self.fp8_cache:
             return  # no cached prefix anywhere: the stock extend has nothing to share
         elif unservable is not None:
             reason = unservable
@@ -116,8 +124,10 @@ class ExtendPaths:
         table = ctx.hot_prefix_table
         prefix_lens = np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64)
         extend_lens = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
-        plan, reason = plan_extend(staged, prefix_lens, extend_lens, table.start_np, table.length_np)
-        if plan is not None and ctx.cfg.extend_path == "auto" and not self.hot_extend_pays(
+        exact = full and self.fp8_cache  # every batch: the FP8 values as decode reads them
+        plan, reason = plan_extend(staged, prefix_lens, extend_lens, table.start_np, table.length_np,
+                                   cover_all=exact)
+        if plan is not None and not exact and ctx.cfg.extend_path == "auto" and not self.hot_extend_pays(
                 plan, prefix_lens, extend_lens):
             plan, reason = None, "the cost model puts the stock prefill first for this shape"
         if plan is None:
@@ -133,7 +143,7 @@ class ExtendPaths:
             full_extend.begin()
             if ctx.cfg.debug_integrity:
                 full_extend.check_integrity()
-            self.full_compare = self.compare.extend_due()
+            self.full_compare = bool(plan.groups) and self.compare.extend_due()
             return None
         compare = self.compare.prefix_part_callback(plan) if self.compare.extend_due() else None
         self.stock_prefill_wrappers = md.prefill_wrappers  # for layers GraniKV does not serve

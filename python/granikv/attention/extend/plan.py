@@ -20,7 +20,9 @@ Cached prefix tokens that are not in a HOT run (a request whose prefix is COLD: 
 prompt, a prefix with one sharer; or a HOT run followed by COLD tokens: an agent's earlier
 turns) form the paged remainder: ``req_to_token[row, hot_len:prefix_len]`` per request, served
 by one paged call and merged by LSE with the request's dense part. A batch is planned when at
-least one request has a HOT run (else the stock path is as good: ``reason`` says why).
+least one request has a HOT run (else the stock path is as good: ``reason`` says why), or with
+``cover_all`` always (an FP8 cache: GraniKV's prefill then attends to exactly the values its
+decode reads, ``paths.ExtendPaths``).
 
 Any number of groups is served. Groups whose extents do not overlap share ONE dense call
 (``ExtendCall``): a ragged call over the KV slot range that spans them, with an entry per group
@@ -217,6 +219,7 @@ def plan_extend(
     table_length: np.ndarray,
     *,
     max_groups: Optional[int] = None,
+    cover_all: bool = False,
 ) -> Tuple[Optional[ExtendPlan], str]:
     """``(plan, "")`` when the batch is planned, else ``(None, reason)``.
 
@@ -231,11 +234,11 @@ def plan_extend(
         raise ValueError(f"plan_extend: prefix_lens {prefix_lens.shape} and extend_lens "
                          f"{extend_lens.shape} must both be ({bs},)")
     active = (prefix_lens > 0) & (extend_lens > 0)
-    if not active.any():
+    if not active.any() and not cover_all:
         return None, "no cached prefix" if not (prefix_lens > 0).any() else "no new tokens"
     hot_len = np.where(active, np.minimum(table_length[req_pool_indices], prefix_lens), 0)
     members = np.flatnonzero(hot_len > 0)
-    if members.shape[0] == 0:
+    if members.shape[0] == 0 and not cover_all:
         return None, "no HOT prefix in the batch"
     keys = np.stack([table_start[req_pool_indices[members]], hot_len[members]], axis=1)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
