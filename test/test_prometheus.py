@@ -10,7 +10,7 @@ def test_exporter_publishes_storage_and_attention_gauges():
                 "attention": {"steps_per_path": {"cascade": 250, "paged": 6},
                               "hot_hit_rate": 0.75, "plan_us_mean": 42.5,
                               "work_list_builds": 3, "work_list_reuses": 97,
-                              "extend_batches": 12, "extend_hot_batches": 9,
+                              "extend_batches": 14, "extend_hot_batches": 9, "extend_exact_batches": 2,
                               "per_layer_calls": {"granikv": 12, "stock": 12}}})
     text = generate_latest(reg).decode()
     assert 'granikv:hot_used_tokens{tp_rank="0"} 16384.0' in text
@@ -21,6 +21,7 @@ def test_exporter_publishes_storage_and_attention_gauges():
     assert 'granikv:plan_us_mean{tp_rank="0"} 42.5' in text
     assert 'granikv:work_list_fills_total{kind="reused",tp_rank="0"} 97.0' in text
     assert 'granikv:extend_batches_total{path="hot",tp_rank="0"} 9.0' in text
+    assert 'granikv:extend_batches_total{path="exact",tp_rank="0"} 2.0' in text
     assert 'granikv:extend_batches_total{path="stock",tp_rank="0"} 3.0' in text
     assert 'granikv:decode_layer_calls_total{path="stock",tp_rank="0"} 12.0' in text
 
