@@ -76,10 +76,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def git_commit() -> str:
+def git_commit(root: Path = ROOT) -> str:
+    """``git rev-parse HEAD`` of ``root``, with ``+modified`` when tracked files differ from it
+    (a copied tree whose git metadata lags its files records no commit it did not run);
+    "unknown" without git."""
+    def git(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=30)
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        head = git("rev-parse", "HEAD").stdout.strip()
+        if not head:
+            return "unknown"
+        return head + ("+modified" if git("diff", "--quiet", "HEAD", "--").returncode == 1 else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -126,3 +126,25 @@ def test_smoke_default_backend_passes_none_and_reads_the_choice(smoke, tmp_path)
     assert smoke.default_backend_check(text) == dict(value=kw["attention_backend"], passed=True)
     assert not smoke.default_backend_check(text.replace(f"with {kw['attention_backend']}", "with fa3"))["passed"]
     assert smoke.default_backend_check("nothing") == dict(value=None, passed=False)
+
+
+def test_the_recorded_commit_says_when_the_tree_differs_from_it(tmp_path):
+    """A tree copied with stale git metadata (tracked files changed since HEAD) records
+    ``<sha>+modified``, never a bare commit it did not run; a clean tree its bare HEAD; no git:
+    "unknown"."""
+    import subprocess
+
+    from benchmark.gpu_suite import git_commit
+
+    def git(*cmd):
+        subprocess.run(["git", *cmd], cwd=tmp_path, check=True, capture_output=True)
+
+    assert git_commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "+modified"
