@@ -31,6 +31,8 @@ at::Tensor mha_fwd_get_scheduler_metadata(
     int64_t window_size_left, int64_t window_size_right, int64_t attention_chunk, bool has_softcap, int64_t num_splits,
     std::optional<bool> pack_gqa_, int64_t sm_margin);
 
+// The schema's entry: the wrapper's 37 arguments (mha_fwd's 36 plus only_qv, refused here), with
+// sinks as a plain optional tensor (a schema cannot bind mha_fwd's `optional<const Tensor>&`).
 static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_entry(
     at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> k_new, std::optional<at::Tensor> v_new,
     std::optional<at::Tensor> q_v, std::optional<at::Tensor> out, std::optional<at::Tensor> cu_seqlens_q,

@@ -155,7 +155,7 @@ class FullExtend:
             if k_scale != 1.0:
                 qn = (qn.float() * k_scale).to(q.dtype)
         o, lse = runner.run_causal(qn, kn, vn)
-        if plan.groups or plan.paged is not None:  # else no cached prefix (an FP8 cache's batch)
+        if plan.has_prefix_part:  # else a batch without cached prefixes (an FP8 cache's)
             o2, s2 = self.attn.prefix_part(qn, k_buf, v_buf, layer.scaling)
             o, lse = runner.merge(o, lse, o2, s2)
         if v_scale != 1.0:

@@ -70,12 +70,15 @@ class ExtendPaths:
         # an FP8 cache: the whole extend (triton) widens the tiles itself; the prefix-part proxy
         # (flashinfer) would hand FlashInfer FP8 K/V, which no GPU run has checked
         self.proxy_off_reason = fp8_reason(ctx.model_runner)
-        # an FP8 cache: the whole extend serves every extend batch (module docstring)
-        self.fp8_cache = self.proxy_off_reason is not None
         if self.proxy_off_reason is not None and ctx.cfg.extend_path != "paged" and ctx.backend_name == "flashinfer":
             logger.warning("GraniKV: prefill over HOT prefixes is off under flashinfer (%s)", self.proxy_off_reason)
 
     # ---- planning (host side, once per extend batch) ---------------------------------------
+
+    @property
+    def fp8_cache(self) -> bool:
+        """An FP8 cache (``fp8_reason``): the whole extend serves every extend batch (module docstring)."""
+        return self.proxy_off_reason is not None
 
     def plan(self, fb: Any, staged: Optional[np.ndarray]) -> None:
         """After the wrapped backend planned an extend batch: if its prefix part can run over

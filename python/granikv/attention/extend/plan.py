@@ -206,6 +206,12 @@ class ExtendPlan:
         return self.hot_tokens == self.num_tokens
 
     @property
+    def has_prefix_part(self) -> bool:
+        """Some new token attends a cached prefix (a dense group or the COLD remainder); False
+        only for a ``cover_all`` plan of a batch without cached prefixes."""
+        return bool(self.groups) or self.paged is not None
+
+    @property
     def prefix_pairs(self) -> int:
         """(new token, prefix token) pairs of the dense calls: sum of tokens x extent length."""
         return sum(g.num_tokens * g.length for g in self.groups)
