@@ -59,6 +59,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid-rows", default=None, help="regimes --rows (default: every row).")
     p.add_argument("--grid-budget-s", type=float, default=420.0, help="regimes --time-budget-s per backend.")
     p.add_argument("--grid-repeats", type=int, default=3)
+    p.add_argument("--grid-also-stock", type=csv, default=[],
+                   help="regimes --also-stock: a stock engine of each of these backends beside every grid "
+                        "backend's pair (skipped for the backend itself), e.g. fa3.")
     p.add_argument("--grid-idle-probe-steps", type=int, default=32,
                    help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
     p.add_argument("--correctness-args", default="",
@@ -129,6 +132,9 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
             cmd += ["--models", args.grid_models]
         if args.grid_rows:
             cmd += ["--rows", args.grid_rows]
+        also = [b for b in args.grid_also_stock if b != backend]
+        if also:
+            cmd += ["--also-stock", ",".join(also)]
         grid.append(cmd)
     return dict(
         tests=[[sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "test/",

@@ -264,11 +264,11 @@ def run_estimate_s(spec: Mapping[str, Any], cfg: Mapping[str, Any], pool_tokens:
     return ROW_OVERHEAD_S + prefill + waves * turns * out * step
 
 
-def estimate_s(row: Regime, model: Model, repeats: int = 1) -> float:
-    """Seconds of one row on both engines (the GraniKV engine counted as the stock one), each
+def estimate_s(row: Regime, model: Model, repeats: int = 1, engines: int = 2) -> float:
+    """Seconds of one row on ``engines`` engines (the GraniKV engine counted as a stock one), each
     measured ``repeats`` times, plus its ceiling on the stock engine, measured once."""
     cfg, pool, kvb = model.config(), model.engine_kwargs.get("max_total_tokens"), kv_dtype_bytes(model.name)
-    t = 2 * run_estimate_s(row.spec_json(), cfg, pool, kvb) * repeats
+    t = engines * run_estimate_s(row.spec_json(), cfg, pool, kvb) * repeats
     if row.has_ceiling:
         t += run_estimate_s(row.spec_json(ceiling=True), cfg, pool, kvb)
     return t
@@ -291,7 +291,8 @@ class Selection:
 
 def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
            rows: Optional[Sequence[str]] = None, budget_s: float = 0.0,
-           model_table: Sequence[Model] = MODELS, repeats: int = 1, backend: Optional[str] = None) -> Selection:
+           model_table: Sequence[Model] = MODELS, repeats: int = 1, backend: Optional[str] = None,
+           engines: int = 2) -> Selection:
     """The rows to run: those of ``models`` (names) and ``rows`` (row names, or model/row
     keys) whose model serves on ``backend`` (None: every row), then, under a ``budget_s`` (0:
     none), the most important that fit the estimate.
@@ -318,7 +319,7 @@ def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
         if backend is not None and allowed is not None and backend not in allowed:
             kept.remove(r)
             skipped.append((r.key, f"{r.model} is served on {', '.join(allowed)} only, not {backend}"))
-    cost = {r.key: estimate_s(r, by_name[r.model], repeats) for r in kept}
+    cost = {r.key: estimate_s(r, by_name[r.model], repeats, engines) for r in kept}
 
     def total(sel: Sequence[Regime]) -> float:
         return sum(cost[r.key] for r in sel) + sum(start_s(by_name[m]) for m in {r.model for r in sel})

@@ -13,7 +13,9 @@ Records (the children's output, see regimes.py)::
     {"kind": "error", "model": ..., "backend": ..., "config": ..., "error": "..."}
 
 One row per (model, backend, regime): ``baseline_out_tok_s`` / ``granikv_out_tok_s`` and their
-``speedup``; ``ceiling_out_tok_s`` (the same workload with its prefixes cut to 256 tokens, stock
+``speedup``; ``also_stock`` (``regimes --also-stock``): per other backend B, its stock engine's
+``out_tok_s``, ``spread``, ``vs_stock`` (÷ the row's stock engine) and ``granikv_speedup``
+(GraniKV ÷ stock B); ``ceiling_out_tok_s`` (the same workload with its prefixes cut to 256 tokens, stock
 engine; the row's own stock figure where it has no prefix longer than that); ``floor_speedup``
 / ``floor_fraction`` (bounds.py); ``plan_us_p50`` / ``plan_us_p99`` as the GraniKV engine's
 snapshot reports them after the row (None when it does not) with the exact mean of the row's
@@ -40,6 +42,7 @@ SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.
 PLAN_P50_MAX_US, PLAN_P99_MAX_US = 30.0, 80.0
 IDLE_SLACK_US = 5.0  # GraniKV's GPU idle per decode step may exceed stock's by this much
 SPREAD_MAX = 0.01  # the stock engine's own spread a no-pay row's verdict can rest on
+STOCK_PREFIX = "stock_"  # config of an --also-stock engine: stock_<backend> (regimes.also_stock_config)
 
 
 def find_key(d: Any, key: str) -> Optional[Any]:
@@ -131,6 +134,11 @@ def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, A
             row[f"gpu_busy_us_{side}"] = _num(idle.get("gpu_busy_us_per_step"))
         row["baseline_spread"] = spread(b)
         row["granikv_spread"] = spread(g)
+        row["also_stock"] = {
+            config[len(STOCK_PREFIX):]: dict(out_tok_s=r["out_tok_per_s"], spread=spread(r),
+                                             vs_stock=_ratio(r["out_tok_per_s"], b_tps),
+                                             granikv_speedup=_ratio(g_tps, r["out_tok_per_s"]))
+            for (config, variant), r in by.items() if variant == "main" and config.startswith(STOCK_PREFIX)}
         row.update(granikv_facts(g))
         for side, r in (("baseline", b), ("granikv", g)):
             for k in SIDE_KEYS:
@@ -211,8 +219,16 @@ def _counts(d: Optional[Mapping[str, Any]]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted((d or {}).items(), key=lambda kv: -kv[1])) or "–"
 
 
+def also_stock_backends(rows: Sequence[Mapping[str, Any]]) -> List[str]:
+    """The ``--also-stock`` backends any row was measured on, in first-appearance order."""
+    return list(dict.fromkeys(b for r in rows for b in (r.get("also_stock") or {})))
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    head = ("| model | backend | workload | agents | stock tok/s | GraniKV tok/s | speedup | stock spread | ceiling tok/s "
+    others = also_stock_backends(rows)
+    extra = "".join(f"| stock {b} tok/s (÷ stock) | GraniKV ÷ stock {b} " for b in others)
+    head = ("| model | backend | workload | agents | stock tok/s | GraniKV tok/s | speedup | stock spread " + extra +
+            "| ceiling tok/s "
             "| floor_speedup | floor_fraction | plan µs p50 / p99 (row mean) | GPU idle µs/step stock / GraniKV "
             "| decode paths | extend left stock "
             "| targets missed |")
@@ -225,6 +241,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             r["model"], r["backend"], r["workload"], _f(r.get("agents")), _f(r.get("baseline_out_tok_s")),
             _f(r.get("granikv_out_tok_s")), _f(r.get("speedup"), "{:.3f}x"),
             _f(r.get("baseline_spread"), "{:.1%}"),
+            *[cell for b in others for cell in _also_stock_cells((r.get("also_stock") or {}).get(b))],
             _f(r.get("ceiling_out_tok_s")) + (" (row)" if r.get("ceiling_is_row") else ""),
             _f(r.get("floor_speedup"), "{:.2f}x") + reason, _f(r.get("floor_fraction"), "{:.0%}"), plan,
             f"{_f(r.get('gpu_idle_us_baseline'), '{:.0f}')} / {_f(r.get('gpu_idle_us_granikv'), '{:.0f}')}",
@@ -232,6 +249,12 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             "; ".join(verdicts(r)) or "–",
         ]) + " |")
     return "\n".join(lines)
+
+
+def _also_stock_cells(side: Optional[Mapping[str, Any]]) -> List[str]:
+    side = side or {}
+    return [f"{_f(side.get('out_tok_s'))} ({_f(side.get('vs_stock'), '{:.3f}x')})",
+            _f(side.get("granikv_speedup"), "{:.3f}x")]
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
@@ -286,7 +309,7 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path, *, quiet: bool = False) 
         return False
     fig, ax = plt.subplots(figsize=(7.5, 6))
     models = list(dict.fromkeys(r["model"] for r in pts))
-    markers = {"flashinfer": "o", "triton": "s"}
+    markers = {"flashinfer": "o", "triton": "s", "fa3": "^"}
     for i, m in enumerate(models):
         for backend, mk in markers.items():
             sel = [r for r in pts if r["model"] == m and r["backend"] == backend]

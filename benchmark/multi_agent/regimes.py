@@ -10,6 +10,8 @@ pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one i
     python3 -m benchmark.multi_agent.regimes --dry-run                 # the grid and its estimate
     python3 -m benchmark.multi_agent.regimes --rows prefix512_2sharers_x64 --repeats 5 --out OUT
                                           # short rows: the median of 5 runs per engine
+    python3 -m benchmark.multi_agent.regimes --backend fa3 --also-stock flashinfer --models llama-3.1-8b --out OUT
+                                          # GraniKV behind fa3 against stock fa3, stock flashinfer beside
 
 The grid, and how it was chosen, is in regime_grid.py. Per model of the grid (in order) the
 parent starts both engines at once, side by side on the GPU (harness.resident_engine: each a
@@ -26,6 +28,12 @@ measured as in run.py (harness.engine_child: flush the radix cache, cache each s
 with one request, submit every agent at once, output tok/s = output tokens / wall time), and
 the GraniKV engine's counters are read before and after it (dispatch paths, extend fallbacks,
 promotion skips, planning time).
+
+``--also-stock B`` adds a third engine per model: stock SGLang on attention backend B (e.g. the
+fa3 backend SGLang picks on Hopper beside a flashinfer grid), taking its turn in every repeat
+(config ``stock_B``; the row gets ``stock_B_out_tok_s`` and ``speedup_vs_B``; the ceiling and the
+floor stay the ``--backend`` stock engine's). With three engines on one GPU every pool is capped
+at ``THREE_ENGINE_POOL_TOKENS``.
 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
 Rows that the estimate says do not fit are dropped before anything starts (lowest priority
@@ -47,7 +55,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmark.harness import engine_child, engine_proc, resident_engine
 from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, apply_extra, parse_engine_args
@@ -61,14 +69,21 @@ START_GRACE_S = 90.0  # added to every wait on an engine (its start, one row)
 START_TIMEOUT_FACTOR = 4.0  # an engine start is given up after this x its estimate (+ the grace)
 REQUEST_TIMEOUT_FACTOR = 4.0  # one row's run, likewise
 CONFIGS = ("baseline", "granikv")
+BACKENDS = ("flashinfer", "triton", "fa3")  # SGLang attention backends the grid runs (fa3: Hopper)
+#: KV pool cap per engine when a model's engines are three (--also-stock): three Llama-3.1-8B
+#: engines at 160K tokens (20 GB of KV each) fit one 141 GB H200 with their weights and graphs.
+THREE_ENGINE_POOL_TOKENS = 163840
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     csv = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="flashinfer", choices=("flashinfer", "triton"),
+    p.add_argument("--backend", default="flashinfer", choices=BACKENDS,
                    help="SGLang attention backend of both engines (GraniKV wraps it).")
+    p.add_argument("--also-stock", type=csv, default=[], metavar="BACKEND[,BACKEND]",
+                   help=f"Also measure every row on a stock engine of each of these backends ({', '.join(BACKENDS)}), "
+                        "side by side, taking turns with the other two (module docstring).")
     p.add_argument("--models", type=csv, default=None,
                    help=f"Subset of {','.join(grid.MODEL_NAMES)} (default: all).")
     p.add_argument("--rows", type=csv, default=None,
@@ -100,12 +115,41 @@ def command_line(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in ["python3", "-m", "benchmark.multi_agent.regimes", *argv])
 
 
-def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str, Any]) -> Dict[str, Any]:
-    """The benchmarks' engine arguments (harness.engine_args) + the model's (e.g. its KV cap) +
-    pass-through ``--engine-arg``."""
-    kw = dict(BASE_ENGINE_KWARGS, attention_backend=backend, tp_size=1, dp_size=1)
+def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str, Any],
+                  engines: int = 2) -> Dict[str, Any]:
+    """The benchmarks' engine arguments (harness.engine_args) + the model's (e.g. its KV cap,
+    lowered to ``THREE_ENGINE_POOL_TOKENS`` when ``engines`` > 2 share the GPU) + pass-through
+    ``--engine-arg``. ``config``: ``baseline``, ``granikv`` or ``stock_<backend>`` (an
+    ``--also-stock`` engine: stock SGLang on that backend)."""
+    stock_backend = also_stock_backend(config)
+    kw = dict(BASE_ENGINE_KWARGS, attention_backend=stock_backend or backend, tp_size=1, dp_size=1)
     kw.update(model.engine_args())
+    if engines > 2 and "max_total_tokens" in kw:
+        kw["max_total_tokens"] = min(int(kw["max_total_tokens"]), THREE_ENGINE_POOL_TOKENS)
     return apply_extra(kw, extra, granikv=config == "granikv")
+
+
+STOCK_PREFIX = "stock_"
+
+
+def also_stock_config(backend: str) -> str:
+    """The config name of an ``--also-stock`` engine on ``backend``."""
+    return STOCK_PREFIX + backend
+
+
+def also_stock_backend(config: str) -> Optional[str]:
+    """The backend of an ``--also-stock`` config (None: ``baseline`` / ``granikv``)."""
+    return config[len(STOCK_PREFIX):] if config.startswith(STOCK_PREFIX) else None
+
+
+def configs_of(args) -> Tuple[str, ...]:
+    """The engines of every model, in turn order: stock, GraniKV, then each ``--also-stock`` one."""
+    bad = [b for b in args.also_stock if b not in BACKENDS]
+    if bad:
+        raise ValueError(f"--also-stock: unknown {bad}; known: {', '.join(BACKENDS)}")
+    if args.backend in args.also_stock:
+        raise ValueError(f"--also-stock {args.backend}: that is --backend's own stock engine")
+    return CONFIGS + tuple(also_stock_config(b) for b in dict.fromkeys(args.also_stock))
 
 
 def job_rows(rows: Sequence[grid.Regime], config: str) -> List[Dict[str, Any]]:
@@ -138,9 +182,11 @@ class Run:
         self.args = args
         self.stem = f"regimes_{args.backend}" + (f"_{args.tag}" if args.tag else "")
         self.records: List[Dict[str, Any]] = []
+        self.configs = configs_of(args)
         self.meta = dict(command=command_line(argv), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                          backend=args.backend, budget_s=args.time_budget_s, estimate_s=round(sel.estimate_s),
-                         skipped=[list(s) for s in sel.skipped], engine_kwargs={})
+                         skipped=[list(s) for s in sel.skipped], engine_kwargs={},
+                         also_stock=[also_stock_backend(c) for c in self.configs if also_stock_backend(c)])
 
     def add(self, rec: Dict[str, Any]) -> None:
         self.records.append(rec)
@@ -171,8 +217,8 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
     args = run.args
     sizes = graph_sizes(rows)
     engines: Dict[str, ResidentEngine] = {}
-    for config in CONFIGS:
-        kw = engine_kwargs(model, args.backend, config, extra)
+    for config in run.configs:
+        kw = engine_kwargs(model, args.backend, config, extra, engines=len(run.configs))
         kw.setdefault("cuda_graph_bs_decode", sizes)
         kw["cuda_graph_max_bs_decode"] = max(kw["cuda_graph_bs_decode"])
         run.meta["engine_kwargs"][f"{model.name}/{args.backend}/{config}"] = kw
@@ -184,7 +230,7 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
         engines[config] = ResidentEngine(
             engine_proc.module_command("benchmark.multi_agent.regimes", "--child", f.name),
             name=f"{model.name}/{args.backend}/{config}",
-            env=engine_proc.engine_env(args.backend, engine_proc.repo_env()),
+            env=engine_proc.engine_env(kw["attention_backend"], engine_proc.repo_env()),
             extra=dict(model=model.name, backend=args.backend, config=config),
             on_record=lambda rec: run.add(rec) if rec["kind"] == "info" else None, cwd=engine_proc.REPO_ROOT)
         engines[config].job_path = f.name  # type: ignore[attr-defined]
@@ -211,10 +257,10 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     args = run.args
     tags = dict(regime=row.name, priority=row.priority, has_ceiling=row.has_ceiling)
     timeout = row_timeout_s(model, row)
-    reps: Dict[str, List[Dict[str, Any]]] = {c: [] for c in CONFIGS}
+    configs = tuple(engines)
+    reps: Dict[str, List[Dict[str, Any]]] = {c: [] for c in configs}
     failed: Dict[str, str] = {}
-    plan = [("main", c, row.spec_json()) for k in range(args.repeats)
-            for c in (CONFIGS if k % 2 == 0 else CONFIGS[::-1])]
+    plan = [("main", c, row.spec_json()) for k in range(args.repeats) for c in turn_order(configs, k)]
     if row.has_ceiling:
         plan.append(("ceiling", "baseline", row.spec_json(ceiling=True)))
     for variant, config, spec in plan:
@@ -234,7 +280,7 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
             reps[config].append(rec)
         else:
             run.add(rec)
-    for config in CONFIGS:
+    for config in configs:
         if reps[config] and config not in failed:
             run.add(median_repeat(reps[config]))
     if args.idle_probe_steps > 0 and row.turns == 1:
@@ -251,6 +297,14 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     return True
 
 
+def turn_order(configs: Sequence[str], k: int) -> Sequence[str]:
+    """The engines' order in repeat ``k``: ``configs`` rotated by ``k``, so that over n repeats
+    of n engines each runs once in every position (two engines: stock first on even repeats,
+    GraniKV first on odd ones)."""
+    i = k % len(configs)
+    return tuple(configs[i:]) + tuple(configs[:i])
+
+
 def row_timeout_s(model: grid.Model, row: grid.Regime) -> float:
     """How long one engine may take for one run of ``row`` before it counts as gone."""
     return REQUEST_TIMEOUT_FACTOR * grid.estimate_s(row, model) + START_GRACE_S
@@ -260,7 +314,7 @@ def warm_up(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Model, 
     """The model's first row once on each engine, untimed (the first rows after a start paid
     first-use costs on the H200: 21K against 33K tok/s). False when an engine is gone."""
     timeout = row_timeout_s(model, row)
-    for config in CONFIGS:
+    for config in engines:
         try:
             rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(regime=row.name, variant="warm_up")),
                                           timeout)
@@ -287,7 +341,7 @@ def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline
             run.skip(rows, "an engine is gone")
             return
         for i, row in enumerate(rows):
-            if time.time() + grid.estimate_s(row, model, run.args.repeats) > deadline:
+            if time.time() + grid.estimate_s(row, model, run.args.repeats, len(run.configs)) > deadline:
                 run.skip(rows[i:i + 1], "its estimate no longer fits the time budget")
                 run.error(model.name, "both", f"{row.name} (main): skipped, time budget")
                 continue
@@ -300,8 +354,9 @@ def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline
 
 
 def main_parent(args, argv: Sequence[str]) -> int:
+    engines = len(configs_of(args))
     sel = grid.select(grid.default_grid(), models=args.models, rows=args.rows, budget_s=args.time_budget_s,
-                      repeats=args.repeats, backend=args.backend)
+                      repeats=args.repeats, backend=args.backend, engines=engines)
     print_plan(sel, args)
     if args.dry_run:
         return 0
@@ -314,7 +369,7 @@ def main_parent(args, argv: Sequence[str]) -> int:
     order = grid.models_of(sel.rows)
     for i, name in enumerate(order):
         model, rows = by[name], [r for r in sel.rows if r.model == name]
-        later = sum(grid.start_s(by[m]) + sum(grid.estimate_s(r, by[m], args.repeats)
+        later = sum(grid.start_s(by[m]) + sum(grid.estimate_s(r, by[m], args.repeats, engines)
                                               for r in sel.rows if r.model == m)
                     for m in order[i + 1:])
         if deadline - time.time() - later < grid.start_s(model):

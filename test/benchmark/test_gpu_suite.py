@@ -40,6 +40,12 @@ def test_parts_and_their_commands(suite, tmp_path):
         suite.parse_args(["--parts", "tests,bogus"])
 
 
+def test_grid_also_stock_goes_to_every_other_backends_grid(suite, tmp_path):
+    args = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "flashinfer,fa3", "--grid-also-stock", "fa3"])
+    fi, fa3 = suite.part_commands(args, tmp_path)["grid"]
+    assert fi[fi.index("--also-stock") + 1] == "fa3" and "--also-stock" not in fa3
+
+
 def test_a_run_writes_its_summary_and_a_failing_part_fails_it(suite, tmp_path, monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(suite, "run_commands", lambda cmds: ran.append(cmds) or dict(passed=len(ran) == 1))

@@ -574,3 +574,45 @@ def test_hybrid_and_moe_models_and_the_backends_they_serve_on():
     assert {r.name for r in tr.rows} == {"hom16k_x64", "forest16", "agent_loop_10k_x24", "no_sharing_1k_x64"}
     assert not tr.skipped
     assert {r.name for r in regime_grid.select(grid, models=[q3.name]).rows} == {"hom16k_x64", "no_sharing_1k_x64"}
+
+
+def test_also_stock_adds_a_third_engine_taking_turns_with_its_own_backend(regimes, fake_resident, tmp_path):
+    """--backend fa3 --also-stock flashinfer: GraniKV behind fa3 against stock fa3 (ceiling and
+    floor from it), stock flashinfer beside both in every repeat; each engine runs once in every
+    position over three repeats; the three pools are capped so they fit one GPU."""
+    tps = {"baseline": [1000.0, 1010.0, 990.0], "granikv": [3000.0, 2900.0, 3100.0],
+           "stock_flashinfer": [1100.0, 1090.0, 1120.0]}
+
+    def answer(job, tags, k):
+        v = 5000.0 if tags["variant"] == "ceiling" else tps[job["config"]][k]
+        return _rec(job["config"], tags["regime"], v, tags["variant"], model=job["model"], backend=job["backend"])
+
+    fake_resident.answer = answer
+    argv = ["--backend", "fa3", "--also-stock", "flashinfer", "--models", "qwen2.5-7b", "--rows", "short1k_3sharers",
+            "--out", str(tmp_path), "--time-budget-s", "0"]
+    assert regimes.main(argv) == 0
+    log = [c for c, r, v in fake_resident.log if r == "short1k_3sharers" and v == "main"]
+    assert log == ["baseline", "granikv", "stock_flashinfer", "granikv", "stock_flashinfer", "baseline",
+                   "stock_flashinfer", "baseline", "granikv"]
+    assert [c for c, r, v in fake_resident.log if v == "ceiling"] == ["baseline"]
+    doc = json.loads((tmp_path / "regimes_fa3.json").read_text())
+    kw = doc["meta"]["engine_kwargs"]
+    assert kw["qwen2.5-7b/fa3/baseline"]["attention_backend"] == "fa3"
+    assert kw["qwen2.5-7b/fa3/granikv"]["attention_backend"] == "fa3" and kw["qwen2.5-7b/fa3/granikv"]["enable_granikv"]
+    other = kw["qwen2.5-7b/fa3/stock_flashinfer"]
+    assert other["attention_backend"] == "flashinfer" and "enable_granikv" not in other
+    assert {k["max_total_tokens"] for k in kw.values()} == {regimes.THREE_ENGINE_POOL_TOKENS}
+    (row,) = doc["rows"]
+    assert row["backend"] == "fa3" and row["speedup"] == pytest.approx(3.0)
+    fi = row["also_stock"]["flashinfer"]
+    assert fi["out_tok_s"] == 1100.0 and fi["vs_stock"] == pytest.approx(1.1)
+    assert fi["granikv_speedup"] == pytest.approx(3000 / 1100, abs=1e-4)
+    assert fi["spread"] == pytest.approx(30 / 1100, abs=1e-4)
+    md = (tmp_path / "regimes_fa3.md").read_text()
+    assert "stock flashinfer tok/s (÷ stock)" in md and "1,100 (1.100x)" in md and "2.727x" in md
+
+
+def test_also_stock_refuses_unknown_and_own_backends(regimes, tmp_path, capsys):
+    for extra in (["--also-stock", "bogus"], ["--backend", "fa3", "--also-stock", "fa3"]):
+        assert regimes.main(["--out", str(tmp_path), "--dry-run", *extra]) == 2
+        assert "--also-stock" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 real construction: real ServerArgs / ModelConfig / pools, runtime context published, no model),
 decode over a shared HOT prefix against the stock backend on the same KV, eager and under
 CUDA-graph replay. bf16, head_dim 128, GQA 4 (the FlashInfer modules SGLang's recipe carries).
+Also SGLang's FlashAttentionBackend (fa3) where sgl_kernel's FA3 library loads (e.g. the one
+scripts/fa3 builds); skipped where it does not.
 
     python3 -m pytest -m gpu test/kernels/test_gpu_real_backends.py
 """
@@ -45,8 +47,9 @@ def runner(tmp_path):
                                      attn_cp_size=1, attn_cp_rank=0):
             r = SimpleNamespace(model_config=ModelConfig.from_server_args(sa), server_args=sa, device="cuda", gpu_id=0,
                                 is_draft_worker=False, sliding_window_size=None, page_size=1, kv_cache_dtype=DTYPE,
+                                kv_cache_dtype_str="auto",
                                 dtype=DTYPE, init_new_workspace=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-                                ps=SimpleNamespace(attn_tp_size=1), decode_attention_backend_str="flashinfer",
+                                ps=SimpleNamespace(attn_tp_size=1, attn_cp_size=1, tp_size=1), decode_attention_backend_str="flashinfer",
                                 prefill_attention_backend_str="flashinfer")  # what 0.5.23 reads
             r.req_to_token_pool = ReqToTokenPool(size=16, max_context_len=2048, device="cuda", enable_memory_saver=False)
             r.token_to_kv_pool = MHATokenToKVPool(SLOTS, page_size=1, dtype=DTYPE, head_num=HKV, head_dim=D,
@@ -60,7 +63,24 @@ def runner(tmp_path):
             yield r
 
 
+def _fa3_missing():
+    """Why SGLang's fa3 backend cannot run here (None: it can)."""
+    try:
+        import sgl_kernel.flash_ops  # noqa: F401  (the FA3 library)
+    except Exception as e:  # noqa: BLE001 - any load failure: not installed or not built
+        return f"sgl_kernel's FA3 library does not load: {type(e).__name__}: {e}"
+    return None
+
+
+BACKENDS = ["triton", "flashinfer", pytest.param("fa3", marks=pytest.mark.skipif(
+    _fa3_missing() is not None, reason=str(_fa3_missing())))]
+
+
 def _build(runner, name):
+    if name == "fa3":
+        from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend(runner)
     if name == "triton":
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
@@ -117,7 +137,7 @@ def _stock(runner, name, fb, q, k, v, layer):
     return be.forward_decode(q, k.view(-1, HKV, D), v.view(-1, HKV, D), layer, fb, save_kv_cache=False)
 
 
-@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_eager_decode_over_a_hot_prefix_equals_stock(runner, name):
     fb, rows = _batch(runner)
     q, k, v = _qkv(fb.batch_size, 1)
@@ -151,7 +171,7 @@ def _capture(ours, fb, q, k, v, layer, *, cascade: bool):
     return graph, out
 
 
-@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name):
     """Both graphs of one size captured (stock, then cascade, sharing the wrapped backend's
     metadata buffers); each step's plan picks the graph that replays: a batch with a shared
