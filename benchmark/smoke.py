@@ -15,8 +15,8 @@ shut down.
 4. SIGTERM to the server; it must exit within ``SHUTDOWN_GRACE_S``.
 
 With ``--backend default`` no ``--attention-backend`` is passed (the quickstart's shortest
-form): the server log must then name the backend GraniKV chose (``default_backend_line``: one of
-its verified backends, not SGLang's per-GPU default).
+form): the server log must then name the backend GraniKV chose (``default_backend_check``: one of
+its default choices, flashinfer or triton, not SGLang's per-GPU default).
 
 Writes ``smoke.json`` (every check with its value) and the server log into ``--out``.
 """
@@ -94,13 +94,13 @@ def checks_of(metrics_text: str, outputs: Sequence[Dict[str, Any]]) -> Dict[str,
 
 def default_backend_check(log_text: str) -> Dict[str, Any]:
     """The server log's line of the backend GraniKV chose with no ``--attention-backend``: it
-    must name one of the verified backends."""
-    from granikv.server_settings import VERIFIED_BACKENDS
+    must name one of the backends it chooses from (``DEFAULT_CHOICES``: verified, not fa3)."""
+    from granikv.server_settings import DEFAULT_CHOICES
 
     marker = "no --attention-backend given: serving with "
     line = next((ln for ln in log_text.splitlines() if marker in ln), None)
     chosen = None if line is None else line.split(marker, 1)[1].split(",", 1)[0].split()[0]
-    return dict(value=chosen, passed=chosen in VERIFIED_BACKENDS)
+    return dict(value=chosen, passed=chosen in DEFAULT_CHOICES)
 
 
 def run_smoke(out: Path, *, backend: str = "flashinfer", port: int = 31000) -> Dict[str, Any]:

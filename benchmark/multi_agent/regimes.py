@@ -161,11 +161,13 @@ def job_rows(rows: Sequence[grid.Regime], config: str) -> List[Dict[str, Any]]:
 
 def print_plan(sel: grid.Selection, args) -> None:
     by = {m.name: m for m in grid.MODELS}
+    engines = len(configs_of(args))
     print(f"backend {args.backend}, budget {args.time_budget_s:g} s, estimate {sel.estimate_s:.0f} s "
           f"(engine starts included), {len(sel.rows)} rows:")
     for r in sel.rows:
         print(f"  {r.key:52s} p{r.priority} agents={r.agents:4d} prefix={r.prefix_len:6d} "
-              f"ceiling={'yes' if r.has_ceiling else 'row'} est={grid.estimate_s(r, by[r.model]):5.1f} s")
+              f"ceiling={'yes' if r.has_ceiling else 'row'} "
+              f"est={grid.estimate_s(r, by[r.model], args.repeats, engines):5.1f} s")
     for key, why in sel.skipped:
         print(f"  skipped {key}: {why}")
 

@@ -55,15 +55,20 @@ def apply_to_server_kwargs(cfg: GraniKVConfig, get: Callable[[str], Any],
 
 
 #: The attention backends GraniKV's shared-prefix attention has run behind on a GPU (tests,
-#: correctness check, grid). SGLang's own default is another one on Hopper (fa3) and Blackwell
-#: (trtllm_mha), which GraniKV wraps but has never run behind on a GPU.
-VERIFIED_BACKENDS = ("flashinfer", "triton")
+#: correctness check, grid; fa3 on an H200, docs/results/fa3.md). Blackwell's default
+#: (trtllm_mha) GraniKV wraps but has never run behind on a GPU.
+VERIFIED_BACKENDS = ("flashinfer", "triton", "fa3")
+#: What ``--enable-granikv`` serves on when no attention backend is given, in order of preference
+#: (the first one installed). Not SGLang's Hopper default fa3: GraniKV needs page size 1, where
+#: stock fa3 decoded 1.28-1.50x slower than stock flashinfer on the H200's long-context rows (and
+#: equal without a long context), and every step GraniKV leaves to the wrapped backend is stock.
+DEFAULT_CHOICES = ("flashinfer", "triton")
 _BACKEND_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
 
 
 def choose_attention_backend(get: Callable[[str], Any], set_: Callable[[str, Any], None]) -> None:
-    """With no attention backend given, a verified one (flashinfer where installed, else
-    triton) instead of SGLang's per-GPU default, with one log line; a given unverified one is
+    """With no attention backend given, the first installed of ``DEFAULT_CHOICES`` (flashinfer,
+    else triton) instead of SGLang's per-GPU default, with one log line; a given unverified one is
     kept, with one line saying so. Only on a CUDA device (SGLang's other platforms choose
     their own backend, and GraniKV's kernels need CUDA)."""
     given = {k: get(k) for k in _BACKEND_KEYS if get(k) is not None}
@@ -72,12 +77,12 @@ def choose_attention_backend(get: Callable[[str], Any], set_: Callable[[str, Any
             return
         import importlib.util
 
-        choice = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+        choice = next((b for b in DEFAULT_CHOICES if importlib.util.find_spec(b) is not None), DEFAULT_CHOICES[-1])
         set_("attention_backend", choice)
-        logger.info("GraniKV: no --attention-backend given: serving with %s, a backend GraniKV is verified "
-                    "behind on a GPU (%s), instead of SGLang's default for this GPU (fa3 on Hopper, "
-                    "trtllm_mha on Blackwell: not yet run behind GraniKV on a GPU); pass "
-                    "--attention-backend to choose", choice, ", ".join(VERIFIED_BACKENDS))
+        logger.info("GraniKV: no --attention-backend given: serving with %s (verified behind GraniKV on a GPU: "
+                    "%s) instead of SGLang's default for this GPU (fa3 on Hopper: slower than flashinfer at "
+                    "the page size 1 GraniKV needs; trtllm_mha on Blackwell: not yet run behind GraniKV); "
+                    "pass --attention-backend to choose", choice, ", ".join(VERIFIED_BACKENDS))
         return
     for key, value in given.items():
         if value not in VERIFIED_BACKENDS:

@@ -197,13 +197,13 @@ def _server_kwargs(**given):
 
 
 def test_no_attention_backend_on_cuda_gets_a_verified_one(caplog, monkeypatch):
-    """SGLang's default would be fa3 on Hopper (trtllm_mha on Blackwell), which GraniKV has not
-    run behind on a GPU: with --enable-granikv and no backend given, a verified one is chosen
-    (flashinfer where installed, else triton) with one line saying why."""
+    """SGLang's default would be fa3 on Hopper (slower than flashinfer at GraniKV's page size 1) or
+    trtllm_mha on Blackwell (never run behind GraniKV): with --enable-granikv and no backend given,
+    flashinfer is chosen where installed, else triton, with one line saying why."""
     caplog.set_level("INFO", logger="granikv")
     assert _server_kwargs(device="cuda")["attention_backend"] == "flashinfer"
     line = [r.getMessage() for r in caplog.records if "no --attention-backend" in r.getMessage()]
-    assert len(line) == 1 and "fa3 on Hopper" in line[0] and "flashinfer, triton" in line[0]
+    assert len(line) == 1 and "fa3 on Hopper" in line[0] and "flashinfer, triton, fa3" in line[0]
     import importlib.util
 
     real = importlib.util.find_spec
@@ -217,6 +217,8 @@ def test_a_given_backend_is_kept_and_an_unverified_one_named(caplog):
     assert _server_kwargs(device="cuda", decode_attention_backend="flashinfer").get("attention_backend") is None
     assert not [r for r in caplog.records if "not been verified" in r.getMessage()]
     assert _server_kwargs(device="cuda", attention_backend="fa3")["attention_backend"] == "fa3"
+    assert not [r for r in caplog.records if "not been verified" in r.getMessage()]  # fa3: verified on an H200
+    assert _server_kwargs(device="cuda", attention_backend="trtllm_mha")["attention_backend"] == "trtllm_mha"
     warn = [r.getMessage() for r in caplog.records if "not been verified" in r.getMessage()]
-    assert len(warn) == 1 and "--attention-backend=fa3" in warn[0]
+    assert len(warn) == 1 and "--attention-backend=trtllm_mha" in warn[0]
     assert "attention_backend" not in _server_kwargs(device="cpu")  # other platforms: SGLang's choice
