@@ -31,8 +31,9 @@ promotion skips, planning time).
 
 ``--also-stock B`` adds a third engine per model: stock SGLang on attention backend B (e.g. the
 fa3 backend SGLang picks on Hopper beside a flashinfer grid), taking its turn in every repeat
-(config ``stock_B``; the row gets ``stock_B_out_tok_s`` and ``speedup_vs_B``; the ceiling and the
-floor stay the ``--backend`` stock engine's). With three engines on one GPU every pool is capped
+(config ``stock_B``; the row gets ``also_stock[B]``: its tok/s, spread, ratio to the stock engine
+and GraniKV's ratio to it, regime_report.py; the ceiling and the floor stay the ``--backend``
+stock engine's). With three engines on one GPU every pool is capped
 at ``THREE_ENGINE_POOL_TOKENS``.
 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
@@ -129,7 +130,7 @@ def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str,
     return apply_extra(kw, extra, granikv=config == "granikv")
 
 
-STOCK_PREFIX = "stock_"
+STOCK_PREFIX = report.STOCK_PREFIX  # config of an --also-stock engine: stock_<backend>
 
 
 def also_stock_config(backend: str) -> str:
