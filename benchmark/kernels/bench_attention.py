@@ -373,6 +373,10 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "desc_bn128_pw3.0": dict(prefix_kernel="descriptor", block_n=128, prefix_waves=3.0),
     "bn128_pw2.0": dict(block_n=128, prefix_waves=2.0),
     "bn128_pw3.0": dict(block_n=128, prefix_waves=3.0),
+    # FP8 caches (--kv-dtype): FP8 tiles widened to bf16 (the query's dtype), the default before
+    # fp16 math; and fp16 math with two warpgroups per program
+    "fp8q": dict(fp8_math="query"),
+    "fp8q_bm128_w8_pw1.0": dict(fp8_math="query", block_m=128, prefix_warps=8, prefix_waves=1.0),
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents
 FOREST_64 = [(512 + 57 * g, 2 + g % 3) for g in range(64)]  # 64 prefixes 0.5-4K, 2-4 agents

@@ -1,6 +1,6 @@
 """Cascade decode over an FP8 KV cache (fp8 e4m3 / e5m2, SGLang's ``--kv-cache-dtype
-fp8_e4m3`` / ``fp8_e5m2``): the kernels read the stored bytes, widen them to the query's dtype
-in registers and apply the layer's K / V scales as SGLang's backends do (scores times
+fp8_e4m3`` / ``fp8_e5m2``): the kernels read the stored bytes, widen them in registers (to fp16
+under a bf16 query: ``fp8_math``; to the query's dtype otherwise) and apply the layer's K / V scales as SGLang's backends do (scores times
 ``k_scale``, outputs times ``v_scale``).
 
 Every path against the float64 reference over the same bytes dequantized (``dequantize_ref``),
@@ -13,11 +13,14 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 from conftest import SMALL_CONFIG, fill, make_batch
 
 from support.per_request import assert_per_request
 from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels import prefix_attention
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
+from granikv.kernels.prefix_attention import math_f16
 from granikv.kernels.reference import decode_attention_ref, dequantize_ref
 
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}
@@ -100,3 +103,58 @@ def test_the_fp8_bytes_are_what_the_kernels_read():
     exact = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
     with pytest.raises(AssertionError):
         _assert_per_request(_run("cascade", b), exact)
+
+
+def _bf16_query(b):
+    b.q = b.q.to(torch.bfloat16)
+    return b
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("hq, hkv, d", [SHAPES[0], SHAPES[2]])
+@pytest.mark.parametrize("path", ["cascade", "fused"])
+def test_a_bf16_query_over_an_fp8_cache_runs_fp16_math_within_the_reference(path, hq, hkv, d, fmt):
+    """A bf16 query (the serving dtype) over an FP8 cache takes fp16 math (``math_f16``): the
+    FP8 tiles widen to fp16, the query is scaled by ``Q16_SCALE`` and rounded to fp16, the score
+    scale carries the inverse. Per request within the FP8 check's tolerance of the float64
+    reference over the same bytes (the output itself is bf16)."""
+    b = _bf16_query(_quantized(hq, hkv, d, fmt, seed=hq + d + 2))
+    assert math_f16(b.q, b.k8, SMALL_CONFIG.fp8_math)
+    _assert_per_request(_run(path, b).float(), _ref(b))
+    with pytest.raises(AssertionError, match="^request "):  # planted: the K scale 10% off
+        _assert_per_request(_run(path, b, k_scale=b.k_scale * 1.1).float(), _ref(b))
+
+
+def _query_beyond_fp16(seed):
+    """A bf16 query with one component at 1e5 (past fp16's 65504), whose keys in that component
+    are small enough that it moves the scores by about one unit: rounding that component to
+    fp16 unscaled (clamped or inf) changes the output."""
+    b = _bf16_query(_quantized(12, 4, 64, "e4m3", seed=seed))
+    g = torch.Generator().manual_seed(seed)
+    q0 = 1e5
+    k0 = torch.randn(b.k8.shape[0], b.k8.shape[1], generator=g) / (q0 * b.sm_scale)  # score units ~ 1
+    b.k8[:, :, 0] = (k0 / b.k_scale).to(b.k8.dtype)
+    b.q[:, :, 0] = q0 * torch.sign(torch.randn(b.q.shape[0], b.q.shape[1], generator=g))
+    return b
+
+
+def test_a_query_past_fp16s_range_keeps_its_value_under_fp16_math(monkeypatch):
+    """``Q16_SCALE`` keeps a bf16 query of up to ~1e6 exact in fp16; with the scale planted at 1
+    (the query rounded to fp16 as it is) the component at 1e5 is clamped to 65504 and the same
+    check fails."""
+    b = _query_beyond_fp16(seed=5)
+    _assert_per_request(_run("cascade", b).float(), _ref(b))
+    monkeypatch.setattr(prefix_attention, "Q16_SCALE", triton.language.constexpr(1.0))
+    with pytest.raises(AssertionError, match="^request "):
+        _assert_per_request(_run("cascade", b).float(), _ref(b))
+
+
+def test_fp8_math_query_keeps_the_bf16_widening():
+    """``fp8_math="query"`` widens FP8 tiles to bf16 (no fp16 math); an fp16 or fp32 query and a
+    bf16 cache never take fp16 math."""
+    b = _bf16_query(_quantized(8, 8, 64, "e4m3", seed=1))
+    assert not math_f16(b.q, b.k8, "query")
+    assert not math_f16(b.q.half(), b.k8, "fp16") and not math_f16(b.q.float(), b.k8, "fp16")
+    assert not math_f16(b.q, b.k.to(torch.bfloat16), "fp16")
+    with pytest.raises(ValueError, match="fp8_math"):
+        dataclasses.replace(SMALL_CONFIG, fp8_math="bf16")

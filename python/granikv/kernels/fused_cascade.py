@@ -23,7 +23,7 @@ import triton.language as tl
 
 from granikv.kernels.merge_state import check_sinks
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import _prefix_item, input_precision, qk_scale
+from granikv.kernels.prefix_attention import _prefix_item, input_precision, math_f16, qk_scale
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
@@ -85,7 +85,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                   BLOCK_H: tl.constexpr, SFX_HEADS: tl.constexpr, NUM_SFX_GROUPS: tl.constexpr,
                   SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                   EVEN_SPLIT: tl.constexpr, DEVICE_ENDS: tl.constexpr, SLOT_COPY: tl.constexpr,
-                  HAS_SINKS: tl.constexpr):
+                  HAS_SINKS: tl.constexpr, MATH_F16: tl.constexpr):
     h = tl.program_id(1)
     n_pfx = tl.load(Counts + 1)
     n_sfx = tl.load(Counts + 2)
@@ -95,7 +95,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
         b, qh, row_ok = _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
+                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
@@ -104,7 +104,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
                                      stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                                      RATIO, SFX_HEADS, HEAD_DIM, BLOCK_H, SFX_BLOCK_N, INPUT_PRECISION,
-                                     DEVICE_ENDS, SLOT_COPY)
+                                     DEVICE_ENDS, SLOT_COPY, MATH_F16)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
@@ -129,17 +129,20 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     grid = (ws.grid_items("fused"), ws.num_kv_heads)
     ends = plan.ends  # see suffix_attention: device ends of each request's last suffix item
     slots, slots_stride = slot_copy_args(plan)
+    f16 = math_f16(q, k_buffer, cfg.fp8_math)
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.sfx_max,
         ws.counters, slots, ws.slot_copy_on, ws.part_lse if sinks is None else sinks,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, qk_scale(sm_scale, k_scale),
+        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads,
+        qk_scale(sm_scale, k_scale, f16),
         v_scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=ws.suffix_block_h,
         SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,
-        SLOT_COPY=plan.slot_copy, HAS_SINKS=sinks is not None, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        SLOT_COPY=plan.slot_copy, HAS_SINKS=sinks is not None, MATH_F16=f16,
+        num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

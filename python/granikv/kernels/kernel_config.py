@@ -81,7 +81,16 @@ class KernelConfig:
     16 heads per program) does not (282 KB asked, 227 KB available). ``tile_config`` scales it
     by 128 / head_dim."""
 
+    fp8_math: Literal["fp16", "query"] = "fp16"
+    """Over an FP8 cache with a bf16 query: "fp16" widens the FP8 K/V tiles to fp16 and runs the
+    dots in fp16 with the query pre-scaled and rounded to fp16 (``prefix_attention._math_query``:
+    exact widening in one ``cvt`` per two values on sm89+, 11 significant bits in the dots);
+    "query" widens them to bf16, the query's dtype (three instructions per two values). Both
+    accumulate in fp32 and read the same bytes; an fp16 / fp32 query is unaffected."""
+
     def __post_init__(self) -> None:
+        if self.fp8_math not in ("fp16", "query"):
+            raise ValueError(f"fp8_math={self.fp8_math!r} must be 'fp16' or 'query'")
         if self.prefix_kernel not in ("pointer", "descriptor", "auto"):
             raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer', 'descriptor' or 'auto'")
         for name in ("block_m", "block_n", "suffix_block_n"):

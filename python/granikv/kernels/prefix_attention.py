@@ -19,9 +19,27 @@ import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["prefix_attention", "descriptor_fits"]
+__all__ = ["prefix_attention", "descriptor_fits", "math_f16"]
 
 LOG2E = 1.4426950408889634
+
+
+Q16_SCALE = tl.constexpr(0.0625)
+"""What ``_math_query`` multiplies a bf16 query by before rounding it to fp16 (a power of two:
+exact). It moves fp16's range [6.1e-5, 65504] to [9.8e-4, 1.05e6] in query units, so that a
+bf16 query keeps every one of its 8 significant bits there (fp16 has 11); the score scale
+carries the inverse (``score_scale``)."""
+
+
+@triton.jit
+def _math_query(q, MATH_F16: tl.constexpr):
+    """The query as the dots take it. With MATH_F16 (``math_f16``: a bf16 query over an FP8
+    cache) it is multiplied by ``Q16_SCALE``, clamped to fp16's range and rounded to fp16, so
+    that the FP8 K/V tiles widen to fp16 (one ``cvt`` per two values on sm89+; to bf16 it takes
+    three) and the dots run in fp16 with fp32 accumulation."""
+    if MATH_F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * Q16_SCALE, -65504.0), 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -29,7 +47,8 @@ def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr, 
     """One online-softmax step over a [N, D] key/value tile (base-2 exponentials); with MASKED,
     scores where ``keep`` (broadcast to [rows, N]) is False are dropped. An FP8 tile (an FP8 KV
     cache) is widened to the query's dtype here, in registers (exact: every fp8 e4m3 / e5m2
-    value is a bf16 / fp16 value); its scales are the caller's (``kv_scales``)."""
+    value is a bf16 / fp16 value; fp16 for a bf16 query under ``_math_query``); its scales are
+    the caller's (``kv_scales``)."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
@@ -59,7 +78,7 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                  stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
+                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr):
     """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
     row_lo = tl.load(PfxItems + w)
     row_hi = tl.load(PfxItems + pfx_cap + w)
@@ -74,6 +93,7 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
     b = tl.load(GroupReqIdx + member, mask=row_ok, other=0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b[:, None] * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _math_query(q, MATH_F16)
 
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K + (slot_lo + offs_n)[:, None] * stride_kb + h * stride_kh + d[None, :]
@@ -116,7 +136,7 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 1)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
@@ -124,7 +144,7 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
         _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT)
+                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16)
 
 
 @triton.jit
@@ -132,7 +152,8 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                         stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                         RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                        INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                        MATH_F16: tl.constexpr):
     """``_prefix_kernel`` with the full K/V tiles loaded through tensor descriptors over the
     layer's buffers viewed ``[slots, Hkv * D]`` (TMA on sm90+): tile j of item w is the block
     at ``(slot_lo + j * BLOCK_N, h * D)``. The masked tail (< BLOCK_N keys) is a pointer load,
@@ -151,6 +172,7 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
         b = tl.load(GroupReqIdx + rows // RATIO, mask=row_ok, other=0).to(tl.int64)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + b[:, None] * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+        q = _math_query(q, MATH_F16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -207,10 +229,20 @@ def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:  # triton's TensorDe
     return desc
 
 
-def qk_scale(sm_scale: float, k_scale: float) -> float:
+def qk_scale(sm_scale: float, k_scale: float, f16: bool = False) -> float:
     """The kernels' score scale (base 2): ``sm_scale`` times the layer's K scale, the factor
-    SGLang's backends dequantize an FP8 K cache by (``kv_scales``)."""
-    return sm_scale * k_scale * LOG2E
+    SGLang's backends dequantize an FP8 K cache by (``kv_scales``); with ``f16`` (the launch's
+    ``math_f16``) also the inverse of the query's ``Q16_SCALE``."""
+    return sm_scale * k_scale * LOG2E / (Q16_SCALE.value if f16 else 1.0)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def math_f16(q: torch.Tensor, k_buffer: torch.Tensor, fp8_math: str) -> bool:
+    """The kernels' ``MATH_F16``: a bf16 query over an FP8 cache with ``KernelConfig.fp8_math``
+    "fp16" (``_math_query``). An fp16 query is fp16 math already; an fp32 one stays fp32."""
+    return fp8_math == "fp16" and q.dtype == torch.bfloat16 and k_buffer.dtype in FP8_DTYPES
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -239,6 +271,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)
+    f16 = math_f16(q, k_buffer, cfg.fp8_math)
     kind = cfg.prefix_kernel
     if kind == "auto":
         kind = "descriptor" if descriptor_fits(k_buffer) and descriptor_fits(v_buffer) else "pointer"
@@ -247,17 +280,20 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
             ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, qk_scale(sm_scale, k_scale),
+            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
+            qk_scale(sm_scale, k_scale, f16),
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
-            WARP_SPECIALIZE=cfg.prefix_warp_specialize, num_warps=cfg.prefix_warps,
+            WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16,
+            num_warps=cfg.prefix_warps,
         )  # fmt: skip
         return
     _prefix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, qk_scale(sm_scale, k_scale),
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
+        qk_scale(sm_scale, k_scale, f16),
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
-        num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        MATH_F16=f16, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip

@@ -26,7 +26,14 @@ import triton
 import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import _softmax_step, _store_partial, input_precision, qk_scale
+from granikv.kernels.prefix_attention import (
+    _math_query,
+    _softmax_step,
+    _store_partial,
+    input_precision,
+    math_f16,
+    qk_scale,
+)
 
 __all__ = ["slot_copy_args", "suffix_attention"]
 
@@ -37,7 +44,7 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
                  stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr,
-                 SLOT_COPY: tl.constexpr):
+                 SLOT_COPY: tl.constexpr, MATH_F16: tl.constexpr):
     """Attention of suffix item ``w`` for kv heads ``hg*HEADS .. hg*HEADS+HEADS-1``.
 
     Rows r < HEADS*RATIO are q-heads ``hg*HEADS*RATIO + r`` (local kv head r // RATIO); the key
@@ -63,6 +70,7 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
     row_head = r // RATIO
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b64 * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _math_query(q, MATH_F16)
 
     tok_ptr = ReqToToken + tl.load(ReqPoolIdx + b).to(tl.int64) * stride_rt + t_lo
     if SLOT_COPY:  # a graph built to read the step's slot copy, where the build made one
@@ -97,7 +105,7 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
                    stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr,
-                   SLOT_COPY: tl.constexpr):
+                   SLOT_COPY: tl.constexpr, MATH_F16: tl.constexpr):
     hg = tl.program_id(1)
     n_items = tl.load(Counts + 2)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
@@ -105,7 +113,7 @@ def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToT
         _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax, n_items,
                      SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      stride_rt, stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS, SLOT_COPY)
+                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS, SLOT_COPY, MATH_F16)
 
 
 def slot_copy_args(plan: CascadePlan) -> Tuple[torch.Tensor, int]:
@@ -143,14 +151,15 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     grid = (ws.grid_items("suffix"), ws.suffix_groups)
     ends = plan.ends
     slots, slots_stride = slot_copy_args(plan)
+    f16 = math_f16(q, k_buffer, cfg.fp8_math)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
         ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        ws.suffix_cap, qk_scale(sm_scale, k_scale),
+        ws.suffix_cap, qk_scale(sm_scale, k_scale, f16),
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
-        SLOT_COPY=plan.slot_copy,
+        SLOT_COPY=plan.slot_copy, MATH_F16=f16,
         num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip
