@@ -1,7 +1,7 @@
 """Cascade decode over an FP8 KV cache (fp8 e4m3 / e5m2, SGLang's ``--kv-cache-dtype
 fp8_e4m3`` / ``fp8_e5m2``): the kernels read the stored bytes, widen them in registers (to fp16
-under a bf16 query: ``fp8_math``; to the query's dtype otherwise) and apply the layer's K / V scales as SGLang's backends do (scores times
-``k_scale``, outputs times ``v_scale``).
+under a bf16 query: ``fp8_math``; to the query's dtype otherwise) and apply the layer's K / V
+scales as SGLang's backends do (scores times ``k_scale``, outputs times ``v_scale``).
 
 Every path against the float64 reference over the same bytes dequantized (``dequantize_ref``),
 per request, at odd shapes (GQA 1 / 3 / 8, head_dim 64 and 128, lengths off every tile);
