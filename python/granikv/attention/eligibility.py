@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Set, 
 import torch
 
 from granikv.attention.kv_scales import scale_reason
+from granikv.kernels.kernel_config import FP8_KV_DTYPES
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -30,8 +31,7 @@ logger = logging.getLogger("granikv")
 #: fp16 / bf16, and the FP8 caches SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2 make (read as
 #: stored and widened in registers, with the layer's scales: kv_scales.py). Other quantized
 #: caches (fp4_e2m1, mxfp8: block scales the kernels do not apply) stay off.
-SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16) + FP8_KV_DTYPES
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from granikv.kernels.merge_state import check_sinks
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import _prefix_item, input_precision, math_f16, qk_scale
+from granikv.kernels.prefix_attention import _prefix_item, input_precision, score_math
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
@@ -129,16 +129,14 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     grid = (ws.grid_items("fused"), ws.num_kv_heads)
     ends = plan.ends  # see suffix_attention: device ends of each request's last suffix item
     slots, slots_stride = slot_copy_args(plan)
-    f16 = math_f16(q, k_buffer, cfg.fp8_math)
+    scale, f16 = score_math(q, k_buffer, cfg, sm_scale, k_scale)
     _fused_kernel[grid](
         q, k_buffer, v_buffer, out, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.sfx_items, ws.group_req_idx,
         ws.part_indptr, ws.req_pool_indices, req_to_token, ws.counts if ends is None else ends, ws.sfx_max,
         ws.counters, slots, ws.slot_copy_on, ws.part_lse if sinks is None else sinks,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads,
-        qk_scale(sm_scale, k_scale, f16),
-        v_scale,
+        out.stride(0), out.stride(1), ws.prefix_cap, ws.suffix_cap, ws.num_q_heads, scale, v_scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=ws.suffix_block_h,
         SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,

@@ -10,7 +10,13 @@ in ``SHAPE_TILES``.
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Literal, Tuple, Union
 
-__all__ = ["KernelConfig", "SHAPE_TILES", "tile_config", "default_config"]
+import torch
+
+__all__ = ["KernelConfig", "SHAPE_TILES", "FP8_KV_DTYPES", "tile_config", "default_config"]
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The FP8 caches the kernels read as stored (SGLang's ``--kv-cache-dtype fp8_e4m3`` /
+``fp8_e5m2``), widened in registers (``KernelConfig.fp8_math``)."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,6 @@ measured winner goes here as ``(ratio, head_dim): overrides``."""
 
 def device_has_tma(device: Any) -> bool:
     """A CUDA device of compute capability 9.0 or later (TMA: the descriptor prefix kernel)."""
-    import torch
-
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from granikv.kernels.kernel_config import FP8_KV_DTYPES, KernelConfig
 from granikv.kernels.plan import CascadePlan
 
 __all__ = ["prefix_attention", "descriptor_fits", "math_f16"]
@@ -28,7 +29,7 @@ Q16_SCALE = tl.constexpr(0.0625)
 """What ``_math_query`` multiplies a bf16 query by before rounding it to fp16 (a power of two:
 exact). It moves fp16's range [6.1e-5, 65504] to [9.8e-4, 1.05e6] in query units, so that a
 bf16 query keeps every one of its 8 significant bits there (fp16 has 11); the score scale
-carries the inverse (``score_scale``)."""
+carries the inverse (``qk_scale``)."""
 
 
 @triton.jit
@@ -236,13 +237,18 @@ def qk_scale(sm_scale: float, k_scale: float, f16: bool = False) -> float:
     return sm_scale * k_scale * LOG2E / (Q16_SCALE.value if f16 else 1.0)
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def math_f16(q: torch.Tensor, k_buffer: torch.Tensor, fp8_math: str) -> bool:
     """The kernels' ``MATH_F16``: a bf16 query over an FP8 cache with ``KernelConfig.fp8_math``
     "fp16" (``_math_query``). An fp16 query is fp16 math already; an fp32 one stays fp32."""
-    return fp8_math == "fp16" and q.dtype == torch.bfloat16 and k_buffer.dtype in FP8_DTYPES
+    return fp8_math == "fp16" and q.dtype == torch.bfloat16 and k_buffer.dtype in FP8_KV_DTYPES
+
+
+def score_math(q: torch.Tensor, k_buffer: torch.Tensor, cfg: KernelConfig, sm_scale: float,
+               k_scale: float) -> Tuple[float, bool]:
+    """One launch's (score scale, ``MATH_F16``): ``qk_scale`` of ``math_f16``, so that the
+    query's ``Q16_SCALE`` and its inverse in the scale always come together."""
+    f16 = math_f16(q, k_buffer, cfg.fp8_math)
+    return qk_scale(sm_scale, k_scale, f16), f16
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -271,7 +277,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ws.check_shapes(q, k_buffer)
     cfg = ws.config
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)
-    f16 = math_f16(q, k_buffer, cfg.fp8_math)
+    scale, f16 = score_math(q, k_buffer, cfg, sm_scale, k_scale)
     kind = cfg.prefix_kernel
     if kind == "auto":
         kind = "descriptor" if descriptor_fits(k_buffer) and descriptor_fits(v_buffer) else "pointer"
@@ -281,7 +287,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
-            qk_scale(sm_scale, k_scale, f16),
+            scale,
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
             WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16,
@@ -292,7 +298,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
-        qk_scale(sm_scale, k_scale, f16),
+        scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
         MATH_F16=f16, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,

@@ -31,8 +31,7 @@ from granikv.kernels.prefix_attention import (
     _softmax_step,
     _store_partial,
     input_precision,
-    math_f16,
-    qk_scale,
+    score_math,
 )
 
 __all__ = ["slot_copy_args", "suffix_attention"]
@@ -151,13 +150,13 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     grid = (ws.grid_items("suffix"), ws.suffix_groups)
     ends = plan.ends
     slots, slots_stride = slot_copy_args(plan)
-    f16 = math_f16(q, k_buffer, cfg.fp8_math)
+    scale, f16 = score_math(q, k_buffer, cfg, sm_scale, k_scale)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
         ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        ws.suffix_cap, qk_scale(sm_scale, k_scale, f16),
+        ws.suffix_cap, scale,
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
         SLOT_COPY=plan.slot_copy, MATH_F16=f16,

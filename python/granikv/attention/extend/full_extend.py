@@ -36,6 +36,7 @@ import torch
 from granikv import sglang_compat as compat
 from granikv.attention.extend.hot_extend import HotExtendAttention
 from granikv.attention.kv_scales import kv_scales
+from granikv.kernels.kernel_config import FP8_KV_DTYPES
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -85,7 +86,7 @@ def backend_reason(inner: AttentionBackend, pool: KVCache) -> Optional[str]:
     if getattr(pool, "is_quantized_kv_cache", False):
         return "quantised KV cache (block-scaled)"
     dtype, store = getattr(pool, "dtype", None), getattr(pool, "store_dtype", None)
-    fp8_in_bytes = dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and store == torch.uint8
+    fp8_in_bytes = dtype in FP8_KV_DTYPES and store == torch.uint8
     if store != dtype and not fp8_in_bytes:  # an FP8 cache stored as bytes is served (widened per tile)
         return f"KV cache stored as {store} for {dtype}"
     return None
