@@ -377,6 +377,14 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # fp16 math; and fp16 math with two warpgroups per program
     "fp8q": dict(fp8_math="query"),
     "fp8q_bm128_w8_pw1.0": dict(fp8_math="query", block_m=128, prefix_warps=8, prefix_waves=1.0),
+    # the merge loading 4 / 8 / 16 partial rows per step as one tile (running max)
+    "merge4": dict(merge_block_p=4),
+    "merge8": dict(merge_block_p=8),
+    "merge16": dict(merge_block_p=16),
+    # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
+    "chunk128": dict(min_prefix_chunk=128),
+    "sfx32": dict(min_suffix_chunk=32),
+    "merge8_chunk128": dict(merge_block_p=8, min_prefix_chunk=128),
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents
 FOREST_64 = [(512 + 57 * g, 2 + g % 3) for g in range(64)]  # 64 prefixes 0.5-4K, 2-4 agents
@@ -385,7 +393,9 @@ SWEEP_CASES = [([(16384, 64)], 256), ([(16384, 128)], 256), ([(16384, 8), (8192,
                # the heterogeneous e2e row at 128 agents (workloads.py: 8 prefixes 2K-16K)
                ([(2048, 30), (4096, 23), (6144, 20), (8192, 16), (10240, 13), (12288, 12), (14336, 9), (16384, 5)],
                 256),
-               (FOREST_16, 256), (FOREST_64, 256)]
+               (FOREST_16, 256), (FOREST_64, 256),
+               # an agent loop's decode batch (24 agents on a 10K prefix, histories of ~600 tokens)
+               ([(10240, 24)], 640)]
 
 
 def prefix_flops(groups) -> float:

@@ -71,11 +71,13 @@ def test_suffix_attention(dtype, ratio, hkv, head_group):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("ratio", [1, 4, 5])
-def test_merge_rows(dtype, ratio):
-    """Random partial states, CSR with 0..4 rows per request, some rows empty (lse = -inf),
-    including a request whose first rows are all empty before finite ones."""
+@pytest.mark.parametrize("block_p", [1, 2, 4])
+def test_merge_rows(dtype, ratio, block_p):
+    """Random partial states, CSR with 0..9 rows per request, some rows empty (lse = -inf),
+    including a request whose first rows are all empty before finite ones; the tile merge
+    (``block_p`` > 1) over requests of fewer, as many and more rows than a tile."""
     g = torch.Generator().manual_seed(ratio)
-    counts = torch.tensor([3, 1, 0, 4, 2, 1])
+    counts = torch.tensor([3, 1, 0, 4, 2, 1, 9])
     indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
     rows, hkv, d = int(counts.sum()), 2, 64
     hq = ratio * hkv
@@ -85,7 +87,7 @@ def test_merge_rows(dtype, ratio):
     lse[3] = float("-inf")  # request 1's only row is empty -> zeros
     lse[4:6, :] = float("-inf")  # request 3: its first two rows empty, then finite rows
     out = torch.full((len(counts), hq, d), float("nan"), dtype=dtype)
-    merge_rows(o, lse, indptr, out, hkv)
+    merge_rows(o, lse, indptr, out, hkv, block_p=block_p)
     for i in range(len(counts)):
         lo, hi = int(indptr[i]), int(indptr[i + 1])
         exp = merge_state_ref(o[lo:hi], lse[lo:hi]).o if hi > lo else torch.zeros(hq, d, dtype=torch.float64)

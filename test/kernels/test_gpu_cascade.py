@@ -7,6 +7,8 @@ Tolerance: bf16 operands (8-bit mantissa) and bf16 softmax probabilities put the
 replay test compares each request elementwise instead (one wrong end must fail it).
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from conftest import fill, make_batch
 from support.per_request import assert_per_request
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.graph_capture import capture_graph
+from granikv.kernels.kernel_config import tile_config
 from granikv.kernels.reference import decode_attention_ref
 from granikv.attention.decode.work_list import KernelConfig
 from granikv.attention.decode.workspace import CascadeWorkspace
@@ -42,9 +45,13 @@ def _ref(b):
 
 @pytest.mark.parametrize("hq", [32, 40])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_real_shapes_bf16(hq, path):
+@pytest.mark.parametrize("merge_block_p", [1, 8])
+def test_real_shapes_bf16(hq, path, merge_block_p):
+    if merge_block_p > 1 and path == "fused":
+        pytest.skip("the fused kernel merges in its own last-arriving program")
     b = _batch(hq)
-    ws = CascadeWorkspace(128, hq, 8, 128, "cuda")
+    cfg = replace(tile_config(hq // 8, 128, tma=True), merge_block_p=merge_block_p)
+    ws = CascadeWorkspace(128, hq, 8, 128, "cuda", config=cfg)
     fill(ws, b, single_prefix_chunk=path == "bgemm")
     out = torch.full_like(b.q, float("nan"))
     PATHS[path](b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)

@@ -81,17 +81,18 @@ def test_planted_faults_fail_the_same_check(fault):
         assert_per_request(bad, ref)
 
 
-def test_merge_rows_with_sinks_matches_the_reference_and_empty_rows_stay_zero():
+@pytest.mark.parametrize("block_p", [1, 2])
+def test_merge_rows_with_sinks_matches_the_reference_and_empty_rows_stay_zero(block_p):
     g = torch.Generator().manual_seed(3)
     hq, hkv, d = 6, 2, 64
-    counts = [3, 1, 0, 2]
+    counts = [3, 1, 0, 2, 5]
     rows = sum(counts)
     part_o = torch.randn(rows, hq, d, generator=g)
     part_lse = torch.randn(rows, hq, generator=g) * 2
     part_lse[4, 1] = float("-inf")  # an empty partial row for one head
     ptr = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
     sinks = _sinks(hq, 4)
-    out = merge_rows(part_o, part_lse, ptr, torch.empty(len(counts), hq, d), hkv, sinks=sinks)
+    out = merge_rows(part_o, part_lse, ptr, torch.empty(len(counts), hq, d), hkv, sinks=sinks, block_p=block_p)
     for i, n in enumerate(counts):
         lo = int(ptr[i])
         if n == 0:

@@ -87,6 +87,11 @@ class KernelConfig:
     16 heads per program) does not (282 KB asked, 227 KB available). ``tile_config`` scales it
     by 128 / head_dim."""
 
+    merge_block_p: int = 1
+    """Partial rows the merge loads per step: 1 walks a request's rows one by one (two dependent
+    loads each); a power of two > 1 loads that many at once as one tile and folds them in with a
+    running max (merge_state.py)."""
+
     fp8_math: Literal["fp16", "query"] = "fp16"
     """Over an FP8 cache with a bf16 query: "fp16" widens the FP8 K/V tiles to fp16 and runs the
     dots in fp16 with the query pre-scaled and rounded to fp16 (``prefix_attention._math_query``:
@@ -99,6 +104,8 @@ class KernelConfig:
             raise ValueError(f"fp8_math={self.fp8_math!r} must be 'fp16' or 'query'")
         if self.prefix_kernel not in ("pointer", "descriptor", "auto"):
             raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer', 'descriptor' or 'auto'")
+        if self.merge_block_p < 1 or self.merge_block_p & (self.merge_block_p - 1):
+            raise ValueError(f"merge_block_p={self.merge_block_p} must be a power of two >= 1")
         for name in ("block_m", "block_n", "suffix_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

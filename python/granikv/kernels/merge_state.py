@@ -16,6 +16,12 @@ joins the softmax denominator once per head, and contributes no value:
 
 as SGLang's triton decode kernel applies them (``e_sum += exp(sink - e_max)`` after its
 split merge): the same result, whichever partial rows the work is cut into.
+
+Two kernels compute it (``KernelConfig.merge_block_p``): ``_merge_kernel`` walks a request's
+partial rows one at a time, twice (the max, then the weighted sum: 2 x rows dependent loads);
+``_merge_tile_kernel`` loads ``BLOCK_P`` rows at once as one [BLOCK_P, ratio, head_dim] tile and
+folds them in with a running max (one load round trip per ``BLOCK_P`` rows), the sink starting
+the running state as a row of weight ``exp(sink)`` and no value.
 """
 
 from typing import Optional
@@ -76,6 +82,70 @@ def _merge_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, strid
                     stride_oh, RATIO, BLOCK_R, HEAD_DIM, HAS_SINKS)
 
 
+@triton.jit
+def _merge_tile_rows(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr,
+                     stride_ob, stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """``_merge_rows`` with BLOCK_P partial rows per load (online max over the tiles)."""
+    r = tl.arange(0, BLOCK_R)
+    ok = r < RATIO
+    qh = h * RATIO + r
+    d = tl.arange(0, HEAD_DIM)
+    pp = tl.arange(0, BLOCK_P)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max, log2 units
+    s = tl.zeros([BLOCK_R], tl.float32)
+    if HAS_SINKS:  # the sink: a row of weight exp(sink) and no value
+        m = tl.load(Sinks + qh, mask=ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        s = tl.where(m == float("-inf"), 0.0, 1.0)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for p0 in range(p_lo, p_hi, BLOCK_P):
+        p = p0 + pp
+        okp = (p < p_hi)[:, None] & ok[None, :]
+        lse = tl.load(PartLse + p[:, None] * stride_lr + qh[None, :], mask=okp, other=float("-inf"),
+                      cache_modifier=".cg") * 1.4426950408889634
+        o = tl.load(PartO + p[:, None, None] * stride_pr + qh[None, :, None] * stride_ph + d[None, None, :],
+                    mask=okp[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - base)  # 0 while m is -inf
+        wgt = tl.exp2(lse - base[None, :])  # [BLOCK_P, BLOCK_R], 0 for empty rows
+        acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * o, 0)
+        s = s * alpha + tl.sum(wgt, 0)
+        m = m_new
+    out = acc / tl.where(s == 0.0, 1.0, s)[:, None] * v_scale
+    b64 = b.to(tl.int64)
+    tl.store(Out + b64 * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=ok[:, None])
+
+
+@triton.jit
+def _merge_tile_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, stride_pr, stride_ph, stride_lr,
+                       stride_ob, stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       HAS_SINKS: tl.constexpr, BLOCK_P: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if b < tl.load(Counts):
+        p_lo = tl.load(PartIndptr + b)
+        p_hi = tl.load(PartIndptr + b + 1)
+        _merge_tile_rows(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr,
+                         stride_ob, stride_oh, RATIO, BLOCK_R, HEAD_DIM, HAS_SINKS, BLOCK_P)
+
+
+def _launch(grid, part_o, part_lse, out, sinks, v_scale, counts, part_indptr, ratio: int, block_p: int) -> None:
+    """One merge launch over ``grid`` = (batch rows, kv heads): the loop kernel (``block_p`` 1)
+    or the tile kernel (``block_p`` > 1 partial rows per load)."""
+    if block_p < 1 or block_p & (block_p - 1):
+        raise ValueError(f"merge block_p={block_p} must be a power of two >= 1")
+    args = (part_o, part_lse, out, part_lse if sinks is None else sinks, v_scale, counts, part_indptr,
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1))
+    meta = dict(RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=out.shape[2],
+                HAS_SINKS=sinks is not None, num_warps=4)
+    if block_p == 1:
+        _merge_kernel[grid](*args, **meta)
+    else:
+        _merge_tile_kernel[grid](*args, BLOCK_P=block_p, **meta)
+
+
 def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
     """``sinks``: None, or one fp32 logit per q-head of this rank, contiguous."""
     if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32
@@ -100,30 +170,21 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
         raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
                          f"{ws.head_dim}] with a contiguous last dim")
     check_sinks(sinks, ws.num_q_heads)
-    grid = (ws.max_bs, ws.num_kv_heads)
-    _merge_kernel[grid](
-        ws.part_o, ws.part_lse, out, ws.part_lse if sinks is None else sinks, v_scale, ws.counts, ws.part_indptr,
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), out.stride(0), out.stride(1),
-        RATIO=ws.ratio, BLOCK_R=triton.next_power_of_2(ws.ratio), HEAD_DIM=ws.head_dim,
-        HAS_SINKS=sinks is not None, num_warps=4,
-    )  # fmt: skip
+    _launch((ws.max_bs, ws.num_kv_heads), ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,
+            ws.ratio, ws.config.merge_block_p)
     return out
 
 
 def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.Tensor, out: torch.Tensor,
-               num_kv_heads: int, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               num_kv_heads: int, sinks: Optional[torch.Tensor] = None, block_p: int = 1) -> torch.Tensor:
     """Stand-alone merge of a CSR of partial states (no workspace), for tests.
 
     part_o [rows, Hq, D] fp32, part_lse [rows, Hq] fp32, part_indptr int32 [bs+1] (device),
-    out [bs, Hq, D], sinks as ``merge_state``. Every request's rows are merged; grid (bs, num_kv_heads).
+    out [bs, Hq, D], sinks as ``merge_state``, ``block_p`` as ``KernelConfig.merge_block_p``.
+    Every request's rows are merged; grid (bs, num_kv_heads).
     """
     bs, hq, d = out.shape
-    ratio = hq // num_kv_heads
     check_sinks(sinks, hq)
     counts = torch.tensor([bs], dtype=torch.int32, device=out.device)
-    _merge_kernel[(bs, num_kv_heads)](
-        part_o, part_lse, out, part_lse if sinks is None else sinks, 1.0, counts, part_indptr,
-        part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1),
-        RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=d, HAS_SINKS=sinks is not None, num_warps=4,
-    )  # fmt: skip
+    _launch((bs, num_kv_heads), part_o, part_lse, out, sinks, 1.0, counts, part_indptr, hq // num_kv_heads, block_p)
     return out
