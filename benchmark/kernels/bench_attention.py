@@ -377,10 +377,12 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # fp16 math; and fp16 math with two warpgroups per program
     "fp8q": dict(fp8_math="query"),
     "fp8q_bm128_w8_pw1.0": dict(fp8_math="query", block_m=128, prefix_warps=8, prefix_waves=1.0),
-    # the merge loading 4 / 8 / 16 partial rows per step as one tile (running max)
+    # the merge per (request, q-head), 4 / 8 / 16 / 32 partial rows per load (running max)
     "merge4": dict(merge_block_p=4),
     "merge8": dict(merge_block_p=8),
     "merge16": dict(merge_block_p=16),
+    "merge32": dict(merge_block_p=32),
+    "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),
     "sfx32": dict(min_suffix_chunk=32),

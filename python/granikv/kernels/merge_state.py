@@ -17,11 +17,12 @@ joins the softmax denominator once per head, and contributes no value:
 as SGLang's triton decode kernel applies them (``e_sum += exp(sink - e_max)`` after its
 split merge): the same result, whichever partial rows the work is cut into.
 
-Two kernels compute it (``KernelConfig.merge_block_p``): ``_merge_kernel`` walks a request's
-partial rows one at a time, twice (the max, then the weighted sum: 2 x rows dependent loads);
-``_merge_tile_kernel`` loads ``BLOCK_P`` rows at once as one [BLOCK_P, ratio, head_dim] tile and
-folds them in with a running max (one load round trip per ``BLOCK_P`` rows), the sink starting
-the running state as a row of weight ``exp(sink)`` and no value.
+Two kernels compute it (``KernelConfig.merge_block_p``): ``_merge_kernel``, one program per
+(request, kv head), walks the request's partial rows one at a time, twice (the max, then the
+weighted sum: two dependent load round trips per row); ``_merge_head_kernel``, one program per
+(request, q-head), loads ``BLOCK_P`` rows at once as one [BLOCK_P, head_dim] tile and folds them
+in with a running max (one round trip per ``BLOCK_P`` rows), the sink starting the running state
+as a row of weight ``exp(sink)`` and no value.
 """
 
 from typing import Optional
@@ -83,67 +84,58 @@ def _merge_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, strid
 
 
 @triton.jit
-def _merge_tile_rows(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr,
-                     stride_ob, stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HAS_SINKS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``_merge_rows`` with BLOCK_P partial rows per load (online max over the tiles)."""
-    r = tl.arange(0, BLOCK_R)
-    ok = r < RATIO
-    qh = h * RATIO + r
-    d = tl.arange(0, HEAD_DIM)
-    pp = tl.arange(0, BLOCK_P)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max, log2 units
-    s = tl.zeros([BLOCK_R], tl.float32)
-    if HAS_SINKS:  # the sink: a row of weight exp(sink) and no value
-        m = tl.load(Sinks + qh, mask=ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        s = tl.where(m == float("-inf"), 0.0, 1.0)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-    for p0 in range(p_lo, p_hi, BLOCK_P):
-        p = p0 + pp
-        okp = (p < p_hi)[:, None] & ok[None, :]
-        lse = tl.load(PartLse + p[:, None] * stride_lr + qh[None, :], mask=okp, other=float("-inf"),
-                      cache_modifier=".cg") * 1.4426950408889634
-        o = tl.load(PartO + p[:, None, None] * stride_pr + qh[None, :, None] * stride_ph + d[None, None, :],
-                    mask=okp[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - base)  # 0 while m is -inf
-        wgt = tl.exp2(lse - base[None, :])  # [BLOCK_P, BLOCK_R], 0 for empty rows
-        acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * o, 0)
-        s = s * alpha + tl.sum(wgt, 0)
-        m = m_new
-    out = acc / tl.where(s == 0.0, 1.0, s)[:, None] * v_scale
-    b64 = b.to(tl.int64)
-    tl.store(Out + b64 * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=ok[:, None])
-
-
-@triton.jit
-def _merge_tile_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, stride_pr, stride_ph, stride_lr,
-                       stride_ob, stride_oh, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       HAS_SINKS: tl.constexpr, BLOCK_P: tl.constexpr):
+def _merge_head_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, stride_pr, stride_ph, stride_lr,
+                       stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       BLOCK_P: tl.constexpr):
+    """Out[b, j] for one (request b, q-head j): BLOCK_P partial rows per load as one
+    [BLOCK_P, HEAD_DIM] tile, folded in with a running max (log2 units)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    j = tl.program_id(1)
     if b < tl.load(Counts):
         p_lo = tl.load(PartIndptr + b)
         p_hi = tl.load(PartIndptr + b + 1)
-        _merge_tile_rows(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, h, stride_pr, stride_ph, stride_lr,
-                         stride_ob, stride_oh, RATIO, BLOCK_R, HEAD_DIM, HAS_SINKS, BLOCK_P)
+        d = tl.arange(0, HEAD_DIM)
+        pp = tl.arange(0, BLOCK_P)
+        m = float("-inf")
+        s = 0.0
+        if HAS_SINKS:  # the sink: a row of weight exp(sink) and no value
+            m = tl.load(Sinks + j).to(tl.float32) * 1.4426950408889634
+            s = 1.0
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for p0 in range(p_lo, p_hi, BLOCK_P):
+            p = p0 + pp
+            okp = p < p_hi
+            lse = tl.load(PartLse + p * stride_lr + j, mask=okp, other=float("-inf"),
+                          cache_modifier=".cg") * 1.4426950408889634
+            o = tl.load(PartO + p[:, None] * stride_pr + j * stride_ph + d[None, :], mask=okp[:, None], other=0.0,
+                        cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - base)  # 0 while m is -inf
+            wgt = tl.exp2(lse - base)  # 0 for empty rows
+            acc = acc * alpha + tl.sum(wgt[:, None] * o, 0)
+            s = s * alpha + tl.sum(wgt, 0)
+            m = m_new
+        out = acc / tl.where(s == 0.0, 1.0, s) * v_scale
+        tl.store(Out + b.to(tl.int64) * stride_ob + j * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-def _launch(grid, part_o, part_lse, out, sinks, v_scale, counts, part_indptr, ratio: int, block_p: int) -> None:
-    """One merge launch over ``grid`` = (batch rows, kv heads): the loop kernel (``block_p`` 1)
-    or the tile kernel (``block_p`` > 1 partial rows per load)."""
+def _launch(rows: int, num_kv_heads: int, part_o, part_lse, out, sinks, v_scale, counts, part_indptr,
+            block_p: int) -> None:
+    """One merge launch over ``rows`` batch rows (programs past ``counts[0]`` exit): the loop
+    kernel per (row, kv head) where ``block_p`` is 1, the tile kernel per (row, q-head) else."""
     if block_p < 1 or block_p & (block_p - 1):
         raise ValueError(f"merge block_p={block_p} must be a power of two >= 1")
+    hq = out.shape[1]
     args = (part_o, part_lse, out, part_lse if sinks is None else sinks, v_scale, counts, part_indptr,
             part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1))
-    meta = dict(RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio), HEAD_DIM=out.shape[2],
-                HAS_SINKS=sinks is not None, num_warps=4)
     if block_p == 1:
-        _merge_kernel[grid](*args, **meta)
+        ratio = hq // num_kv_heads
+        _merge_kernel[(rows, num_kv_heads)](*args, RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio),
+                                            HEAD_DIM=out.shape[2], HAS_SINKS=sinks is not None, num_warps=4)
     else:
-        _merge_tile_kernel[grid](*args, BLOCK_P=block_p, **meta)
+        _merge_head_kernel[(rows, hq)](*args, HEAD_DIM=out.shape[2], HAS_SINKS=sinks is not None,
+                                       BLOCK_P=block_p, num_warps=4)
 
 
 def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
@@ -163,15 +155,16 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
     sinks:     fp32 [Hq] attention-sink logits (module docstring), or None.
     v_scale:   the layer's V scale (an FP8 KV cache), applied to the merged rows: the partial
                rows hold the unscaled V average, and the merge is linear in V.
-    Grid: (max_bs, Hkv), fixed per set of buffers; programs past the live batch exit.
+    Grid: (max_bs, Hkv), or (max_bs, Hq) for the tile kernel, fixed per set of buffers; programs past the
+    live batch exit.
     """
     ws = plan.buffers
     if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
                          f"{ws.head_dim}] with a contiguous last dim")
     check_sinks(sinks, ws.num_q_heads)
-    _launch((ws.max_bs, ws.num_kv_heads), ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,
-            ws.ratio, ws.config.merge_block_p)
+    _launch(ws.max_bs, ws.num_kv_heads, ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,
+            ws.config.merge_block_p)
     return out
 
 
@@ -186,5 +179,5 @@ def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.
     bs, hq, d = out.shape
     check_sinks(sinks, hq)
     counts = torch.tensor([bs], dtype=torch.int32, device=out.device)
-    _launch((bs, num_kv_heads), part_o, part_lse, out, sinks, 1.0, counts, part_indptr, hq // num_kv_heads, block_p)
+    _launch(bs, num_kv_heads, part_o, part_lse, out, sinks, 1.0, counts, part_indptr, block_p)
     return out
