@@ -377,16 +377,18 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # fp16 math; and fp16 math with two warpgroups per program
     "fp8q": dict(fp8_math="query"),
     "fp8q_bm128_w8_pw1.0": dict(fp8_math="query", block_m=128, prefix_warps=8, prefix_waves=1.0),
-    # the merge per (request, q-head), 4 / 8 / 16 / 32 partial rows per load (running max)
-    "merge4": dict(merge_block_p=4),
+    # the merge over tiles of 8 / 16 / 32 partial rows of a q-head (running max), one program per
+    # (request, kv head); "_ph": one per (request, q-head) (H200: 4K x 8 and the agent loop 9-11%
+    # faster, 16K x 64 and the forest 7-9% slower at merge32_ph)
     "merge8": dict(merge_block_p=8),
     "merge16": dict(merge_block_p=16),
     "merge32": dict(merge_block_p=32),
+    "merge32_ph": dict(merge_block_p=32, merge_per_head=True),
     "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),
     "sfx32": dict(min_suffix_chunk=32),
-    "merge8_chunk128": dict(merge_block_p=8, min_prefix_chunk=128),
+
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents
 FOREST_64 = [(512 + 57 * g, 2 + g % 3) for g in range(64)]  # 64 prefixes 0.5-4K, 2-4 agents
