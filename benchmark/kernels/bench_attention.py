@@ -377,13 +377,14 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # fp16 math; and fp16 math with two warpgroups per program
     "fp8q": dict(fp8_math="query"),
     "fp8q_bm128_w8_pw1.0": dict(fp8_math="query", block_m=128, prefix_warps=8, prefix_waves=1.0),
-    # the merge over tiles of 8 / 16 / 32 partial rows of a q-head (running max), one program per
-    # (request, kv head); "_ph": one per (request, q-head) (H200: 4K x 8 and the agent loop 9-11%
-    # faster, 16K x 64 and the forest 7-9% slower at merge32_ph)
+    # the merge per (request, q-head) over tiles of 8 / 16 / 32 partial rows (running max). H200,
+    # cascade graph at max_bs 256, merge32 against the default (kernels.md, "Merge tiles"): 4K x 8
+    # 29.3 -> 25.6 us, the agent-loop batch 60.2 -> 54.1; 16K x 64 71.4 -> 76.1, the 4-group mix
+    # 76.3 -> 77.2, the forest 114.2 -> 125.0, the 8-prefix mix 129.7 -> 140.1. One program per
+    # (request, kv head) over its q-heads in turn was slower than that on every case (removed)
     "merge8": dict(merge_block_p=8),
     "merge16": dict(merge_block_p=16),
     "merge32": dict(merge_block_p=32),
-    "merge32_ph": dict(merge_block_p=32, merge_per_head=True),
     "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),

@@ -7,6 +7,7 @@ pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one i
     python3 -m benchmark.multi_agent.regimes --backend triton --out OUT
     python3 -m benchmark.multi_agent.regimes --merge OUT/regimes_flashinfer.json \
         OUT/regimes_triton.json --out docs/results                     # regimes.{json,md,png}
+                                          # (--tag T: regimes_T.{json,md,png})
     python3 -m benchmark.multi_agent.regimes --dry-run                 # the grid and its estimate
     python3 -m benchmark.multi_agent.regimes --rows prefix512_2sharers_x64 --repeats 5 --out OUT
                                           # short rows: the median of 5 runs per engine
@@ -390,7 +391,7 @@ def main_parent(args, argv: Sequence[str]) -> int:
 def main_merge(args) -> int:
     docs = [json.loads(Path(p).read_text()) for p in args.merge]
     records, meta = report.merge_docs(docs)
-    paths = report.write(args.out, "regimes", records, meta)
+    paths = report.write(args.out, "regimes" + (f"_{args.tag}" if args.tag else ""), records, meta)
     print("wrote", ", ".join(map(str, paths)))
     return 0
 

@@ -88,13 +88,12 @@ class KernelConfig:
     by 128 / head_dim."""
 
     merge_block_p: int = 1
-    """Partial rows the merge loads per step: 1 walks a request's rows one by one (two dependent
-    loads each); a power of two > 1 loads that many of one q-head at once as one tile and folds
-    them in with a running max (merge_state.py)."""
-    merge_per_head: bool = False
-    """With ``merge_block_p`` > 1: one merge program per (request, q-head) instead of one per
-    (request, kv head) serving its q-heads in turn (more programs, most of them exiting at once
-    on a graph sized for the largest batch)."""
+    """Partial rows the merge loads per step: 1 walks a request's rows one by one, per (request,
+    kv head) (two dependent loads each); a power of two > 1 loads that many rows of one q-head at
+    once as one tile, per (request, q-head), and folds them in with a running max
+    (merge_state.py). 32 on an H200 (max_bs 256): the cascade layer 9-13% faster where few
+    requests carry many partial rows (8 requests on 4K, 24 on 10K), 1-9% slower at 64-128
+    requests (the programs past the live batch are 4x as many); docs/results/kernels.md."""
 
     fp8_math: Literal["fp16", "query"] = "fp16"
     """Over an FP8 cache with a bf16 query: "fp16" widens the FP8 K/V tiles to fp16 and runs the

@@ -19,11 +19,10 @@ split merge): the same result, whichever partial rows the work is cut into.
 
 Two kernels compute it (``KernelConfig.merge_block_p``): ``_merge_kernel``, one program per
 (request, kv head), walks the request's partial rows one at a time, twice (the max, then the
-weighted sum: two dependent load round trips per row); ``_merge_tile_kernel`` loads ``BLOCK_P``
-rows of one q-head at once as one [BLOCK_P, head_dim] tile and folds them in with a running max
-(one round trip per ``BLOCK_P`` rows), the sink starting the running state as a row of weight
-``exp(sink)`` and no value; one program per (request, kv head) serving its q-heads in turn, or
-(``KernelConfig.merge_per_head``) one per (request, q-head).
+weighted sum: two dependent load round trips per row); ``_merge_head_kernel``, one program per
+(request, q-head), loads ``BLOCK_P`` rows at once as one [BLOCK_P, head_dim] tile and folds them
+in with a running max (one round trip per ``BLOCK_P`` rows), the sink starting the running state
+as a row of weight ``exp(sink)`` and no value.
 """
 
 from typing import Optional
@@ -85,73 +84,58 @@ def _merge_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, strid
 
 
 @triton.jit
-def _merge_head(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, j, stride_pr, stride_ph, stride_lr, stride_ob,
-                stride_oh, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Out[b, j] for one (request b, q-head j) from partial rows [p_lo, p_hi): BLOCK_P rows per
-    load as one [BLOCK_P, HEAD_DIM] tile, folded in with a running max (log2 units)."""
-    d = tl.arange(0, HEAD_DIM)
-    pp = tl.arange(0, BLOCK_P)
-    m = float("-inf")
-    s = 0.0
-    if HAS_SINKS:  # the sink: a row of weight exp(sink) and no value
-        m = tl.load(Sinks + j).to(tl.float32) * 1.4426950408889634
-        s = 1.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for p0 in range(p_lo, p_hi, BLOCK_P):
-        p = p0 + pp
-        okp = p < p_hi
-        lse = tl.load(PartLse + p * stride_lr + j, mask=okp, other=float("-inf"),
-                      cache_modifier=".cg") * 1.4426950408889634
-        o = tl.load(PartO + p[:, None] * stride_pr + j * stride_ph + d[None, :], mask=okp[:, None], other=0.0,
-                    cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - base)  # 0 while m is -inf
-        wgt = tl.exp2(lse - base)  # 0 for empty rows
-        acc = acc * alpha + tl.sum(wgt[:, None] * o, 0)
-        s = s * alpha + tl.sum(wgt, 0)
-        m = m_new
-    out = acc / tl.where(s == 0.0, 1.0, s) * v_scale
-    tl.store(Out + b.to(tl.int64) * stride_ob + j * stride_oh + d, out.to(Out.dtype.element_ty))
-
-
-@triton.jit
-def _merge_tile_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, stride_pr, stride_ph, stride_lr,
-                       stride_ob, stride_oh, RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr,
-                       BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr):
-    """PER_HEAD: one program per (request, q-head); else one per (request, kv head), its RATIO
-    q-heads in turn (unrolled, so their loads need not wait for each other)."""
+def _merge_head_kernel(PartO, PartLse, Out, Sinks, v_scale, Counts, PartIndptr, stride_pr, stride_ph, stride_lr,
+                       stride_ob, stride_oh, HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       BLOCK_P: tl.constexpr):
+    """Out[b, j] for one (request b, q-head j): BLOCK_P partial rows per load as one
+    [BLOCK_P, HEAD_DIM] tile, folded in with a running max (log2 units)."""
     b = tl.program_id(0)
+    j = tl.program_id(1)
     if b < tl.load(Counts):
         p_lo = tl.load(PartIndptr + b)
         p_hi = tl.load(PartIndptr + b + 1)
-        if PER_HEAD:
-            _merge_head(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, tl.program_id(1), stride_pr, stride_ph,
-                        stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS, BLOCK_P)
-        else:
-            for r in tl.static_range(RATIO):
-                _merge_head(PartO, PartLse, Out, Sinks, v_scale, p_lo, p_hi, b, tl.program_id(1) * RATIO + r,
-                            stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS, BLOCK_P)
+        d = tl.arange(0, HEAD_DIM)
+        pp = tl.arange(0, BLOCK_P)
+        m = float("-inf")
+        s = 0.0
+        if HAS_SINKS:  # the sink: a row of weight exp(sink) and no value
+            m = tl.load(Sinks + j).to(tl.float32) * 1.4426950408889634
+            s = 1.0
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for p0 in range(p_lo, p_hi, BLOCK_P):
+            p = p0 + pp
+            okp = p < p_hi
+            lse = tl.load(PartLse + p * stride_lr + j, mask=okp, other=float("-inf"),
+                          cache_modifier=".cg") * 1.4426950408889634
+            o = tl.load(PartO + p[:, None] * stride_pr + j * stride_ph + d[None, :], mask=okp[:, None], other=0.0,
+                        cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - base)  # 0 while m is -inf
+            wgt = tl.exp2(lse - base)  # 0 for empty rows
+            acc = acc * alpha + tl.sum(wgt[:, None] * o, 0)
+            s = s * alpha + tl.sum(wgt, 0)
+            m = m_new
+        out = acc / tl.where(s == 0.0, 1.0, s) * v_scale
+        tl.store(Out + b.to(tl.int64) * stride_ob + j * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 def _launch(rows: int, num_kv_heads: int, part_o, part_lse, out, sinks, v_scale, counts, part_indptr,
-            block_p: int, per_head: bool = False) -> None:
+            block_p: int) -> None:
     """One merge launch over ``rows`` batch rows (programs past ``counts[0]`` exit): the loop
-    kernel per (row, kv head) where ``block_p`` is 1; else the tile kernel, per (row, kv head) or,
-    with ``per_head``, per (row, q-head)."""
+    kernel per (row, kv head) where ``block_p`` is 1, the tile kernel per (row, q-head) else."""
     if block_p < 1 or block_p & (block_p - 1):
         raise ValueError(f"merge block_p={block_p} must be a power of two >= 1")
     hq = out.shape[1]
-    ratio = hq // num_kv_heads
     args = (part_o, part_lse, out, part_lse if sinks is None else sinks, v_scale, counts, part_indptr,
             part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0), out.stride(1))
     if block_p == 1:
+        ratio = hq // num_kv_heads
         _merge_kernel[(rows, num_kv_heads)](*args, RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio),
                                             HEAD_DIM=out.shape[2], HAS_SINKS=sinks is not None, num_warps=4)
     else:
-        _merge_tile_kernel[(rows, hq if per_head else num_kv_heads)](
-            *args, RATIO=ratio, HEAD_DIM=out.shape[2], HAS_SINKS=sinks is not None, BLOCK_P=block_p,
-            PER_HEAD=per_head, num_warps=4)
+        _merge_head_kernel[(rows, hq)](*args, HEAD_DIM=out.shape[2], HAS_SINKS=sinks is not None,
+                                       BLOCK_P=block_p, num_warps=4)
 
 
 def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
@@ -171,8 +155,8 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
     sinks:     fp32 [Hq] attention-sink logits (module docstring), or None.
     v_scale:   the layer's V scale (an FP8 KV cache), applied to the merged rows: the partial
                rows hold the unscaled V average, and the merge is linear in V.
-    Grid: (max_bs, Hkv), or (max_bs, Hq) for the per-head tile kernel, fixed per set of buffers;
-    programs past the live batch exit.
+    Grid: (max_bs, Hkv), or (max_bs, Hq) for the tile kernel, fixed per set of buffers; programs past the
+    live batch exit.
     """
     ws = plan.buffers
     if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
@@ -180,22 +164,20 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
                          f"{ws.head_dim}] with a contiguous last dim")
     check_sinks(sinks, ws.num_q_heads)
     _launch(ws.max_bs, ws.num_kv_heads, ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,
-            ws.config.merge_block_p, ws.config.merge_per_head)
+            ws.config.merge_block_p)
     return out
 
 
 def merge_rows(part_o: torch.Tensor, part_lse: torch.Tensor, part_indptr: torch.Tensor, out: torch.Tensor,
-               num_kv_heads: int, sinks: Optional[torch.Tensor] = None, block_p: int = 1,
-               per_head: bool = False) -> torch.Tensor:
+               num_kv_heads: int, sinks: Optional[torch.Tensor] = None, block_p: int = 1) -> torch.Tensor:
     """Stand-alone merge of a CSR of partial states (no workspace), for tests.
 
     part_o [rows, Hq, D] fp32, part_lse [rows, Hq] fp32, part_indptr int32 [bs+1] (device),
-    out [bs, Hq, D], sinks as ``merge_state``, ``block_p`` / ``per_head`` as
-    ``KernelConfig.merge_block_p`` / ``merge_per_head``.
+    out [bs, Hq, D], sinks as ``merge_state``, ``block_p`` as ``KernelConfig.merge_block_p``.
     Every request's rows are merged; grid (bs, num_kv_heads).
     """
     bs, hq, d = out.shape
     check_sinks(sinks, hq)
     counts = torch.tensor([bs], dtype=torch.int32, device=out.device)
-    _launch(bs, num_kv_heads, part_o, part_lse, out, sinks, 1.0, counts, part_indptr, block_p, per_head)
+    _launch(bs, num_kv_heads, part_o, part_lse, out, sinks, 1.0, counts, part_indptr, block_p)
     return out
