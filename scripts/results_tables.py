@@ -16,6 +16,7 @@ Two kinds of table:
   ``history <name>``      the speedups of a topic's earlier runs, from :data:`HISTORY` below
   ``kernels <a>.json[+<b>.json]``  the key points of a bench_attention.py --quick run (and the
                           cascade time of run b beside them)
+  ``grid <name>``         regime grid rows against two stock engines, from :data:`GRID_STATUS`
 
 ``--check`` also fails when a page cites a log under ``docs/results/runs/`` that is not there.
 Nothing here needs a GPU: the tables are pure functions of the checked-in JSON.
@@ -192,8 +193,47 @@ def kernels_table(name: str) -> str:
     return "\n".join(lines)
 
 
+# Grid rows against more than one stock engine: (title, regimes JSON under docs/results, the
+# ``--also-stock`` backend beside the grid's, rows as (model, workload, label)).
+GRID_STATUS: Dict[str, Tuple[str, str, str, Sequence[Tuple[str, str, str]]]] = {
+    "fa3": (
+        "regime grid rows, output tok/s", "regimes_fa3.json", "flashinfer", (
+            ("llama-3.1-8b", "hom16k_x64", "Llama-3.1-8B, 16K shared prefix, 64 agents"),
+            ("llama-3.1-8b", "hom16k_x128", "Llama-3.1-8B, 16K shared prefix, 128 agents"),
+            ("llama-3.1-8b", "hom32k_x48", "Llama-3.1-8B, 32K shared prefix, 48 agents"),
+            ("llama-3.1-8b", "three_unequal", "Llama-3.1-8B, 12K / 6K / 2K prefixes, 8 / 24 / 48 agents"),
+            ("llama-3.1-8b", "forest16", "Llama-3.1-8B, forest of 16 prefixes (1.5-6K), 130 agents"),
+            ("llama-3.1-8b", "agent_loop_10k_x24", "Llama-3.1-8B, agent loop (4 turns), 10K prefix, 24 agents"),
+            ("llama-3.1-8b", "small_groups32_2to3sharers", "Llama-3.1-8B, 32 prefixes (2-4K), 2-3 agents each"),
+            ("llama-3.1-8b", "no_sharing_1k_x64", "Llama-3.1-8B, no shared prefix, 64 agents"),
+            ("qwen2.5-7b", "hom16k_x64", "Qwen2.5-7B, 16K shared prefix, 64 agents"),
+            ("qwen2.5-7b", "forest16", "Qwen2.5-7B, forest of 16 prefixes, 130 agents"),
+            ("qwen2.5-7b", "no_sharing_1k_x64", "Qwen2.5-7B, no shared prefix, 64 agents"),
+        )),
+}
+
+
+def grid_table(key: str) -> str:
+    """GraniKV behind the grid's backend against its stock engine and the ``--also-stock`` one."""
+    title, name, other, picks = GRID_STATUS[key]
+    rows = {(r["model"], r["workload"]): r for r in _load(name)["rows"]}
+    backend = next(iter(rows.values()))["backend"]
+    lines = [f"| {title} | SGLang {other} | SGLang {backend} | + GraniKV behind {backend} | "
+             f"÷ SGLang {backend} | ÷ SGLang {other} | of the floor |", "|---|" + "---:|" * 6]
+    for model, workload, label in picks:
+        r = rows.get((model, workload))
+        if r is None:
+            raise KeyError(f"{name}: no row {model}/{workload}")
+        also = r["also_stock"][other]
+        floor = "–" if r.get("floor_fraction") is None else f"{r['floor_fraction']:.0%}"
+        lines.append(f"| {label} | {also['out_tok_s']:,.0f} | {r['baseline_out_tok_s']:,.0f} | "
+                     f"{r['granikv_out_tok_s']:,.0f} | {r['speedup']:.2f}x | {also['granikv_speedup']:.2f}x | "
+                     f"{floor} |")
+    return "\n".join(lines)
+
+
 GENERATORS = {"status": status_table, "floor": floor_table, "history": history_table,
-              "kernels": kernels_table}
+              "kernels": kernels_table, "grid": grid_table}
 
 
 # ---- pages ---------------------------------------------------------------------------------
