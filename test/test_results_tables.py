@@ -33,6 +33,20 @@ def test_a_changed_json_row_is_caught():
     assert rt.regenerate_run_page(md.read_text(), rows, md.name) != md.read_text()
 
 
+def test_the_grid_table_reads_both_stock_engines_and_names_a_missing_row(monkeypatch):
+    doc = json.loads((rt.RESULTS / "regimes_fa3.json").read_text())
+    row = next(r for r in doc["rows"] if (r["model"], r["workload"]) == ("llama-3.1-8b", "hom16k_x64"))
+    table = rt.grid_table("fa3").split("\n")
+    assert table[0].startswith("| regime grid rows") and "SGLang flashinfer | SGLang fa3 |" in table[0]
+    first = table[2].split(" | ")
+    assert first[1:4] == [f"{row['also_stock']['flashinfer']['out_tok_s']:,.0f}", f"{row['baseline_out_tok_s']:,.0f}",
+                          f"{row['granikv_out_tok_s']:,.0f}"]
+    title, name, other, picks = rt.GRID_STATUS["fa3"]
+    monkeypatch.setitem(rt.GRID_STATUS, "fa3", (title, name, other, [("llama-3.1-8b", "nope", "x")]))
+    with pytest.raises(KeyError, match="no row llama-3.1-8b/nope"):
+        rt.grid_table("fa3")
+
+
 def test_a_marker_without_a_table_or_of_an_unknown_kind_is_an_error():
     with pytest.raises(ValueError, match="no table after the status one_gpu marker"):
         rt.regenerate_marked("<!-- table: status one_gpu -->\n\ntext", "x.md")

@@ -338,6 +338,7 @@ def write(out_dir: str, stem: str, records: Sequence[Mapping[str, Any]], meta: M
     """Writes ``stem``.json (meta, summary, rows, measurements) and .md; with ``png``, the plot
     too when matplotlib is there (the run leaves it to its final write)."""
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     rows = assemble(records, meta)
     png_path = out / f"{stem}.png"
     have_png = plot(rows, png_path, quiet=quiet) if rows and png else False

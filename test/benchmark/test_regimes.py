@@ -484,6 +484,9 @@ def test_end_to_end_with_a_fake_engine(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((merged / "regimes.json").read_text())["rows"] == doc["rows"]
     assert "| llama-3.1-8b-4layers | triton | hom4k_x64 | 64 |" in (merged / "regimes.md").read_text()
+    res = subprocess.run(module + ["--merge", str(out / "regimes_triton_t.json"), "--tag", "x", "--out", str(merged)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0 and (merged / "regimes_x.json").is_file() and (merged / "regimes_x.md").is_file()
 
 
 def test_repeats_keep_the_median_run_and_scale_the_estimate(regimes, grid):
