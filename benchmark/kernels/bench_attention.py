@@ -385,6 +385,10 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "merge8": dict(merge_block_p=8),
     "merge16": dict(merge_block_p=16),
     "merge32": dict(merge_block_p=32),
+    # the merge grid sized by the batch (out's rows) instead of the workspace's 256 slots; not
+    # measured yet
+    "merge_rows_batch": dict(merge_rows="batch"),
+    "merge32_rows_batch": dict(merge_block_p=32, merge_rows="batch"),
     "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),

@@ -49,6 +49,20 @@ def test_cascade_matches_decode(path, dtype, ratio, hkv):
     assert (ws.counters == 0).all(), "fused arrival counters not reset"
 
 
+@pytest.mark.parametrize("block_p", [1, 4])
+@pytest.mark.parametrize("merge_rows", ["workspace", "batch"])
+@pytest.mark.parametrize("extra_rows", [0, 2])
+def test_merge_variants_write_every_request_and_nothing_past_the_batch(block_p, merge_rows, extra_rows):
+    """The merge's kernels and grids (KernelConfig.merge_block_p / merge_rows) on a workspace
+    larger than the batch: every request matches the reference, rows past it stay untouched."""
+    b = make_batch(num_q_heads=8, num_kv_heads=2, dtype=torch.float32, seed=7)
+    cfg = dataclasses.replace(SMALL_CONFIG, merge_block_p=block_p, merge_rows=merge_rows)
+    ws = CascadeWorkspace(b.bs + 5, 8, 2, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
+    out = _run("cascade", ws, b, extra_rows=extra_rows)
+    torch.testing.assert_close(out[: b.bs].double(), _ref(b), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert torch.isnan(out[b.bs :]).all(), "rows past the batch were written"
+
+
 @pytest.mark.parametrize("path", ["cascade", "fused"])
 def test_refill_with_different_grouping(path):
     """One workspace, three batches in a row: stale metadata or counters must not leak."""

@@ -95,6 +95,13 @@ class KernelConfig:
     requests carry many partial rows (8 requests on 4K, 24 on 10K), 1-9% slower at 64-128
     requests (the programs past the live batch are 4x as many); docs/results/kernels.md."""
 
+    merge_rows: Literal["workspace", "batch"] = "workspace"
+    """Program rows of the merge launch: one per request slot of the workspace ("workspace", its
+    ``max_bs``; a graph sized for 256 requests launches 256 rows whatever its batch), or one per
+    row of the output ("batch": a captured graph's padded batch, which its live batch never
+    exceeds), so that a small batch's merge launches no idle programs. Not measured on a GPU yet
+    (sweep variants ``merge_rows_batch``, ``merge32_rows_batch``)."""
+
     fp8_math: Literal["fp16", "query"] = "fp16"
     """Over an FP8 cache with a bf16 query: "fp16" widens the FP8 K/V tiles to fp16 and runs the
     dots in fp16 with the query pre-scaled and rounded to fp16 (``prefix_attention._math_query``:
@@ -105,6 +112,8 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.fp8_math not in ("fp16", "query"):
             raise ValueError(f"fp8_math={self.fp8_math!r} must be 'fp16' or 'query'")
+        if self.merge_rows not in ("workspace", "batch"):
+            raise ValueError(f"merge_rows={self.merge_rows!r} must be 'workspace' or 'batch'")
         if self.prefix_kernel not in ("pointer", "descriptor", "auto"):
             raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer', 'descriptor' or 'auto'")
         if self.merge_block_p < 1 or self.merge_block_p & (self.merge_block_p - 1):

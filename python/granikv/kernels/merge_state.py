@@ -155,15 +155,17 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
     sinks:     fp32 [Hq] attention-sink logits (module docstring), or None.
     v_scale:   the layer's V scale (an FP8 KV cache), applied to the merged rows: the partial
                rows hold the unscaled V average, and the merge is linear in V.
-    Grid: (max_bs, Hkv), or (max_bs, Hq) for the tile kernel, fixed per set of buffers; programs past the
-    live batch exit.
+    Grid: (rows, Hkv), or (rows, Hq) for the tile kernel; rows = max_bs (fixed per set of buffers)
+    or, with ``KernelConfig.merge_rows`` "batch", the rows of ``out`` (fixed per captured graph: its
+    padded batch). Programs past the live batch exit.
     """
     ws = plan.buffers
     if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
                          f"{ws.head_dim}] with a contiguous last dim")
     check_sinks(sinks, ws.num_q_heads)
-    _launch(ws.max_bs, ws.num_kv_heads, ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,
+    rows = ws.max_bs if ws.config.merge_rows == "workspace" else min(out.shape[0], ws.max_bs)
+    _launch(rows, ws.num_kv_heads, ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,
             ws.config.merge_block_p)
     return out
 
