@@ -11,6 +11,8 @@ as a merge needs):
 
     fi_paged_fa2      SGLang's way: BatchPrefillWithPagedKVCacheWrapper, per request, kv = prefix slots
     fi_paged_fa3      the same wrapper with backend="fa3"
+    sgl_fa3_paged     SGLang's fa3 backend's call (sgl_kernel ``flash_attn_with_kvcache``, page size 1,
+                      the prefix slots as the page table): the stock prefix part under ``fa3``
     fi_ragged_fa3     BatchPrefillWithRaggedKVCacheWrapper over the stacked tokens, K/V = the extent view
     fi_ragged_fa2     the same with backend="fa2"
     sdpa_flash        torch flash attention, q heads of a kv head stacked as rows (as the bgemm path)
@@ -46,6 +48,7 @@ with its error and skipped. Outputs are compared with fi_paged_fa2 (max abs of o
 
     python -m benchmark.kernels.bench_extend --out $OUT     # GPU
     python -m benchmark.kernels.bench_extend --forest --out $OUT
+    python -m benchmark.kernels.bench_extend --cases 0,7 --out $OUT   # two cases (CASES indices)
 
 Writes OUT/extend.json (OUT/extend_forest.json with --forest). This is a measurement to decide whether to build a shared-prefix extend
 path in the backend; nothing in the serving path uses it.
@@ -64,7 +67,8 @@ HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 DEV = "cuda"
 CASES = [(16384, 64, 256), (16384, 128, 256), (16384, 8, 256), (4096, 64, 256), (16384, 64, 1024),
-         (16384, 64, 1), (16384, 128, 1)]  # the last two: decode (GraniKV's prefix kernel: 59 / 107 us, sweep 7)
+         (16384, 64, 1), (16384, 128, 1),  # these two: decode (GraniKV's prefix kernel: 59 / 107 us, sweep 7)
+         (10240, 24, 128)]  # an agent loop's later turn: 24 tool results of 128 tokens on a 10K prefix
 SPLITS = (4, 8, 16)
 MHA_SPLITS = (1, 4, 8, 16)
 FEW_TOKENS = 256  # split variants for cases with at most this many query tokens
@@ -284,6 +288,26 @@ def run_case(prefix: int, agents: int, new: int, ws_bytes) -> dict:
         return o, lse.view(HKV, n_tok, ratio).permute(1, 0, 2).reshape(n_tok, HQ)
 
     record("sdpa_flash", sdpa)
+
+    def sgl_fa3():
+        # SGLang's fa3 backend over the same cache (page size 1): the page table lists each
+        # request's prefix slots, the new tokens are its queries (the stock prefix part under fa3)
+        from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+        table = kv_idx.view(agents, prefix)
+        lens = torch.full((agents,), prefix, dtype=torch.int32, device=DEV)
+
+        def run():
+            o, lse, *_ = flash_attn_with_kvcache(q, paged[0], paged[1], cache_seqlens=lens, page_table=table,
+                                                 cu_seqlens_q=qo_req, max_seqlen_q=new, softmax_scale=scale,
+                                                 causal=False, return_softmax_lse=True)
+            return o, (lse.t() if lse.shape[0] == HQ else lse)  # varlen LSE: [Hq, tokens]
+        return run
+
+    try:
+        record("sgl_fa3_paged", sgl_fa3())
+    except Exception as e:  # noqa: BLE001 - sglang-kernel without its FA3 library
+        row["sgl_fa3_paged_error"] = repr(e)[:300]
     ref = outs.get("fi_paged_fa2")
     if ref is not None:
         for name, (o, lse) in outs.items():
@@ -399,6 +423,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--decode-only", action="store_true", help="only the decode-shaped cases (1 new token)")
     ap.add_argument("--forest", action="store_true", help="the forest extend batch only (module docstring)")
+    ap.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
@@ -409,14 +434,15 @@ def main():
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, row=r), f, indent=1)
         return
     rows = []
-    for prefix, agents, new in CASES:
+    picked = [CASES[int(i)] for i in args.cases.split(",") if i.strip()] if args.cases else CASES
+    for prefix, agents, new in picked:
         if args.decode_only and new != 1:
             continue
         r = run_case(prefix, agents, new, ws_bytes)
         rows.append(r)
         print("ROW", json.dumps(r), flush=True)
         torch.cuda.empty_cache()
-    names = ("fi_paged_fa2", "fi_paged_fa3", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash") + tuple(
+    names = ("fi_paged_fa2", "fi_paged_fa3", "sgl_fa3_paged", "fi_ragged_fa3", "fi_ragged_fa2", "sdpa_flash") + tuple(
         f"fi_ragged_fa3_split{n}" for n in SPLITS) + tuple(
         f"fi_{kind}_{be}_mha{n}" for kind in ("ragged", "paged") for be in ("fa3", "fa2") for n in MHA_SPLITS) + tuple(
         f"fi_paged_{be}_mha{n}_run" for be in ("fa3", "fa2") for n in MHA_SPLITS) + ("granikv_prefix",)

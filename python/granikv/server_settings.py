@@ -61,7 +61,8 @@ VERIFIED_BACKENDS = ("flashinfer", "triton", "fa3")
 #: What ``--enable-granikv`` serves on when no attention backend is given, in order of preference
 #: (the first one installed). Not SGLang's Hopper default fa3: GraniKV needs page size 1, where
 #: stock fa3 decoded 1.25-1.57x slower than stock flashinfer on the H200's grid rows with 10-32K
-#: contexts (within 6% without a long context; docs/results/fa3.md), and every step GraniKV leaves to the wrapped backend is stock.
+#: contexts (within 6% without a long context; docs/results/fa3.md), and every step GraniKV
+#: leaves to the wrapped backend is stock.
 DEFAULT_CHOICES = ("flashinfer", "triton")
 _BACKEND_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
 
