@@ -184,7 +184,7 @@ class Run:
 
     def __init__(self, args, argv: Sequence[str], sel: grid.Selection):
         self.args = args
-        self.stem = f"regimes_{args.backend}" + (f"_{args.tag}" if args.tag else "")
+        self.stem = output_stem(args.tag, args.backend)
         self.records: List[Dict[str, Any]] = []
         self.configs = configs_of(args)
         self.meta = dict(command=command_line(argv), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -388,10 +388,15 @@ def main_parent(args, argv: Sequence[str]) -> int:
     return 1 if any(r["kind"] == "error" for r in run.records) else 0
 
 
+def output_stem(tag: str, backend: Optional[str] = None) -> str:
+    """Output names: ``regimes[_BACKEND][_TAG]`` (a run names its backend, a merge does not)."""
+    return "_".join(["regimes"] + [x for x in (backend, tag) if x])
+
+
 def main_merge(args) -> int:
     docs = [json.loads(Path(p).read_text()) for p in args.merge]
     records, meta = report.merge_docs(docs)
-    paths = report.write(args.out, "regimes" + (f"_{args.tag}" if args.tag else ""), records, meta)
+    paths = report.write(args.out, output_stem(args.tag), records, meta)
     print("wrote", ", ".join(map(str, paths)))
     return 0
 
