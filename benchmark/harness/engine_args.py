@@ -12,11 +12,15 @@ from granikv.config import is_granikv_key
 # Engine arguments of every published run: dummy weights and token ids (nothing downloaded),
 # pytorch sampling (greedy never reaches FlashInfer's sampling kernels, so an install without
 # them works), no grammar backend, decode CUDA graphs up to 256, no prefill CUDA graph (faster
-# start).
+# start), and an idle scheduler that sleeps: without ``sleep_on_idle`` an idle SGLang scheduler
+# polls in a loop at 100% of a CPU thread, so an engine waiting its turn beside the measured
+# one (the regime grid's side-by-side engines) takes a host core from it, and a host-bound
+# model's throughput then depends on where the OS places the two processes.
 BASE_ENGINE_KWARGS: Dict[str, Any] = dict(
     load_format="dummy", skip_tokenizer_init=True, sampling_backend="pytorch",
     grammar_backend="none", mem_fraction_static=0.85, log_level="warning",
     max_running_requests=256, disable_prefill_cuda_graph=True, cuda_graph_max_bs_decode=256,
+    sleep_on_idle=True,
 )
 
 
