@@ -140,11 +140,12 @@ class _Cache:
         pass
 
 
-def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
+def serving_setup(bs: int, batch: str, rng, device: str = "cpu", eager_ends: bool = False):
     """A GraniKV backend in graph mode with a cascade graph of size ``bs``, a scheduler and a
     decode batch of ``bs`` requests: ``batch`` in BATCHES. ``device``: where the workspace and
     the batch's device tensors live (``cuda``: pinned staging buffers, real non-blocking
-    uploads and events)."""
+    uploads and events). ``eager_ends``: the cascade graph does not copy its suffix ends itself
+    (as before the in-graph copy): each step copies them before the replay."""
     import torch
     from types import SimpleNamespace
 
@@ -185,6 +186,8 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     view = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=bs, num_padding=0,
                            req_pool_indices=torch.from_numpy(rows).to(device), seq_lens=seq.to(device),
                            seq_lens_cpu=host_buf[:bs], seq_lens_sum=int(seq.sum()))
+    if not eager_ends:  # the capture's in-graph copy reads SGLang's static seq_lens (planner.in_graph_metadata)
+        be.graphs.ends_source[bs] = view.seq_lens.data_ptr()
     reqs = [SimpleNamespace(req_pool_idx=int(r), kv=SimpleNamespace(req_pool_idx=int(r)))  # 0.5.17, 0.5.23
             for r in rows]
     sched = SimpleNamespace(tree_cache=_Cache(), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
@@ -193,7 +196,8 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu"):
     return be, sched, sbatch, view, cfg, host_buf
 
 
-def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False):
+def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False,
+                eager_ends: bool = False):
     """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
     in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
     seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
@@ -203,7 +207,7 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
 
     from granikv.scheduler_step import on_run_batch
 
-    be, sched, sbatch, view, cfg, host_buf = serving_setup(bs, batch, rng, device)
+    be, sched, sbatch, view, cfg, host_buf = serving_setup(bs, batch, rng, device, eager_ends)
     rows = sbatch.req_pool_indices_cpu
     cuda = device.startswith("cuda")
     wall = np.zeros(steps)
@@ -232,18 +236,19 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
 SECTIONS = ("lookup", "choose", "fill", "upload", "view")
 
 
-def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False) -> float:
+def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager_ends: bool = False) -> float:
     """Prints the serving table; returns the worst p50 over all rows."""
     rng = np.random.default_rng(0)
     print(f"# device {device}{' (' + _device_name(device) + ')' if device != 'cpu' else ''}, "
-          f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; section columns: mean us "
+          f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; suffix ends copied "
+          f"{'before each replay' if eager_ends else 'by the cascade graph'}; section columns: mean us "
           f"per step of the backend's sections (upload = staging-buffer wait + copy + event)")
     print(f"{'batch':>9} {'bs':>4} {'path':>8} {'p50':>7} {'p99':>7} {'mean':>7} {'hook p50':>9} {'hook p99':>9} "
           f"{'cpu p50':>8} {'cpu p99':>8} " + " ".join(f"{s:>7}" for s in SECTIONS) + f" {'reuse':>6}")
     worst = [0.0, 0.0]
     for batch in BATCHES:
         for bs in (64, 128, 256):
-            snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh)
+            snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh, eager_ends=eager_ends)
             path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
             p50, p99 = snap["plan_us_p50"], snap["plan_us_p99"]
             worst = [max(worst[0], p50), max(worst[1], p99)]
@@ -288,12 +293,16 @@ def main():
     ap.add_argument("--fresh", action="store_true",
                     help="new host seq_lens and rows tensors every step (identity-based reuse fails)")
     ap.add_argument("--both", action="store_true", help="the table with reused buffers, then with fresh ones")
+    ap.add_argument("--eager-ends", action="store_true",
+                    help="also the table with the suffix ends copied before each replay (no in-graph copy)")
     args = ap.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {cpu_name()} ({os.cpu_count()} cores, load average {load}), python {platform.python_version()}, "
           f"numpy {np.__version__}; serving path, {args.steps} decode steps per row; us per step")
     for fresh in ((False, True) if args.both else (args.fresh,)):
         serving_table(args.steps, device=args.device, fresh=fresh)
+        if args.eager_ends:
+            serving_table(args.steps, device=args.device, fresh=fresh, eager_ends=True)
     if not args.micro:
         return
 

@@ -44,6 +44,9 @@ class PagedStandIn:
     def init_forward_metadata_out_graph(self, fb, in_capture=False):
         self.init_forward_metadata(fb)
 
+    def init_forward_metadata_in_graph(self, fb):  # SGLang's base: nothing recorded in the graph
+        pass
+
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass
 

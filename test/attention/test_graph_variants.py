@@ -6,6 +6,7 @@ a stand-in (a dict of captured keys, as ``FullCudaGraphBackend._graphs``). The b
 real GraniKVAttnBackend over test_backend's paged stand-in.
 """
 
+import dataclasses
 import inspect
 
 import pytest
@@ -17,6 +18,7 @@ from granikv import plugin
 from granikv.config import GraniKVConfig, parse_graph_bs
 from granikv.attention.decode.graph_variants import (
     CASCADE_LABEL,
+    MOVED_ENDS,
     NO_DEVICE_ENDS,
     UNBOUND_CAPTURE,
     GraphVariants,
@@ -185,6 +187,119 @@ def test_a_step_replays_the_cascade_graph_only_with_its_captures_suffix_end_bind
         q, o = _replay(gr, be, view, 30 + step)
         torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
     assert be.stats.paths["cascade"] == 2 and be.stats.paths["paged"] == 2
+
+
+def _in_graph_capture_orig(static, *, record_copy=True):
+    """SGLang's capture of a size over its runner's static buffers ``static`` (the replay view
+    whose ``seq_lens`` SGLang refills in place before every replay): metadata, then the in-graph
+    metadata hook that ``run_once`` records. The graph stand-in keeps the suffix-end copies that
+    hook made (``SuffixEnds.copy_from``), which a replay runs again before its kernels, reading
+    the captured tensor. ``record_copy=False`` (a planted fault): the graph loses those copies."""
+
+    def capture_one_shape(runner, size, forward, stream_idx=None, variant_label=None):
+        be = runner.attn_backend
+        be.init_forward_metadata_out_graph(static, in_capture=True)
+        path, ws, copies = be.decode.path.value, be.decode.ws, []
+        if path == "cascade":
+            real = ws.ends.copy_from
+            ws.ends.copy_from = lambda t, n: (copies.append((t, n)), real(t, n))
+            try:
+                be.init_forward_metadata_in_graph(static)
+            finally:
+                del ws.ends.copy_from
+        ends = ws.ends.bound if path == "cascade" else None
+        runner.graphs[runner._make_graph_key(size, stream_idx, variant_label)] = (
+            path, ends, copies if record_copy else [])
+
+    return capture_one_shape
+
+
+def _replay_in_graph(gr, be, view, seed):
+    """``_replay`` whose cascade graph first runs the suffix-end copies its capture recorded."""
+    path, ends, copies = gr.graphs[gr._replay_graph_key]
+    if path == "cascade":
+        for t, n in copies:
+            be.decode.ws.ends.copy_from(t, n)
+        be.decode.ws.ends.bound = ends
+    q, k, v = _qkv(8, seed)
+    return q, be.forward_decode(q, k, v, LAYER, view)
+
+
+def _refill(static, fb):
+    """SGLang's replay preparation: the batch's lengths into the static buffers, in place."""
+    static.seq_lens[: fb.batch_size].copy_(fb.seq_lens)
+    static.seq_lens_cpu[: fb.batch_size].copy_(fb.seq_lens_cpu)
+    static.seq_lens_sum = int(static.seq_lens_cpu.sum())
+
+
+def test_a_cascade_graph_copies_its_suffix_ends_itself_and_its_replays_launch_no_copy():
+    """The cascade capture runs SGLang's in-graph metadata hook over the runner's static
+    ``seq_lens``, which records the suffix-end copy into the graph (``graphs.ends_source``).
+    Its replays then bind the ends without copying them on the host: after the step's plan the
+    device ends still hold the previous step's lengths, and the replay's own copy brings the
+    step's. Outputs match paged attention on every step, fills and in-place advances alike."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+    static = _replay_view(fb, 8)
+    plugin._around_capture_one_shape(_in_graph_capture_orig(static), gr, 8, forward=None)
+    assert be.graphs.ends_source == {8: static.seq_lens.data_ptr()} and be.graphs.ends_bound == {8: True}
+    be.graphs.check_integrity()
+    ends = be.decode.ws.ends.buffer
+    for step in range(4):
+        fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+        fb.seq_lens = fb.seq_lens_cpu.clone()
+        _refill(static, fb)
+        before = ends.clone()
+        be.stage_batch(rows)
+        plugin._around_load_batch(_load_orig, gr, static)
+        assert be.graphs.planned_cascade and gr._replay_graph_key.variant_label == CASCADE_LABEL, step
+        assert torch.equal(ends, before), f"step {step}: the plan copied the ends its graph copies"
+        q, o = _replay_in_graph(gr, be, static, 40 + step)
+        assert torch.equal(ends[:5], fb.seq_lens.to(ends.dtype)), step
+        torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+    assert be.stats.paths["cascade"] == 4 and be.decode.ws.advances_in_place >= 2
+
+
+def test_a_replay_whose_graph_lost_its_suffix_end_copy_ends_suffixes_short():
+    """The planted fault behind the test above: a cascade graph that does not copy the ends
+    while the planner relies on it ends every suffix at the previous step's length, and the
+    outputs differ from paged attention (the check above can fail)."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+    static = _replay_view(fb, 8)
+    plugin._around_capture_one_shape(_in_graph_capture_orig(static, record_copy=False), gr, 8, forward=None)
+    fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+    fb.seq_lens = fb.seq_lens_cpu.clone()
+    _refill(static, fb)
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, static)
+    q, o = _replay_in_graph(gr, be, static, 50)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+
+
+def test_a_replay_over_other_seq_lens_than_its_graph_copies_from_runs_paged():
+    """A step whose device ``seq_lens`` is not the buffer the cascade graph copies its ends from
+    (not SGLang's replay path) replays the stock graph (``MOVED_ENDS``): the graph's copy would
+    overwrite the step's ends with that buffer's. Under ``--granikv-debug-integrity`` the step
+    copies its ends before the replay as well, so the host/device check reads the step's."""
+    runner_, be, fb, rows, gr = _bs8_cascade()
+    static = _replay_view(fb, 8)
+    plugin._around_capture_one_shape(_in_graph_capture_orig(static), gr, 8, forward=None)
+    _refill(static, fb)
+    moved = _replay_view(fb, 8)  # the same lengths in another tensor
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, moved)
+    assert not be.graphs.planned_cascade and be.stats.last_reason == MOVED_ENDS
+    q, o = _replay_in_graph(gr, be, moved, 60)
+    torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
+
+    be.ctx.cfg = dataclasses.replace(be.ctx.cfg, debug_integrity=True)
+    fb.seq_lens_cpu = fb.seq_lens_cpu + 1
+    fb.seq_lens = fb.seq_lens_cpu.clone()
+    _refill(static, fb)
+    be.stage_batch(rows)
+    plugin._around_load_batch(_load_orig, gr, static)
+    assert be.graphs.planned_cascade
+    assert torch.equal(be.decode.ws.ends.buffer[:5], fb.seq_lens.to(torch.int32))  # copied at the plan
 
 
 def test_a_pre_planned_load_never_replays_the_cascade_graph_of_a_previous_step():

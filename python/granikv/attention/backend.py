@@ -219,6 +219,7 @@ class GraniKVAttnBackend(ForwardingBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata_in_graph(forward_batch)
+        self.decode.in_graph_metadata(forward_batch)  # a cascade capture: its suffix-end copy
         paths = self.layer_paths
         if paths is not None and paths.planned:  # a cascade capture: the windowed layers' instance too
             paths.real.init_forward_metadata_in_graph(forward_batch)

@@ -37,6 +37,8 @@ import numpy as np
 from granikv.attention.grouping import BatchDescription, group_requests
 
 if TYPE_CHECKING:
+    import torch
+
     from granikv.attention.dispatcher import Dispatcher
 
 logger = logging.getLogger("granikv")
@@ -47,6 +49,7 @@ AUTO_SUFFIX_TOKENS = 256
 # paged reasons of a graph step whose suffix-end binding is not its cascade graph's (``ends_mismatch``)
 NO_DEVICE_ENDS = "no device seq_lens for the cascade graph"
 UNBOUND_CAPTURE = "cascade graph captured without device seq_lens"
+MOVED_ENDS = "device seq_lens not the buffer the cascade graph copies its ends from"
 
 
 def cascade_label(variant_label: Optional[str]) -> str:
@@ -77,7 +80,9 @@ class GraphVariants:
     cascade graph is being captured, else None), ``planned_cascade`` (the step just planned
     replays the cascade graph), ``ends_bound`` (per captured size: whether its capture bound the
     suffix ends, ``SuffixEnds.bind``; the graph's kernels read the ends where the capture had them,
-    the bound device buffer or the workspace's metadata, whatever a later step binds).
+    the bound device buffer or the workspace's metadata, whatever a later step binds),
+    ``ends_source`` (per captured size whose graph copies the suffix ends itself: the address of
+    the ``seq_lens`` it copies from, SGLang's static buffer; ``SuffixEnds.copy_from``).
     """
 
     def __init__(self, sizes: Optional[FrozenSet[int]], *, can_win: Callable[[int], bool]) -> None:
@@ -92,6 +97,9 @@ class GraphVariants:
         # bs -> the cascade capture of bs bound its suffix ends (None: not recorded)
         self.ends_bound: Dict[int, Optional[bool]] = {}
         self._capture_ends: Optional[bool] = None  # the binding recorded during the capture in progress
+        # bs -> data_ptr of the seq_lens its cascade graph copies the suffix ends from (in-graph copy)
+        self.ends_source: Dict[int, int] = {}
+        self._capture_source: Optional[int] = None  # that address, recorded during the capture in progress
         self.memory_bytes = 0  # device memory the cascade captures took (CUDA; 0 elsewhere)
 
     def wants_cascade(self, bs: int) -> bool:
@@ -104,7 +112,7 @@ class GraphVariants:
         if self.capturing is not None:
             raise RuntimeError(f"cascade graph capture of bs {bs} inside that of bs {self.capturing}")
         self.capturing = bs
-        self._capture_ends = None
+        self._capture_ends = self._capture_source = None
         self._free_before = _free_device_bytes()
 
     def record_capture_ends(self, bound: bool) -> None:
@@ -112,15 +120,26 @@ class GraphVariants:
         the workspace's metadata (False); kept for its size once the capture succeeds."""
         self._capture_ends = bound
 
+    def record_capture_ends_source(self, data_ptr: int) -> None:
+        """The cascade graph being captured copies its suffix ends from the ``seq_lens`` at
+        ``data_ptr`` (kept for its size once the capture succeeds)."""
+        self._capture_source = data_ptr
+
     def end_capture(self, ok: bool) -> None:
         bs, self.capturing = self.capturing, None
         assert bs is not None, "end_capture without a begin_capture"
         if ok:
             self.captured.add(bs)
             self.ends_bound[bs] = self._capture_ends
+            if self._capture_ends and self._capture_source is not None:
+                self.ends_source[bs] = self._capture_source
+            else:
+                self.ends_source.pop(bs, None)
             self.memory_bytes += max(0, self._free_before - _free_device_bytes())
         else:
             self.ends_bound.pop(bs, None)
+            self.ends_source.pop(bs, None)
+        self._capture_source = None
 
     def ends_mismatch(self, bs: int, bound: bool) -> Optional[str]:
         """Why a step of padded size ``bs`` whose suffix ends are ``bound`` (or not) cannot replay
@@ -132,6 +151,16 @@ class GraphVariants:
         if captured is bound:
             return None
         return UNBOUND_CAPTURE if bound else NO_DEVICE_ENDS
+
+    def ends_copied_in_graph(self, bs: int, seq_lens_dev: torch.Tensor) -> Optional[bool]:
+        """Whether the cascade graph of ``bs`` copies the step's suffix ends itself (True), reads
+        what the step copies before the replay (False), or would copy them from a buffer other
+        than ``seq_lens_dev`` (None: a paged reason, ``MOVED_ENDS``; its copy would overwrite
+        the step's ends with that buffer's)."""
+        src = self.ends_source.get(bs)
+        if src is None:
+            return False
+        return True if src == seq_lens_dev.data_ptr() else None
 
     def has_cascade_graph(self, bs: int) -> bool:
         return bs in self.captured
@@ -156,6 +185,8 @@ class GraphVariants:
         assert self.capturing is None, f"a cascade capture of bs {self.capturing} never ended"
         stray = sorted(set(self.ends_bound) - self.captured)
         assert not stray, f"suffix-end bindings recorded for sizes without a cascade graph: {stray}"
+        unbound = sorted(bs for bs in self.ends_source if not self.ends_bound.get(bs))
+        assert not unbound, f"in-graph suffix-end copies recorded for sizes captured without bound ends: {unbound}"
         assert self.captured.isdisjoint(self.stock_only), (
             f"sizes both stock-only and with a cascade graph: {sorted(self.captured & self.stock_only)}")
 

@@ -31,7 +31,7 @@ import torch
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
 from granikv.attention.decode.batch_view import OneTokenView, SeqLensView, device_ends, pad_rows, same_rows, seq_total
-from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
+from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, MOVED_ENDS, GraphVariants, cascade_can_win
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
 from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
@@ -70,6 +70,7 @@ class DecodePlanner:
         self._t_choose: Optional[float] = None  # perf_counter when this step's path choice began (plan_step's sections)
         self._pad_fill: Optional[int] = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends: Optional[torch.Tensor] = None  # the step's device seq_lens, if the workspace can bind them (_plan)
+        self._ends_copy = True  # the step copies its ends before the replay (False: its graph copies them)
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
@@ -154,6 +155,7 @@ class DecodePlanner:
         c0, t0 = time.thread_time(), time.perf_counter()
         self.clock.tick()
         self._t_choose = self._clock_key = None
+        self._ends_copy = True
         plan = self._plan(fb, staged, graph=graph)
         t1 = time.perf_counter()
         tc = self._t_choose or t1
@@ -242,6 +244,12 @@ class DecodePlanner:
             self._ends = device_ends(fb, self.workspace_for(fb.batch_size))
             # the cascade graph ends each suffix where its capture bound the ends (or did not)
             reason = self.graphs.ends_mismatch(fb.batch_size, self._ends is not None) if graph else None
+            if reason is None and graph and self._ends is not None:
+                copied = self.graphs.ends_copied_in_graph(fb.batch_size, self._ends)
+                if copied is None:
+                    reason = MOVED_ENDS
+                else:  # debug: the integrity check reads the ends before the replay
+                    self._ends_copy = not copied or ctx.cfg.debug_integrity
             if reason is not None:
                 if self._ends is None:
                     self._warn_ends(fb)
@@ -269,12 +277,12 @@ class DecodePlanner:
         ends = self._ends  # checked against this workspace in _plan
         if same and ws.advance(desc.seq_lens, desc.req_pool_indices, bs=fb.batch_size,
                                single_prefix_chunk=decision.path is Path.BGEMM, seq_lens_dev=ends,
-                               ends_checked=True):
+                               ends_checked=True, ends_copy=self._ends_copy):
             return ws.upload_seconds - up0  # a steady step: only the suffix ends changed
         seq_lens, rpi = pad_rows(desc.seq_lens, desc.req_pool_indices, fb.batch_size)
         filled = grouping.with_group_len(self._fault.group_len(grouping.group_len)).padded(fb.batch_size)
         ws.fill(filled, seq_lens, rpi, single_prefix_chunk=decision.path is Path.BGEMM, same_grouping=same,
-                seq_lens_dev=ends)
+                seq_lens_dev=ends, ends_copy=self._ends_copy)
         self.filled_grouping, self._filled_ws = grouping, ws  # held: `is` stays meaningful
         return ws.upload_seconds - up0
 
@@ -325,6 +333,20 @@ class DecodePlanner:
             inner.forward_metadata = self._capture_metadata[bs]
         else:  # no stock capture of this size before (not SGLang's order): a fresh one
             inner.init_forward_metadata_out_graph(view, in_capture=True)
+
+    def in_graph_metadata(self, fb: Any) -> None:
+        """SGLang's in-graph metadata hook (recorded into the graph being captured; its warm-up
+        runs call it eagerly): the cascade graph of a size whose capture bound the suffix ends
+        copies them from the batch's device ``seq_lens`` itself (SGLang's static buffer, which
+        every replay refills first), so a replay of it launches no copy before it
+        (``graphs.ends_source``)."""
+        ws = self.ws
+        bs = fb.batch_size
+        if self.graphs.capturing != bs or self.path is Path.PAGED or ws is None or ws.ends.bound is None:
+            return
+        seq_lens = fb.seq_lens
+        ws.ends.copy_from(seq_lens, bs)  # fits: checked when the capture bound them (device_ends)
+        self.graphs.record_capture_ends_source(seq_lens.data_ptr())
 
     def replay_runs_kernels(self) -> bool:
         """This step's decode-graph replay runs GraniKV's kernels (its size's cascade graph)."""

@@ -199,6 +199,7 @@ class CascadeWorkspace(StagingRing):
         single_prefix_chunk: bool = False,
         same_grouping: bool = False,
         seq_lens_dev: Optional[torch.Tensor] = None,
+        ends_copy: bool = True,
     ) -> WorkList:
         """Plan one decode step and copy its metadata into the fixed device buffers (async).
 
@@ -208,7 +209,8 @@ class CascadeWorkspace(StagingRing):
         ``bgemm_cascade_attention``. ``same_grouping=True``: the caller guarantees the grouping's
         group arrays hold what they held in the previous ``fill`` (the planner's unchanged
         ``Grouping``), which skips comparing them.
-        ``seq_lens_dev``: see ``SuffixEnds.bind`` (must hold ``seq_lens`` on the device).
+        ``seq_lens_dev``: see ``SuffixEnds.bind`` (must hold ``seq_lens`` on the device);
+        ``ends_copy=False``: the step's graph replay copies them (``SuffixEnds.bind``'s ``copy``).
         Raises ValueError when the batch exceeds the workspace's capacity.
         """
         bs = len(seq_lens)
@@ -216,7 +218,7 @@ class CascadeWorkspace(StagingRing):
             raise ValueError(f"batch size {bs} exceeds the workspace's max_bs={self.max_bs}")
         if grouping.num_groups > self.max_groups:
             raise ValueError(f"{grouping.num_groups} groups exceed the workspace's max_groups={self.max_groups}")
-        self.ends.bind(seq_lens_dev, bs)
+        self.ends.bind(seq_lens_dev, bs, copy=ends_copy)
         if not single_prefix_chunk:  # a reused bgemm build (same items) keeps its members
             self._bgemm = None
         items = self._prefix_items(grouping, bs, single_prefix_chunk, same_grouping)
@@ -265,7 +267,7 @@ class CascadeWorkspace(StagingRing):
 
     def advance(self, seq_lens: np.ndarray, req_pool_indices: np.ndarray, *, bs: int,
                 single_prefix_chunk: bool = False, seq_lens_dev: Optional[torch.Tensor] = None,
-                ends_checked: bool = False) -> bool:
+                ends_checked: bool = False, ends_copy: bool = True) -> bool:
         """A steady decode step, without a ``fill``: the last fill's work list with each request's
         last suffix chunk ending at its new ``seq_len``, uploaded. Returns False, having done
         nothing, when a ``fill`` is needed (no build to advance, a different batch size, or a
@@ -285,10 +287,10 @@ class CascadeWorkspace(StagingRing):
                 or self._prefix_memo[1] is not base.items or len(seq_lens) > bs
                 or (base.rows is None and len(seq_lens) < bs)):
             return False
-        return self._advance(seq_lens, req_pool_indices, ends=(seq_lens_dev, bs, ends_checked))
+        return self._advance(seq_lens, req_pool_indices, ends=(seq_lens_dev, bs, ends_checked, ends_copy))
 
     def _advance(self, seq_lens: np.ndarray, req_pool_indices: Rows,
-                 ends: Optional[Tuple[Optional[torch.Tensor], int, bool]] = None) -> bool:
+                 ends: Optional[Tuple[Optional[torch.Tensor], int, bool, bool]] = None) -> bool:
         """Advances the current build (``_reuse_base``) to ``seq_lens`` (the first n positions)
         and uploads it; False when a last chunk would hold no token or more than ``limit``.
 
@@ -310,7 +312,7 @@ class CascadeWorkspace(StagingRing):
         if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
             return False
         if ends is not None:
-            self.ends.bind(ends[0], ends[1], checked=ends[2])
+            self.ends.bind(ends[0], ends[1], checked=ends[2], copy=ends[3])
         if ends is not None and self.ends.bound is not None and self._rows_on_device(req_pool_indices, n):
             # the kernels end each last item at seq_lens_dev: nothing to upload
             self._work_list, self._hi_buf, self._dev_ends = None, None, n
