@@ -171,9 +171,12 @@ def test_cascade_graphs_capture_the_second_instance_and_replays_refill_it(hybrid
 
     if not refill:  # planted: the replay does not refill the second instance
         monkeypatch.setattr(paths.real._backend, "init_forward_metadata_out_graph", lambda *a, **k: None)
+    static.seq_lens.copy_(view.seq_lens)  # SGLang refills its static seq_lens in place, which the replay
+    view.seq_lens = static.seq_lens  # view slices (the cascade graph copies its suffix ends from there)
     ours.stage_batch(rows)
     plugin._around_load_batch(_load_orig, gr, view)
     assert gr._replay_graph_key == ShapeKey(8, variant_label=CASCADE_LABEL)
+    ours.decode.ws.ends.copy_from(static.seq_lens, 8)  # the replay's first node (in-graph copy)
     del calls[:]
     out = [ours.forward_decode(q, k, v, layer, view, save_kv_cache=True) for (q, k, v), layer in zip(qkv, layers)]
     assert calls == [("inner", 0), ("real", 1)]  # the calls the cascade graph replays
