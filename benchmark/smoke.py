@@ -84,9 +84,13 @@ def checks_of(metrics_text: str, outputs: Sequence[Dict[str, Any]]) -> Dict[str,
     steps = metric_values(metrics_text, "granikv:decode_steps_total")
     cascade = sum(v for k, v in steps.items() if 'path="cascade"' in k)
     tokens = [int((o.get("meta_info") or {}).get("completion_tokens", -1)) for o in outputs]
+    fills = metric_values(metrics_text, "granikv:work_list_fills_total")
+    in_graph = sum(v for k, v in fills.items() if 'kind="ends_in_graph"' in k)
     return {
         "hot_extents": dict(value=hot, passed=hot > 0),
         "cascade_decode_steps": dict(value=cascade, paths=steps, passed=cascade > 0),
+        # the cascade graph replays copied their suffix ends themselves (SGLang's in-graph hook)
+        "ends_in_graph_steps": dict(value=in_graph, passed=in_graph > 0),
         "completion_tokens": dict(value=sorted(set(tokens)), passed=bool(tokens) and all(t == MAX_NEW_TOKENS
                                                                                      for t in tokens)),
     }

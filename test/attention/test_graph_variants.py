@@ -257,6 +257,7 @@ def test_a_cascade_graph_copies_its_suffix_ends_itself_and_its_replays_launch_no
         assert torch.equal(ends[:5], fb.seq_lens.to(ends.dtype)), step
         torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
     assert be.stats.paths["cascade"] == 4 and be.decode.ws.advances_in_place >= 2
+    assert be.stats_snapshot()["ends_in_graph_steps"] == 4
 
 
 def test_a_replay_whose_graph_lost_its_suffix_end_copy_ends_suffixes_short():
@@ -289,6 +290,7 @@ def test_a_replay_over_other_seq_lens_than_its_graph_copies_from_runs_paged():
     be.stage_batch(rows)
     plugin._around_load_batch(_load_orig, gr, moved)
     assert not be.graphs.planned_cascade and be.stats.last_reason == MOVED_ENDS
+    assert be.decode.ends_in_graph_steps == 0
     q, o = _replay_in_graph(gr, be, moved, 60)
     torch.testing.assert_close(o[:5], _expected(runner_, fb, q[:5]), atol=ATOL, rtol=RTOL)
 

@@ -78,6 +78,8 @@ METRICS = """# HELP granikv:hot_extents HOT extents
 granikv:hot_extents{model_name="m"} 1.0
 granikv:decode_steps_total{model_name="m",path="cascade"} 57.0
 granikv:decode_steps_total{model_name="m",path="paged"} 3.0
+granikv:work_list_fills_total{kind="in_place",model_name="m"} 50.0
+granikv:work_list_fills_total{kind="ends_in_graph",model_name="m"} 55.0
 """
 
 
@@ -88,6 +90,9 @@ def test_smoke_checks(smoke):
     assert not smoke.checks_of(METRICS.replace("57.0", "0.0"), good)["cascade_decode_steps"]["passed"]
     assert not smoke.checks_of(METRICS.replace("extents{model_name=\"m\"} 1.0", "extents 0"), good)[
         "hot_extents"]["passed"]
+    assert c["ends_in_graph_steps"]["value"] == 55.0
+    # replays that copied their ends before the graph (the in-graph copy never recorded) fail it
+    assert not smoke.checks_of(METRICS.replace("55.0", "0.0"), good)["ends_in_graph_steps"]["passed"]
     short = good + [dict(meta_info=dict(completion_tokens=3))]
     assert not smoke.checks_of(METRICS, short)["completion_tokens"]["passed"]
 
@@ -96,6 +101,7 @@ def test_smoke_reads_the_real_exporters_metric_names(smoke):
     """The names the smoke scrapes are the ones GraniKV's Prometheus exporter defines."""
     text = (ROOT / "python" / "granikv" / "prometheus.py").read_text()
     assert '"granikv:decode_steps_total"' in text and '"hot_extents"' in text
+    assert '"granikv:work_list_fills_total"' in text and '"ends_in_graph"' in text
 
 
 def test_smoke_command_is_the_quickstarts(smoke, tmp_path):

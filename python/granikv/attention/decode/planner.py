@@ -71,6 +71,7 @@ class DecodePlanner:
         self._pad_fill: Optional[int] = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends: Optional[torch.Tensor] = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._ends_copy = True  # the step copies its ends before the replay (False: its graph copies them)
+        self.ends_in_graph_steps = 0  # planned graph steps whose graph copied the suffix ends itself
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
 
@@ -99,6 +100,7 @@ class DecodePlanner:
         return {"work_list_builds": sum(w.fills_built for w in wss),
                 "work_list_reuses": sum(w.fills_reused for w in wss),
                 "work_list_in_place": sum(w.advances_in_place for w in wss),
+                "ends_in_graph_steps": self.ends_in_graph_steps,
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
                 **self._host_plan_counts(),
@@ -170,6 +172,8 @@ class DecodePlanner:
             if graph and copier is not None and copier.ws is ws and ws.slot_copy_ready:
                 copier.run()  # before the replay, and before SGLang's read-done event
                 self.slots_copied = True
+            if not self._ends_copy:
+                self.ends_in_graph_steps += 1
             if self.ctx.cfg.debug_integrity:  # host lengths (the work list) vs the kernels' device ends
                 ws.ends.check_integrity(plan.desc.seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
