@@ -90,7 +90,9 @@ def test_smoke_checks(smoke):
     assert not smoke.checks_of(METRICS.replace("57.0", "0.0"), good)["cascade_decode_steps"]["passed"]
     assert not smoke.checks_of(METRICS.replace("extents{model_name=\"m\"} 1.0", "extents 0"), good)[
         "hot_extents"]["passed"]
-    assert c["ends_in_graph_steps"]["value"] == 55.0
+    assert c["ends_in_graph_steps"]["value"] == 55.0 and set(c) == set(smoke.METRIC_CHECKS)
+    assert smoke.check_names("flashinfer") == set(c) | {"clean_shutdown"}
+    assert smoke.check_names(smoke.DEFAULT) == smoke.check_names("triton") | {"default_backend_line"}
     # replays that copied their ends before the graph (the in-graph copy never recorded) fail it
     assert not smoke.checks_of(METRICS.replace("55.0", "0.0"), good)["ends_in_graph_steps"]["passed"]
     short = good + [dict(meta_info=dict(completion_tokens=3))]
