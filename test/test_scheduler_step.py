@@ -29,6 +29,7 @@ def _scheduler(sim):
     backend.decode.grouping_memo = GroupingMemo()
     backend.decode.chooser = SteadyChooser(None)
     backend.decode.clock = StepClock()
+    backend.decode.ends_in_graph_steps = 0
     runner = SimpleNamespace(attn_backend=backend)
     return SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
                            tp_worker=SimpleNamespace(model_runner=runner),
