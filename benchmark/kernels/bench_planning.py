@@ -19,7 +19,7 @@ CPU time (what the step costs when the host is shared: preemption excluded). Tar
 what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
 step (SGLang reuses them; a path that copies them defeats the planner's identity-based reuse);
 ``--both``: both tables. Section columns: the backend's mean per-step sections (``lookup``: HOT
-runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``;
+runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``; ``slot_copy``: the pre-replay slot-copy replay (CUDA);
 ``view``); ``reuse``: share of steps whose work list was advanced rather than rebuilt.
 
 ``--micro`` adds the old per-function table: ``group`` = plan.group_requests, ``choose`` =
@@ -233,7 +233,7 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     return snap, 1e6 * wall, 1e6 * cpu
 
 
-SECTIONS = ("lookup", "choose", "fill", "upload", "view")
+SECTIONS = ("lookup", "choose", "fill", "upload", "slot_copy", "view")
 
 
 def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager_ends: bool = False) -> float:

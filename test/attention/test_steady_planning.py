@@ -235,7 +235,8 @@ def test_plan_sections_add_up_and_the_histogram_counts_every_step():
     snap = be.stats_snapshot()
     assert snap["planned_steps"] == 6 and sum(snap["plan_us_hist"].values()) == 6
     sec = snap["plan_sections_us_total"]
-    assert set(sec) == {"stage", "lookup", "choose", "fill", "upload", "view"}
+    assert set(sec) == {"stage", "lookup", "choose", "fill", "upload", "slot_copy", "view"}
+    assert sec["slot_copy"] == 0.0  # an eager step makes no pre-replay slot copy
     assert sec["stage"] == pytest.approx(12.0)
     assert all(v >= 0 for v in sec.values()) and sec["lookup"] > 0 and sec["choose"] > 0 and sec["fill"] > 0
     assert sum(sec.values()) == pytest.approx(snap["plan_us_total"], rel=1e-6)

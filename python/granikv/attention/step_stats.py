@@ -24,8 +24,9 @@ PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most
 #   choose  the path choice (SteadyChooser)
 #   fill    the workspace's advance / full fill, less its upload
 #   upload  waiting for a staging buffer + the device copy of the metadata (+ its event)
+#   slot_copy  the pre-replay copy of the step's suffix slots (a graph replay, slot_copy.py)
 #   view    the wrapped backend's ``seq_len = 1`` view of the batch
-PLAN_SECTIONS = ("stage", "lookup", "choose", "fill", "upload", "view")
+PLAN_SECTIONS = ("stage", "lookup", "choose", "fill", "upload", "slot_copy", "view")
 
 # Snapshot keys that are maxima over the backend's life (merged across backends by max, never
 # summed or differenced): the debug compare's per-layer output deviations (debug/compare.py).
@@ -167,13 +168,14 @@ class StepStats:
         self.stage_seconds += stage
         self.plan_cpu_seconds += cpu
         if sections is not None:
-            acc, (a0, a1, a2, a3, a4, a5) = self.section_seconds, sections
+            acc, (a0, a1, a2, a3, a4, a5, a6) = self.section_seconds, sections
             acc[0] += a0
             acc[1] += a1
             acc[2] += a2
             acc[3] += a3
             acc[4] += a4
             acc[5] += a5
+            acc[6] += a6
         if seconds > self.plan_max_seconds:
             self.plan_max_seconds = seconds
         self.recent_plan.add(seconds)

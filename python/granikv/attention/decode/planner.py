@@ -162,7 +162,7 @@ class DecodePlanner:
         t1 = time.perf_counter()
         tc = self._t_choose or t1
         self.path = Path.PAGED if plan is None else plan.decision.path  # graph steps: paged or cascade
-        upload = 0.0
+        upload = slot_copy = 0.0
         self.slots_copied = False
         if plan is not None:
             ws = self.workspace_for(fb.batch_size)
@@ -170,7 +170,9 @@ class DecodePlanner:
             self.ws, self.launch = ws, (ws.graph_plan if graph else ws.plan)
             copier = self.slot_copier
             if graph and copier is not None and copier.ws is ws and ws.slot_copy_ready:
+                c1 = time.perf_counter()
                 copier.run()  # before the replay, and before SGLang's read-done event
+                slot_copy = time.perf_counter() - c1
                 self.slots_copied = True
             if not self._ends_copy:
                 self.ends_in_graph_steps += 1
@@ -183,7 +185,7 @@ class DecodePlanner:
         t3 = time.perf_counter()
         self.ctx.stats.record_plan_time(
             t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
-            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload, upload, t3 - t2))
+            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload - slot_copy, upload, slot_copy, t3 - t2))
         if plan is not None:  # a step that planned a GraniKV path: the dispatcher's host term
             self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
         return view
