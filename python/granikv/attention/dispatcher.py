@@ -41,12 +41,13 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple, get_args
 
 import numpy as np
 import torch
 
-from granikv.attention.cost.cost_model import CostModel, HeadGeometry, Workload
+from granikv.attention.cost.cost_model import CostModel, HeadGeometry, Workload, calibrated_path
 from granikv.attention.eligibility import attention_tp_size
 from granikv.attention.grouping import BatchDescription, Grouping
 from granikv.config import AttentionPath, GraniKVConfig
@@ -333,6 +334,23 @@ class SteadyChooser:
         return decision
 
 
+_WARNED_GPUS: set = set()  # GPU names warned about (once per process)
+
+
+def warn_if_uncalibrated(cost_model_path: Optional[str], gpu: Optional[str]) -> bool:
+    """Logs once per GPU model when no ``--granikv-cost-model`` is given and no calibrated
+    file ships for ``gpu`` (the conservative default then decides: promotions and the
+    shared-prefix path only where the saving is clear). Returns True when it warned."""
+    if cost_model_path is not None or not gpu or os.path.exists(calibrated_path(gpu)) or gpu in _WARNED_GPUS:
+        return False
+    _WARNED_GPUS.add(gpu)
+    logger.warning("GraniKV cost model: no calibrated coefficients for %s (%s); using the conservative "
+                   "default, under which many shared prefixes stay on the stock path. Calibrate this GPU "
+                   "once (python -m benchmark.kernels.calibrate, docs/operations.md \"A new GPU model\") and "
+                   "pass the file with --granikv-cost-model PATH", gpu, os.path.basename(calibrated_path(gpu)))
+    return True
+
+
 def build_dispatcher(model_runner: ModelRunner, cfg: GraniKVConfig, backend_name: Optional[str] = None, *,
                      forced_path: Optional[str] = None) -> Dispatcher:
     """The dispatcher for this model runner's head shapes, with the paged coefficients of the
@@ -344,6 +362,7 @@ def build_dispatcher(model_runner: ModelRunner, cfg: GraniKVConfig, backend_name
     on_cuda = torch.cuda.is_available() and torch.device(model_runner.device).type == "cuda"
     gpu = torch.cuda.get_device_name(model_runner.device) if on_cuda else None
     loaded = CostModel.load(cfg.cost_model, gpu)
+    warn_if_uncalibrated(cfg.cost_model, gpu)
     cost_model = loaded.for_backend(backend_name)
     if backend_name and cost_model is loaded and backend_name != "flashinfer":
         logger.info("GraniKV cost model: no paged coefficients of the %s backend; using the "
