@@ -29,6 +29,9 @@ class CapturablePaged:
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass
 
+    def init_forward_metadata_in_graph(self, fb):  # SGLang's base: nothing of its own in the graph
+        pass
+
     def init_forward_metadata_out_graph(self, fb, in_capture=False):
         self.seq_lens.copy_(fb.seq_lens[:BS])
         self.rpi.copy_(fb.req_pool_indices[:BS])
@@ -85,3 +88,65 @@ def test_stock_graph_has_no_granikv_kernel_and_cascade_graph_matches_reference(m
         {"stock": stock, "cascade": cascade}[graph_name].replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out[graph_name][:5], _expected(runner, fb, q[:5]), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_back_to_back_replays_end_suffixes_where_the_graph_copied_them(planted):
+    """The cascade graph records the suffix-end copy in the in-graph metadata hook (as SGLang's
+    ``run_once`` calls it inside the capture), so its replays launch no copy before them. Four
+    replays back to back, no sync between them, each over other lengths written into the static
+    ``seq_lens`` (fills and advances): every output equals the paged reference. Planted: the hook
+    ran at capture time but outside the graph, so the planner trusts a copy the graph does not
+    make and the replays end suffixes at the captured lengths (the outputs differ)."""
+    import copy
+
+    runner = _runner("cuda")
+    be = _backend(runner, "cascade")
+    be.inner = CapturablePaged(runner)
+    be.init_cuda_graph_state(max_bs=BS, max_num_tokens=BS)
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    static = _replay_view(fb, BS)
+    q, k, v = (t.cuda() for t in _qkv(BS, 3))
+    out = {}
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+    capture_graph(lambda: out.__setitem__("stock", be.forward_decode(q, k, v, LAYER, static)))
+    be.graphs.begin_capture(BS)
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+    if planted:
+        be.init_forward_metadata_in_graph(static)
+
+    def body():
+        if not planted:
+            be.init_forward_metadata_in_graph(static)
+        out["cascade"] = be.forward_decode(q, k, v, LAYER, static)
+
+    cascade = capture_graph(body)
+    be.graphs.end_capture(ok=True)
+    assert be.graphs.ends_source == {BS: static.seq_lens.data_ptr()}
+    steps, results = [], []
+    for cut in (1, 2, 2, 3):  # shorter than captured: every step ends somewhere else
+        fb_i = copy.copy(fb)
+        fb_i.seq_lens = fb.seq_lens - cut
+        fb_i.seq_lens_cpu = fb.seq_lens_cpu - cut
+        view = _replay_view(fb_i, BS)
+        static.seq_lens.copy_(view.seq_lens)  # stream-ordered, as SGLang's replay preparation
+        static.seq_lens_cpu = view.seq_lens_cpu
+        be.stage_batch(rows)
+        be.init_forward_metadata_out_graph(static)
+        assert be.graphs.planned_cascade
+        cascade.replay()
+        results.append(out["cascade"][:5].clone())
+        steps.append(fb_i)
+    torch.cuda.synchronize()
+    assert be.decode.ends_in_graph_steps == 4
+
+    def check():
+        for fb_i, o in zip(steps, results):
+            torch.testing.assert_close(o, _expected(runner, fb_i, q[:5]), atol=ATOL, rtol=RTOL)
+
+    if planted:
+        with pytest.raises(AssertionError):
+            check()
+    else:
+        check()
+
