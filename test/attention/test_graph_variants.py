@@ -243,6 +243,10 @@ def test_a_cascade_graph_copies_its_suffix_ends_itself_and_its_replays_launch_no
     plugin._around_capture_one_shape(_in_graph_capture_orig(static), gr, 8, forward=None)
     assert be.graphs.ends_source == {8: static.seq_lens.data_ptr()} and be.graphs.ends_bound == {8: True}
     be.graphs.check_integrity()
+    be.graphs.ends_bound[8] = False  # planted: an in-graph copy recorded for a capture without bound ends
+    with pytest.raises(AssertionError, match="in-graph suffix-end copies"):
+        be.graphs.check_integrity()
+    be.graphs.ends_bound[8] = True
     ends = be.decode.ws.ends.buffer
     for step in range(4):
         fb.seq_lens_cpu = fb.seq_lens_cpu + 1

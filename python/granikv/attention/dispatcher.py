@@ -42,7 +42,7 @@ import enum
 import logging
 import math
 import os
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple, get_args
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Set, Tuple, get_args
 
 import numpy as np
 import torch
@@ -334,20 +334,23 @@ class SteadyChooser:
         return decision
 
 
-_WARNED_GPUS: set = set()  # GPU names warned about (once per process)
+_WARNED_GPUS: Set[str] = set()  # GPU names warned about (once per process)
 
 
 def warn_if_uncalibrated(cost_model_path: Optional[str], gpu: Optional[str]) -> bool:
     """Logs once per GPU model when no ``--granikv-cost-model`` is given and no calibrated
     file ships for ``gpu`` (the conservative default then decides: promotions and the
     shared-prefix path only where the saving is clear). Returns True when it warned."""
-    if cost_model_path is not None or not gpu or os.path.exists(calibrated_path(gpu)) or gpu in _WARNED_GPUS:
+    if cost_model_path is not None or not gpu or gpu in _WARNED_GPUS:
+        return False
+    path = calibrated_path(gpu)
+    if os.path.exists(path):
         return False
     _WARNED_GPUS.add(gpu)
     logger.warning("GraniKV cost model: no calibrated coefficients for %s (%s); using the conservative "
                    "default, under which many shared prefixes stay on the stock path. Calibrate this GPU "
                    "once (python -m benchmark.kernels.calibrate, docs/operations.md \"A new GPU model\") and "
-                   "pass the file with --granikv-cost-model PATH", gpu, os.path.basename(calibrated_path(gpu)))
+                   "pass the file with --granikv-cost-model PATH", gpu, os.path.basename(path))
     return True
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 import numpy as np
 
@@ -46,7 +46,7 @@ logger = logging.getLogger("granikv")
 CASCADE_LABEL = "granikv-cascade"
 AUTO_PREFIX_TOKENS = 32768  # longest shared prefix ``auto`` assumes (design range 4K-32K)
 AUTO_SUFFIX_TOKENS = 256
-# paged reasons of a graph step whose suffix-end binding is not its cascade graph's (``ends_mismatch``)
+# paged reasons of a graph step whose suffix-end binding is not its cascade graph's (``ends_binding``)
 NO_DEVICE_ENDS = "no device seq_lens for the cascade graph"
 UNBOUND_CAPTURE = "cascade graph captured without device seq_lens"
 MOVED_ENDS = "device seq_lens not the buffer the cascade graph copies its ends from"
@@ -141,26 +141,22 @@ class GraphVariants:
             self.ends_source.pop(bs, None)
         self._capture_source = None
 
-    def ends_mismatch(self, bs: int, bound: bool) -> Optional[str]:
-        """Why a step of padded size ``bs`` whose suffix ends are ``bound`` (or not) cannot replay
-        the cascade graph of ``bs`` (a paged reason), or None when its capture had the same
-        binding. A graph captured with bound ends reads the device buffer, which an unbound step
-        never writes; one captured without reads the metadata, which an in-place step never
-        uploads: either way the replay would end suffixes at stale lengths."""
-        captured = self.ends_bound.get(bs)
-        if captured is bound:
-            return None
-        return UNBOUND_CAPTURE if bound else NO_DEVICE_ENDS
-
-    def ends_copied_in_graph(self, bs: int, seq_lens_dev: torch.Tensor) -> Optional[bool]:
-        """Whether the cascade graph of ``bs`` copies the step's suffix ends itself (True), reads
-        what the step copies before the replay (False), or would copy them from a buffer other
-        than ``seq_lens_dev`` (None: a paged reason, ``MOVED_ENDS``; its copy would overwrite
-        the step's ends with that buffer's)."""
+    def ends_binding(self, bs: int, seq_lens_dev: Optional[torch.Tensor]) -> Tuple[Optional[str], bool]:
+        """How a step of padded size ``bs`` whose bindable device ``seq_lens`` is ``seq_lens_dev``
+        (None: none the workspace can bind) gets its suffix ends into the cascade graph of ``bs``:
+        ``(None, copied)`` when it can replay it (``copied``: the graph copies them itself from
+        ``seq_lens_dev``, ``ends_source``), else ``(paged reason, False)``. A graph captured with
+        bound ends reads the device buffer, which an unbound step never writes; one captured
+        without reads the metadata, which an in-place step never uploads; one that copies its
+        ends from another buffer would overwrite the step's with that buffer's: each replay
+        would end suffixes at stale lengths."""
+        bound = seq_lens_dev is not None
+        if self.ends_bound.get(bs) is not bound:
+            return (UNBOUND_CAPTURE if bound else NO_DEVICE_ENDS), False
         src = self.ends_source.get(bs)
-        if src is None:
-            return False
-        return True if src == seq_lens_dev.data_ptr() else None
+        if src is None or seq_lens_dev is None:
+            return None, False
+        return (None, True) if src == seq_lens_dev.data_ptr() else (MOVED_ENDS, False)
 
     def has_cascade_graph(self, bs: int) -> bool:
         return bs in self.captured

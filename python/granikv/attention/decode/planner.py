@@ -31,7 +31,7 @@ import torch
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
 from granikv.attention.decode.batch_view import OneTokenView, SeqLensView, device_ends, pad_rows, same_rows, seq_total
-from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, MOVED_ENDS, GraphVariants, cascade_can_win
+from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
 from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
@@ -248,14 +248,11 @@ class DecodePlanner:
             decision = self.clock.adjust(decision, self._clock_key)
         if decision.path is not Path.PAGED:
             self._ends = device_ends(fb, self.workspace_for(fb.batch_size))
-            # the cascade graph ends each suffix where its capture bound the ends (or did not)
-            reason = self.graphs.ends_mismatch(fb.batch_size, self._ends is not None) if graph else None
-            if reason is None and graph and self._ends is not None:
-                copied = self.graphs.ends_copied_in_graph(fb.batch_size, self._ends)
-                if copied is None:
-                    reason = MOVED_ENDS
-                else:  # debug: the integrity check reads the ends before the replay
-                    self._ends_copy = not copied or ctx.cfg.debug_integrity
+            reason = None
+            if graph:  # the cascade graph ends each suffix where its capture bound the ends (or did not)
+                reason, copied = self.graphs.ends_binding(fb.batch_size, self._ends)
+                # debug: the integrity check reads the ends before the replay
+                self._ends_copy = not copied or ctx.cfg.debug_integrity
             if reason is not None:
                 if self._ends is None:
                     self._warn_ends(fb)
