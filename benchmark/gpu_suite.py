@@ -25,7 +25,10 @@ Parts (run in this order; ``all`` = every one):
 
 Every part prints its wall time; ``--out`` gets one folder per part and ``gpu_suite.json``:
 ``{"commit", "date", "sglang_version", "gpu", "parts": [{"name", "wall_s", "passed", ...}]}``.
-Exit status 1 when a part fails.
+Exit status 1 when a part fails. SIGTERM or SIGHUP (e.g. ``timeout``) stops the suite: the
+running part's processes are killed (engines included), the part is recorded as stopped and no
+later part runs. ``--merge`` combines summaries of several runs (and machines: every part keeps
+its GPU) into one.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "smoke", "correctness", "grid")
@@ -160,11 +163,25 @@ def run_commands(cmds: Sequence[Sequence[str]]) -> Dict[str, Any]:
     return dict(passed=all(c == 0 for c in codes), exit_codes=codes)
 
 
+class Stopped(BaseException):
+    """The suite got SIGTERM or SIGHUP (a timeout, a closed session): raised in the running part,
+    so that its ``finally`` blocks kill the part's process group (``run_commands`` starts each
+    command in a session of its own, which no signal to the suite reaches) and the summary
+    records the part as stopped. Without it the part's engines would outlive the suite and keep
+    the GPU."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def run_part(name: str, fn: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
     print(f"=== part {name}", flush=True)
     t0 = time.time()
     try:
         res = fn()
+    except Stopped as e:  # the suite is stopping: this part failed, no later part runs (main)
+        res = dict(passed=False, error=f"stopped by {e.args[0]}", stopped=True)
     except Exception as e:  # a part that breaks is a failed part, the others still run
         import traceback
 
@@ -184,20 +201,50 @@ def write_summary(out: Path, doc: Dict[str, Any]) -> Path:
     return path
 
 
+def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
+    """What a grid part measured (its backends, models and rows): grid runs of different
+    scopes complement each other in a merge, one of the same scope replaces the earlier."""
+    return dict(backends=list(args.grid_backends), models=args.grid_models, rows=args.grid_rows)
+
+
+def _part_key(part: Dict[str, Any], doc: Dict[str, Any]) -> Tuple[str, str]:
+    """A part's identity in a merge: its name, and for a grid part its scope (recorded, or read
+    back from the run's command line for summaries written before scopes were recorded)."""
+    if part["name"] != "grid":
+        return part["name"], ""
+    scope = part.get("scope")
+    if scope is None and doc.get("command"):
+        argv = shlex.split(doc["command"])
+        if "benchmark.gpu_suite" in argv:
+            try:
+                scope = grid_scope(parse_args(argv[argv.index("benchmark.gpu_suite") + 1:]))
+            except SystemExit:  # not a command this version parses: one scope per run
+                scope = dict(command=doc["command"])
+    return "grid", json.dumps(scope, sort_keys=True)
+
+
 def merge(docs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Several suite runs as one summary: the parts of every run (a later run's part replaces an
-    earlier one of the same name), each keeping its own commit and date; the top-level commit and
-    date are the latest run's, ``runs`` lists every run."""
-    parts: Dict[str, Dict[str, Any]] = {}
+    """Several suite runs (or earlier merges) as one summary. Every part keeps its own commit,
+    date and GPU; a later run's part replaces an earlier one of the same name, except that grid
+    parts of different scopes (``grid_scope``) are all kept. The top-level commit and date are the
+    latest run's; ``gpu`` names every GPU the kept parts ran on; ``runs`` lists every run."""
+    parts: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    runs: List[Dict[str, Any]] = []
     for d in docs:
         for p in d.get("parts", []):
-            parts[p["name"]] = dict(p, commit=d.get("commit"), date=d.get("date"))
+            kept = dict(p, commit=p.get("commit", d.get("commit")), date=p.get("date", d.get("date")),
+                        gpu=p.get("gpu", d.get("gpu")))
+            key = _part_key(p, d)
+            parts.pop(key, None)  # re-inserted last: a replacement sorts as the latest
+            parts[key] = kept
+        runs += d.get("runs") or [dict(commit=d.get("commit"), date=d.get("date"), gpu=d.get("gpu"),
+                                       command=d.get("command"), wall_s=d.get("wall_s"))]
     last = docs[-1] if docs else {}
+    ordered = [p for n in PARTS for k, p in parts.items() if k[0] == n]
+    gpus = list(dict.fromkeys(p["gpu"] for p in ordered if p.get("gpu")))
     return dict(commit=last.get("commit"), date=last.get("date"), sglang_version=last.get("sglang_version"),
-                gpu=last.get("gpu"), runs=[dict(commit=d.get("commit"), date=d.get("date"), command=d.get("command"),
-                                                wall_s=d.get("wall_s")) for d in docs],
-                parts=[parts[n] for n in PARTS if n in parts],
-                passed=all(p.get("passed") for p in parts.values()))
+                gpu=" + ".join(gpus) if gpus else last.get("gpu"), runs=runs, parts=ordered,
+                passed=all(p.get("passed") for p in ordered))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -220,15 +267,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                sglang_version=sglang_version(), gpu=gpu_name(),
                command=" ".join(shlex.quote(a) for a in ["python3", "-m", "benchmark.gpu_suite", *argv]), parts=[])
     t0 = time.time()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     for name in args.parts:
         if name == "smoke":
             fn = lambda: run_smoke(out / "smoke", backend=args.smoke_backend)  # noqa: E731
         else:
             (out / name).mkdir(parents=True, exist_ok=True)
             fn = (lambda c: lambda: run_commands(c))(cmds[name])
-        doc["parts"].append(run_part(name, fn))
+        part = run_part(name, fn)
+        if name == "grid":
+            part["scope"] = grid_scope(args)
+        doc["parts"].append(part)
         doc["wall_s"] = round(time.time() - t0, 1)
         write_summary(out, doc)
+        if part.get("stopped"):
+            break
     for p in doc["parts"]:
         print(f"{p['name']:12s} {p['wall_s']:7.1f} s  {'passed' if p['passed'] else 'FAILED'}")
     return 0 if all(p["passed"] for p in doc["parts"]) else 1

@@ -381,6 +381,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"(got {','.join(args.backends)})")
     if args.model != "llama" and args.dequantized_reference:
         raise SystemExit(f"--dequantized-reference is for --model llama (got --model {args.model})")
+    if len(set(args.backends)) < 2 and allowed is None and not args.dequantized_reference:
+        # the token rule's bar is a second correct kernel's agreement with stock: without one
+        # every row would end undecided after minutes of engines
+        raise SystemExit(f"--backends {','.join(args.backends)}: the token rule needs a second correct "
+                         f"reference: two backends (e.g. --backends flashinfer,triton), or one backend "
+                         f"with --kv-cache-dtype fp8_* --dequantized-reference")
     base = memory_kwargs(args.mem_fraction_static, args.max_total_tokens)
     t0 = time.time()
     shape = checkpoint.SHAPES[args.model]()

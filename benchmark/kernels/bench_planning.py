@@ -22,6 +22,11 @@ step (SGLang reuses them; a path that copies them defeats the planner's identity
 runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``; ``slot_copy``: the pre-replay slot-copy replay (CUDA);
 ``view``); ``reuse``: share of steps whose work list was advanced rather than rebuilt.
 
+``--thrash``: between two steps (outside the timing) a pass over ``THRASH_BYTES`` of numpy data and
+``THRASH_OBJECTS`` Python objects, as SGLang's scheduler runs its own work between two plans: the
+step then finds the host's caches cold, as in serving (where the same steady step measured 4-6x
+its back-to-back time; docs/results/gpu_suite.md). Its p50 is the closer estimate of serving.
+
 ``--micro`` adds the old per-function table: ``group`` = plan.group_requests, ``choose`` =
 Dispatcher.choose, ``plan`` = both; ``work_list`` = build_work_list; ``step full`` /
 ``step steady``: BatchDescription, grouping, choose and ``CascadeWorkspace.fill`` without /
@@ -41,6 +46,8 @@ from granikv.attention.dispatcher import Dispatcher
 from granikv.attention.grouping import BatchDescription, GroupingMemo, group_requests
 
 BATCH_SIZES = (1, 2, 8, 17, 64, 128, 256)
+THRASH_BYTES = 8 << 20  # --thrash: numpy bytes written between two steps (more than a core's L2)
+THRASH_OBJECTS = 200_000  # --thrash: Python objects (dicts) of which a third are read between two steps
 GROUPS = (1, 2, 4, 16)
 HOT = 1 << 24
 
@@ -196,13 +203,28 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu", eager_ends: boo
     return be, sched, sbatch, view, cfg, host_buf
 
 
+class Thrash:
+    """What a serving process runs between two plans, in miniature: writes ``THRASH_BYTES`` of a
+    numpy buffer and reads a third of ``THRASH_OBJECTS`` dicts, so the next step starts with the
+    host's caches holding other data (``--thrash``)."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(THRASH_BYTES, np.int8)
+        self.objs = [dict(a=i, b=str(i)) for i in range(THRASH_OBJECTS)]
+
+    def __call__(self) -> int:
+        self.buf += 1
+        return sum(d["a"] for d in self.objs[::3])
+
+
 def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False,
-                eager_ends: bool = False):
+                eager_ends: bool = False, thrash: bool = False):
     """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
     in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
     seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
     seq_lens tensor and a NEW rows tensor for the batch every step (what a serving path that
-    copies them would hand over), which defeats the planner's identity-based reuse."""
+    copies them would hand over), which defeats the planner's identity-based reuse. ``thrash``:
+    ``Thrash`` runs before each step, outside the timing."""
     import torch
 
     from granikv.scheduler_step import on_run_batch
@@ -213,6 +235,7 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     wall = np.zeros(steps)
     cpu = np.zeros(steps)
     clock = HostClock()
+    evict = Thrash() if thrash else None
     for i in range(steps):
         host_buf[:bs] += 1  # SGLang's own per-step work (buffer fill), outside the timing
         if fresh:
@@ -223,6 +246,8 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
         view.seq_lens_sum += bs
         if cuda and i % 64 == 0:
             torch.cuda.synchronize()  # the GPU keeps up with the host, as in serving
+        if evict is not None:
+            evict()
         clock.start()
         on_run_batch(sched, sbatch, cfg)
         be.init_forward_metadata_out_graph(view)
@@ -236,11 +261,13 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
 SECTIONS = ("lookup", "choose", "fill", "upload", "slot_copy", "view")
 
 
-def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager_ends: bool = False) -> float:
+def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager_ends: bool = False,
+                  thrash: bool = False) -> float:
     """Prints the serving table; returns the worst p50 over all rows."""
     rng = np.random.default_rng(0)
     print(f"# device {device}{' (' + _device_name(device) + ')' if device != 'cpu' else ''}, "
-          f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; suffix ends copied "
+          f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; "
+          f"{'caches COLD (--thrash) at every step; ' if thrash else ''}suffix ends copied "
           f"{'before each replay' if eager_ends else 'by the cascade graph'}; section columns: mean us "
           f"per step of the backend's sections (upload = staging-buffer wait + copy + event)")
     print(f"{'batch':>9} {'bs':>4} {'path':>8} {'p50':>7} {'p99':>7} {'mean':>7} {'hook p50':>9} {'hook p99':>9} "
@@ -248,7 +275,8 @@ def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager
     worst = [0.0, 0.0]
     for batch in BATCHES:
         for bs in (64, 128, 256):
-            snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh, eager_ends=eager_ends)
+            snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh, eager_ends=eager_ends,
+                                          thrash=thrash)
             path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
             p50, p99 = snap["plan_us_p50"], snap["plan_us_p99"]
             worst = [max(worst[0], p50), max(worst[1], p99)]
@@ -295,6 +323,8 @@ def main():
     ap.add_argument("--both", action="store_true", help="the table with reused buffers, then with fresh ones")
     ap.add_argument("--eager-ends", action="store_true",
                     help="also the table with the suffix ends copied before each replay (no in-graph copy)")
+    ap.add_argument("--thrash", action="store_true",
+                    help="also the table with the host's caches made cold before every step (as in serving)")
     args = ap.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {cpu_name()} ({os.cpu_count()} cores, load average {load}), python {platform.python_version()}, "
@@ -303,6 +333,8 @@ def main():
         serving_table(args.steps, device=args.device, fresh=fresh)
         if args.eager_ends:
             serving_table(args.steps, device=args.device, fresh=fresh, eager_ends=True)
+        if args.thrash:
+            serving_table(args.steps, device=args.device, fresh=fresh, thrash=True)
     if not args.micro:
         return
 

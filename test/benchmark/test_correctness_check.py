@@ -142,6 +142,16 @@ def test_memory_kwargs_reach_every_engine_and_reject_bad_values():
             check.memory_kwargs(*bad)
 
 
+def test_one_backend_without_a_second_reference_is_refused_before_any_engine(monkeypatch):
+    # the token rule's bar is a second correct kernel: one backend alone would leave every row
+    # undecided after minutes of engines (seen on a GPU: "passed" None on every row, exit 1)
+    monkeypatch.setattr(check.checkpoint, "write_checkpoint", lambda *a, **k: pytest.fail("engines started"))
+    with pytest.raises(SystemExit, match="--backends flashinfer: the token rule needs a second"):
+        check.main(["--backends", "flashinfer"])
+    with pytest.raises(SystemExit, match="--dequantized-reference needs one backend and --kv-cache-dtype"):
+        check.main(["--backends", "flashinfer", "--dequantized-reference"])  # still its own message
+
+
 # ---- checkpoint ------------------------------------------------------------------------------
 
 
@@ -400,12 +410,11 @@ def test_parent_end_to_end_with_fake_engine(tmp_path):
     assert loop["requests"] == 8 * 3  # one entry per agent and turn
     assert (out / "correctness.md").read_text().startswith("# Correctness")
 
-    # the fault engines skipped: no fault column, and the run still passes
+    # one backend and no second reference: refused before any engine starts, no results written
     res = subprocess.run(cmd[:-1] + [str(tmp_path / "out2"), "--no-fault", "--backends", "triton"],
                          env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
-    doc = json.loads((tmp_path / "out2" / "correctness.json").read_text())
-    assert res.returncode == 1  # one backend: no cross-backend reference, nothing can pass
-    assert all(r["passed"] is None for r in doc["rows"])
+    assert res.returncode != 0 and "the token rule needs a second correct reference" in res.stderr
+    assert not (tmp_path / "out2" / "correctness.json").exists()
 
     # one backend over an FP8 cache: the token rule's references are stock flashinfer and triton
     # over the K/V rounded through FP8 (dequantized engines)

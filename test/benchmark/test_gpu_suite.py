@@ -73,6 +73,55 @@ def test_merge_keeps_each_parts_run(suite, tmp_path):
     assert not suite.merge([b, a])["passed"]  # the later run's grid failed
 
 
+def test_merge_keeps_grid_parts_of_other_scopes_and_each_parts_gpu(suite):
+    cmd = "python3 -m benchmark.gpu_suite --parts {} --grid-backends flashinfer --grid-models {}"
+    a = dict(commit="c1", gpu="H100", command=cmd.format("tests,grid", "m1"),
+             parts=[dict(name="tests", wall_s=1, passed=True), dict(name="grid", wall_s=2, passed=True)])
+    b = dict(commit="c2", gpu="H200", command=cmd.format("grid", "m2"),  # scope read back from the command
+             parts=[dict(name="grid", wall_s=3, passed=True)])
+    c = dict(commit="c3", gpu="H200", parts=[dict(name="grid", wall_s=4, passed=False, scope=dict(
+        backends=["flashinfer"], models="m1", rows=None))])  # the recorded scope of a's grid: replaces it
+    m = suite.merge([a, b])
+    assert [(p["name"], p["commit"], p["gpu"]) for p in m["parts"]] == [
+        ("tests", "c1", "H100"), ("grid", "c1", "H100"), ("grid", "c2", "H200")]
+    assert m["gpu"] == "H100 + H200" and m["passed"]
+    m2 = suite.merge([m, c])  # a merge merges again: its parts keep their own commit and GPU
+    assert [(p["name"], p["commit"]) for p in m2["parts"]] == [("tests", "c1"), ("grid", "c2"), ("grid", "c3")]
+    assert not m2["passed"] and [r["commit"] for r in m2["runs"]] == ["c1", "c2", "c3"]
+
+
+def test_a_stopped_suite_kills_its_running_part_and_records_it(suite, tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    pid_file = tmp_path / "child.pid"
+    child = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+             "time.sleep(120)"]
+    monkeypatch.setattr(suite, "part_commands", lambda args, out: dict(tests=[child], correctness=[child]))
+
+    def stop_when_running():
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            threading.Event().wait(0.05)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    threading.Thread(target=stop_when_running, daemon=True).start()
+    try:
+        assert suite.main(["--parts", "tests,correctness", "--out", str(tmp_path), "--commit", "x"]) == 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    doc = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert [(p["name"], p["passed"], p.get("error")) for p in doc["parts"]] == [("tests", False, "stopped by SIGTERM")]
+    pid = int(pid_file.read_text())
+    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    assert gone in ("", "Z"), f"the part's process {pid} outlived the suite ({gone})"
+
+
 METRICS = """# HELP granikv:hot_extents HOT extents
 # TYPE granikv:hot_extents gauge
 granikv:hot_extents{model_name="m"} 1.0

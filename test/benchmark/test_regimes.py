@@ -57,6 +57,13 @@ def test_grid_covers_the_required_regimes(grid):
             need = sum(r.kwargs["prefixes"]) + r.agents * (hi + r.kwargs["out"] * r.kwargs.get("turns", 1)
                                                            + r.kwargs.get("tool", 0) * 3)
             assert need < grid.LLAMA_POOL_TOKENS * 0.75, r.key
+    # the host-bound model's long rows fit its own pool the same way (none of them is KV-bound)
+    pool = {m.name: m.engine_kwargs["max_total_tokens"] for m in grid.MODELS}["llama-3.1-8b-4layers"]
+    for r in rows:
+        if r.model == "llama-3.1-8b-4layers" and r.kind == "grouped":
+            lo, hi = r.kwargs["suffix"]
+            assert sum(r.kwargs["prefixes"]) + r.agents * (hi + r.kwargs["out"]) < pool * 0.75, r.key
+            assert r.kwargs["out"] == grid.HOST_BOUND_OUT
 
 
 def test_ceiling_spec_cuts_prefixes_only(grid):
