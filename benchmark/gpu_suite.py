@@ -1,7 +1,8 @@
 """The GPU suite: everything GraniKV proves on a GPU, from one entry point.
 
     python3 -m benchmark.gpu_suite --parts all --out /tmp/granikv-suite
-    python3 -m benchmark.gpu_suite --parts tests,smoke,correctness --out OUT   # first half of all
+    python3 -m benchmark.gpu_suite --parts tests,smoke,correctness --out OUT   # first half of all (~9 min, H200)
+    python3 -m benchmark.gpu_suite --parts grid --out OUT2                     # second half (GRID_BUDGET_S)
     python3 -m benchmark.gpu_suite --parts grid --grid-backends flashinfer --out OUT
     python3 -m benchmark.gpu_suite --merge OUT1/gpu_suite.json OUT2/gpu_suite.json --out docs/results
 
@@ -48,6 +49,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "smoke", "correctness", "grid")
 SUMMARY = "gpu_suite.json"
+# what makes ``all`` fit two invocations of at most 9 minutes on one H200: tests, smoke and
+# correctness (170-205 + 57 + 297 s, measured 2026-12-01..05), then the grid (its row
+# estimates, regime_grid.estimate_s, came within 6% of a measured grid: 329 s estimated, 312 s run)
+GRID_BUDGET_S = 480.0
+GRID_MODELS = "llama-3.1-8b"  # the default grid (every model's rows do not fit GRID_BUDGET_S: --grid-models)
+CORRECTNESS_ARGS = "--scale 2"  # 32-48 requests per row (the check's own default, 4, takes twice as long)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -58,17 +65,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default="/tmp/granikv-suite", help="Output folder.")
     p.add_argument("--commit", default=None, help="Commit recorded in gpu_suite.json (default: git rev-parse HEAD).")
     p.add_argument("--grid-backends", type=csv, default=["flashinfer", "triton"])
-    p.add_argument("--grid-models", default=None, help="regimes --models (default: every model).")
+    p.add_argument("--grid-models", default=GRID_MODELS,
+                   help=f"regimes --models (default {GRID_MODELS}: the rows the targets are judged on, in the "
+                        "suite's budget; 'all': every model).")
     p.add_argument("--grid-rows", default=None, help="regimes --rows (default: every row).")
-    p.add_argument("--grid-budget-s", type=float, default=420.0, help="regimes --time-budget-s per backend.")
+    p.add_argument("--grid-budget-s", type=float, default=None,
+                   help=f"regimes --time-budget-s per backend (default: GRID_BUDGET_S = {GRID_BUDGET_S:g} s for the "
+                        "whole grid, two thirds to the first backend, the rest shared by the others).")
     p.add_argument("--grid-repeats", type=int, default=3)
     p.add_argument("--grid-also-stock", type=csv, default=[],
                    help="regimes --also-stock: a stock engine of each of these backends beside every grid "
                         "backend's pair (skipped for the backend itself), e.g. fa3.")
     p.add_argument("--grid-idle-probe-steps", type=int, default=32,
                    help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
-    p.add_argument("--correctness-args", default="",
-                   help="Extra arguments of benchmark.correctness.check (one shell string).")
+    p.add_argument("--correctness-args", default=CORRECTNESS_ARGS,
+                   help=f"Arguments of benchmark.correctness.check (one shell string; default {CORRECTNESS_ARGS!r}).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
     p.add_argument("--smoke-backend", default="flashinfer")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="Combine gpu_suite.json files into --out and exit.")
@@ -124,14 +135,27 @@ def python_cmd(module: str, *args: str) -> List[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def grid_budgets(args: argparse.Namespace) -> List[float]:
+    """Each grid backend's time budget: ``--grid-budget-s`` for every one, or by default
+    ``GRID_BUDGET_S`` split: two thirds to the first backend (flashinfer, the baseline that
+    counts), the rest shared by the others (all of it when there is one)."""
+    n = len(args.grid_backends)
+    if args.grid_budget_s is not None:
+        return [args.grid_budget_s] * n
+    if n <= 1:
+        return [GRID_BUDGET_S] * n
+    first = round(GRID_BUDGET_S * 2 / 3)
+    return [float(first)] + [round((GRID_BUDGET_S - first) / (n - 1))] * (n - 1)
+
+
 def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[str]]]:
     """The subprocess commands of each command-line part (smoke runs in-process)."""
     grid = []
-    for backend in args.grid_backends:
+    for backend, budget in zip(args.grid_backends, grid_budgets(args), strict=True):
         cmd = python_cmd("benchmark.multi_agent.regimes", "--backend", backend, "--out", str(out / "grid"),
-                         "--time-budget-s", f"{args.grid_budget_s:g}", "--repeats", str(args.grid_repeats),
+                         "--time-budget-s", f"{budget:g}", "--repeats", str(args.grid_repeats),
                          "--idle-probe-steps", str(args.grid_idle_probe_steps))
-        if args.grid_models:
+        if args.grid_models and args.grid_models != "all":
             cmd += ["--models", args.grid_models]
         if args.grid_rows:
             cmd += ["--rows", args.grid_rows]
@@ -204,7 +228,8 @@ def write_summary(out: Path, doc: Dict[str, Any]) -> Path:
 def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     """What a grid part measured (its backends, models and rows): grid runs of different
     scopes complement each other in a merge, one of the same scope replaces the earlier."""
-    return dict(backends=list(args.grid_backends), models=args.grid_models, rows=args.grid_rows)
+    models = None if args.grid_models == "all" else args.grid_models
+    return dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
 
 
 def _part_key(part: Dict[str, Any], doc: Dict[str, Any]) -> Tuple[str, str]:

@@ -329,11 +329,21 @@ def select(grid: Sequence[Regime], *, models: Optional[Sequence[str]] = None,
         return sum(cost[r.key] for r in sel) + sum(start_s(by_name[m]) for m in {r.model for r in sel})
 
     if budget_s > 0:
+        dropped: List[Regime] = []
         for r in sorted(kept, key=lambda r: (-r.priority, -cost[r.key])):
             if total(kept) <= budget_s:
                 break
             kept.remove(r)
-            skipped.append((r.key, f"estimated {cost[r.key]:.0f} s does not fit --time-budget-s {budget_s:g}"))
+            dropped.append(r)
+        # then, most important and cheapest first, any dropped row that fits the time left (an
+        # expensive row dropped first can leave room for cheaper ones of its priority or below)
+        order = {r.key: i for i, r in enumerate(grid)}
+        for r in sorted(dropped, key=lambda r: (r.priority, cost[r.key])):
+            if total(kept + [r]) <= budget_s:
+                kept.append(r)
+            else:
+                skipped.append((r.key, f"estimated {cost[r.key]:.0f} s does not fit --time-budget-s {budget_s:g}"))
+        kept.sort(key=lambda r: order[r.key])  # run order stays the grid's
     return Selection(tuple(kept), tuple(skipped), total(kept))
 
 

@@ -40,6 +40,24 @@ def test_parts_and_their_commands(suite, tmp_path):
         suite.parse_args(["--parts", "tests,bogus"])
 
 
+def test_default_budgets_split_the_suites_grid_and_correctness_runs_at_scale_2(suite, tmp_path):
+    args = suite.parse_args(["--out", str(tmp_path)])
+    cmds = suite.part_commands(args, tmp_path)
+    budgets = [float(c[c.index("--time-budget-s") + 1]) for c in cmds["grid"]]
+    assert budgets == [320.0, 160.0] and sum(budgets) == suite.GRID_BUDGET_S  # flashinfer first
+    assert cmds["correctness"][0][-2:] == ["--scale", "2"]
+    assert all(c[c.index("--models") + 1] == suite.GRID_MODELS for c in cmds["grid"])
+    every = suite.parse_args(["--out", str(tmp_path), "--grid-models", "all"])
+    assert all("--models" not in c for c in suite.part_commands(every, tmp_path)["grid"])
+    one = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "triton"])
+    assert suite.grid_budgets(one) == [suite.GRID_BUDGET_S]
+    three = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "flashinfer,triton,fa3"])
+    assert suite.grid_budgets(three) == [320.0, 80.0, 80.0]
+    mine = suite.parse_args(["--out", str(tmp_path), "--grid-budget-s", "100", "--correctness-args", ""])
+    assert suite.grid_budgets(mine) == [100.0, 100.0]
+    assert suite.part_commands(mine, tmp_path)["correctness"][0][-1] == str(tmp_path / "correctness")
+
+
 def test_grid_also_stock_goes_to_every_other_backends_grid(suite, tmp_path):
     args = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "flashinfer,fa3", "--grid-also-stock", "fa3"])
     fi, fa3 = suite.part_commands(args, tmp_path)["grid"]

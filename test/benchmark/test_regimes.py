@@ -88,11 +88,19 @@ def test_select_subsets_and_budget(grid):
         grid.select(rows, rows=["nope"])
     tight = grid.select(rows, budget_s=full.estimate_s * 0.6)
     assert tight.estimate_s <= full.estimate_s * 0.6 and tight.skipped
-    kept_p = [r.priority for r in tight.rows]
     dropped = {k for k, _ in tight.skipped}
-    # lower priorities go first: nothing of priority p is dropped while a worse one is kept
-    worst_kept = max(kept_p)
-    assert all(r.priority >= worst_kept for r in rows if r.key in dropped)
+    by = {m.name: m for m in grid.MODELS}
+    kept_models = {r.model for r in tight.rows}
+    # every dropped row is one that no longer fits the time left (its model's start included)
+    for r in rows:
+        if r.key in dropped:
+            extra = grid.estimate_s(r, by[r.model]) + (0 if r.model in kept_models else grid.start_s(by[r.model]))
+            assert tight.estimate_s + extra > full.estimate_s * 0.6, r.key
+    # lower priorities go first: a kept row of a worse priority than a dropped one is cheaper than it
+    for r in rows:
+        if r.key in dropped:
+            worse = [k for k in tight.rows if k.priority > r.priority]
+            assert all(grid.estimate_s(k, by[k.model]) < grid.estimate_s(r, by[r.model]) for k in worse), r.key
     # run order stays grouped by model, in the grid's order
     order = [r.key for r in tight.rows]
     assert order == [r.key for r in rows if r.key in set(order)]
