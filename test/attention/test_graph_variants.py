@@ -347,6 +347,10 @@ def test_labels_keep_sglangs_variant():
     assert g.replay_key(ShapeKey(4, variant_label="lora")) == ShapeKey(4, variant_label="lora+" + CASCADE_LABEL)
     g.planned_cascade = False
     assert g.replay_key(ShapeKey(4, variant_label="lora")) == ShapeKey(4, variant_label="lora")
+    g.planned_cascade = True  # the cascade key is made once per SGLang key, and per key
+    first = g.replay_key(ShapeKey(4, variant_label="lora"))
+    assert g.replay_key(ShapeKey(4, variant_label="lora")) is first
+    assert g.replay_key(ShapeKey(8)) == ShapeKey(8, variant_label=CASCADE_LABEL)
 
 
 def test_auto_sizes_follow_the_cost_model():

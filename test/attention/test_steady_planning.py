@@ -78,6 +78,10 @@ def test_batch_rows_is_a_stable_view_of_sglangs_host_rows():
     assert batch_rows(b2) is not r1 and batch_rows(b2).tolist() == [4, 2, 9]
     stale = SimpleNamespace(reqs=reqs[:2], req_pool_indices_cpu=t)  # length mismatch: from the requests
     assert batch_rows(stale).tolist() == [4, 2]
+    assert batch_rows(b) is not r1 and batch_rows(b) is batch_rows(b)  # t seen again: checked, then held
+    assert batch_rows(stale).tolist() == [4, 2]  # the held tensor with fewer requests: still from them
+    i32 = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=t.to(torch.int32))  # not int64: from the requests
+    assert batch_rows(i32).dtype == np.int64 and batch_rows(i32).tolist() == [4, 2, 9]
 
 
 def test_recent_times_percentiles():

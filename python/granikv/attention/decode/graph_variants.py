@@ -101,6 +101,7 @@ class GraphVariants:
         self.ends_source: Dict[int, int] = {}
         self._capture_source: Optional[int] = None  # that address, recorded during the capture in progress
         self.memory_bytes = 0  # device memory the cascade captures took (CUDA; 0 elsewhere)
+        self._cascade_keys: Dict[Any, Any] = {}  # SGLang's (frozen, hashable) replay key -> its cascade key
 
     def wants_cascade(self, bs: int) -> bool:
         want = (bs in self._sizes) if self._sizes is not None else self._can_win(bs)
@@ -167,9 +168,15 @@ class GraphVariants:
         return cascade_label(variant_label) if self.planned_cascade else None
 
     def replay_key(self, key: Any) -> Any:
-        """SGLang's replay ``ShapeKey`` for this step (``dataclasses.replace`` of its label)."""
-        label = self.replay_label(key.variant_label)
-        return key if label is None else dataclasses.replace(key, variant_label=label)
+        """SGLang's replay ``ShapeKey`` for this step (``dataclasses.replace`` of its label,
+        made once per key)."""
+        if not self.planned_cascade:
+            return key
+        cascade = self._cascade_keys.get(key)
+        if cascade is None:
+            cascade = self._cascade_keys[key] = dataclasses.replace(
+                key, variant_label=cascade_label(key.variant_label))
+        return cascade
 
     def summary(self) -> str:
         cascade = sorted(self.captured)

@@ -34,7 +34,8 @@ _NO_REQUEST = Grouping.empty(0)  # the grouping of a step with no request
 _NO_SEQ = np.zeros(0, np.int64)
 Rows = Union[np.ndarray, torch.Tensor]  # req_pool_indices: host (numpy) or device
 PrefixKey = Tuple[Union[int, bool, bytes], ...]  # (bs, single chunk, the group arrays' bytes)
-Advance = Tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (n, last_lo1[:n], hi_pos[:n], scratch [n])
+# (n, last_lo1[:n], hi_pos[:n], scratch [n], the scratch as uint64: a negative growth reads as huge)
+Advance = Tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class CascadeWorkspace(StagingRing):
@@ -306,10 +307,10 @@ class CascadeWorkspace(StagingRing):
         assert base is not None  # the callers check it
         st = self._adv
         if st is None or st[0] != n:  # per build and n: views and a scratch row, made once
-            st = self._adv = (n, base.last_lo1[:n], base.hi_pos[:n], np.empty(n, np.int64))
-        grow1 = st[3]
-        np.subtract(seq_lens, st[1], out=grow1)
-        if np.maximum.reduce(grow1.view(np.uint64)) >= base.limit:
+            scratch = np.empty(n, np.int64)
+            st = self._adv = (n, base.last_lo1[:n], base.hi_pos[:n], scratch, scratch.view(np.uint64))
+        np.subtract(seq_lens, st[1], out=st[3])
+        if np.maximum.reduce(st[4]) >= base.limit:
             return False
         if ends is not None:
             self.ends.bind(ends[0], ends[1], checked=ends[2], copy=ends[3])
