@@ -12,7 +12,8 @@ step::
     idle  = span - busy          (the GPU had nothing to run)
 
 The window starts at the first GPU activity after the profiler started, so a partial step at
-either end adds at most one step's gap. Stdlib only.
+either end adds at most one step's gap. With CPU activity recorded too, :func:`host_calls_of_events`
+says where the host's time went per step (CUDA runtime calls, ATen ops). Stdlib only.
 """
 
 from __future__ import annotations
@@ -78,8 +79,39 @@ def load_trace(path: Path) -> List[Mapping[str, Any]]:
     return doc.get("traceEvents", []) if isinstance(doc, dict) else list(doc)
 
 
+HOST_CATEGORIES = ("cuda_runtime", "cuda_driver", "cpu_op")
+
+
+def host_calls_of_events(events: Iterable[Mapping[str, Any]], steps: int, top: int = 12) -> Dict[str, Any]:
+    """Where the host's time went over ``steps`` decode steps of a trace recorded with CPU
+    activity (``activities=["CPU", "GPU"]``): per name of a CUDA runtime / driver call or an
+    ATen op, its calls and µs per step, the ``top`` names by time (e.g. a ``cudaGraphLaunch``
+    that blocks on a full launch queue, a ``cudaStreamSynchronize``, a host-side copy).
+    ``host_calls``: name -> [calls per step, µs per step], largest first (nested ATen ops are
+    counted inside their callers too)."""
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    acc: Dict[str, List[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in HOST_CATEGORIES:
+            continue
+        dur = e.get("dur")
+        if not isinstance(dur, (int, float)) or dur < 0:
+            continue
+        a = acc.setdefault(str(e.get("name", "?")), [0.0, 0.0])
+        a[0] += 1
+        a[1] += float(dur)
+    ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(host_calls={k: [round(n / steps, 2), round(us / steps, 2)] for k, (n, us) in ranked},
+                profiled_steps=steps)
+
+
 def idle_of_trace(path: Path, steps: int) -> Optional[Dict[str, Any]]:
     return idle_of_events(load_trace(path), steps)
+
+
+def host_calls_of_trace(path: Path, steps: int) -> Dict[str, Any]:
+    return host_calls_of_events(load_trace(path), steps)
 
 
 def newest_trace(folder: Path) -> Optional[Path]:

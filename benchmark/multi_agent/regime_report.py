@@ -132,6 +132,9 @@ def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, A
             idle = by.get((side, "idle")) or {}
             row[f"gpu_idle_us_{side}"] = _num(idle.get("gpu_idle_us_per_step"))
             row[f"gpu_busy_us_{side}"] = _num(idle.get("gpu_busy_us_per_step"))
+            host = by.get((side, "host"))
+            if host is not None:  # --host-probe-steps: name -> [calls, µs] per decode step
+                row[f"host_calls_{side}"] = host.get("host_calls")
         row["baseline_spread"] = spread(b)
         row["granikv_spread"] = spread(g)
         row["also_stock"] = {

@@ -106,6 +106,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="After a one-turn row's timed repeats, run it once more on each engine with "
                         "SGLang's profiler over this many decode steps (GPU activity only) and record "
                         "the GPU's idle time per step (gpu_idle_us_baseline / _granikv). 0: off.")
+    p.add_argument("--host-probe-steps", type=int, default=0,
+                   help="Likewise, one more untimed run per engine with the profiler recording CPU "
+                        "activity too over this many decode steps: the host's time per CUDA call and "
+                        "ATen op per step (host_calls_baseline / _granikv). 0: off.")
     p.add_argument("--dry-run", action="store_true", help="Print the selected grid and its estimate.")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="Combine partial regimes_*.json into --out/regimes.{json,md,png} and exit.")
@@ -287,16 +291,18 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     for config in configs:
         if reps[config] and config not in failed:
             run.add(median_repeat(reps[config]))
-    if args.idle_probe_steps > 0 and row.turns == 1:
+    probes = [(variant, steps) for variant, steps in (("idle", args.idle_probe_steps),
+                                                       ("host", args.host_probe_steps)) if steps > 0]
+    for variant, steps in probes if row.turns == 1 else ():
         for config in CONFIGS:  # untimed: the profiler's own cost stays out of the tok/s above
             try:
-                rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(tags, variant="idle"),
-                                                   probe=dict(steps=args.idle_probe_steps)), timeout)
+                rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(tags, variant=variant),
+                                                   probe=dict(steps=steps, host=variant == "host")), timeout)
             except EngineGone as e:
-                run.error(model.name, config, f"{row.name} (idle probe): {e}")
+                run.error(model.name, config, f"{row.name} ({variant} probe): {e}")
                 return False
             rec.pop("id", None)
-            rec.update(tags, variant="idle")
+            rec.update(tags, variant=variant)
             run.add(rec)
     return True
 
@@ -425,7 +431,9 @@ def main_child(job_path: str) -> int:
         spec = wl.WorkloadSpec.from_json(req["spec"])
         if req.get("probe"):
             trace_dir = tempfile.mkdtemp(prefix="granikv_idle_")
-            return dict(child.idle_probe(spec, int(req["probe"]["steps"]), trace_dir), **req.get("tags", {}))
+            probe = req["probe"]
+            return dict(child.idle_probe(spec, int(probe["steps"]), trace_dir, host=bool(probe.get("host"))),
+                        **req.get("tags", {}))
         return dict(child.run(spec), **req.get("tags", {}))
 
     try:

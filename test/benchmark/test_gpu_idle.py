@@ -32,3 +32,19 @@ def test_a_gzipped_trace_on_disk(tmp_path):
     assert gpu_idle.newest_trace(tmp_path) == path
     assert gpu_idle.idle_of_trace(path, steps=1)["gpu_idle_us_per_step"] == 6.0
     assert gpu_idle.newest_trace(tmp_path / "none") is None
+
+
+def test_host_calls_per_step_rank_the_hosts_time_by_call():
+    def call(name, dur, cat="cuda_runtime"):
+        return dict(ph="X", cat=cat, ts=0, dur=dur, name=name)
+
+    events = [call("cudaGraphLaunch", 30), call("cudaGraphLaunch", 50), call("cudaStreamSynchronize", 400),
+              call("aten::copy_", 6, "cpu_op"), call("cuLaunchKernel", 4, "cuda_driver"),
+              ev(0, 1000),  # GPU activity: not host time
+              dict(ph="i", cat="cuda_runtime", ts=0, name="cudaEventRecord")]  # no duration
+    r = gpu_idle.host_calls_of_events(events, steps=2)
+    assert list(r["host_calls"]) == ["cudaStreamSynchronize", "cudaGraphLaunch", "aten::copy_", "cuLaunchKernel"]
+    assert r["host_calls"]["cudaGraphLaunch"] == [1.0, 40.0] and r["host_calls"]["cudaStreamSynchronize"] == [0.5, 200.0]
+    assert list(gpu_idle.host_calls_of_events(events, steps=2, top=1)["host_calls"]) == ["cudaStreamSynchronize"]
+    with pytest.raises(ValueError, match="steps=0"):
+        gpu_idle.host_calls_of_events(events, steps=0)

@@ -546,6 +546,26 @@ def test_idle_probe_runs_untimed_after_the_repeats_and_fills_the_row(regimes, fa
     row = json.loads((tmp_path / "regimes_flashinfer.json").read_text())["rows"][0]
     assert (row["gpu_idle_us_baseline"], row["gpu_idle_us_granikv"]) == (12.0, 15.0)
     assert row["baseline_out_tok_s"] == 1000.0  # the probe's run is not a timed repeat
+    assert "host_calls_baseline" not in row  # no host probe asked for
+
+
+def test_host_probe_asks_for_cpu_activity_and_fills_the_row(regimes, fake_resident, tmp_path):
+    asked = []
+
+    def answer(job, tags, k):
+        if tags["variant"] == "host":
+            asked.append(job["config"])
+            return dict(kind="row", config=job["config"], workload="grouped",
+                        host_calls={"cudaGraphLaunch": [1.0, 30.0 if job["config"] == "baseline" else 45.0]})
+        return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+    fake_resident.answer = answer
+    argv = ["--models", "qwen2.5-7b", "--rows", "short1k_3sharers", "--out", str(tmp_path), "--time-budget-s", "0",
+            "--repeats", "1", "--host-probe-steps", "16"]
+    assert regimes.main(argv) == 0
+    assert sorted(asked) == ["baseline", "granikv"] and [v for _, _, v in fake_resident.log if v][-2:] == ["host"] * 2
+    row = json.loads((tmp_path / "regimes_flashinfer.json").read_text())["rows"][0]
+    assert row["host_calls_granikv"] == {"cudaGraphLaunch": [1.0, 45.0]} and row["gpu_idle_us_granikv"] is None
 
 
 def test_planning_verdict_rests_on_idle_evidence(rep):
