@@ -78,6 +78,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "backend's pair (skipped for the backend itself), e.g. fa3.")
     p.add_argument("--grid-idle-probe-steps", type=int, default=32,
                    help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
+    p.add_argument("--grid-host-probe-steps", type=int, default=0,
+                   help="regimes --host-probe-steps (the host's time per CUDA call and ATen op per decode "
+                        "step, profiled on one more run per engine; 0: off).")
     p.add_argument("--correctness-args", default=CORRECTNESS_ARGS,
                    help=f"Arguments of benchmark.correctness.check (one shell string; default {CORRECTNESS_ARGS!r}).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
@@ -155,6 +158,8 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
         cmd = python_cmd("benchmark.multi_agent.regimes", "--backend", backend, "--out", str(out / "grid"),
                          "--time-budget-s", f"{budget:g}", "--repeats", str(args.grid_repeats),
                          "--idle-probe-steps", str(args.grid_idle_probe_steps))
+        if args.grid_host_probe_steps:
+            cmd += ["--host-probe-steps", str(args.grid_host_probe_steps)]
         if args.grid_models and args.grid_models != "all":
             cmd += ["--models", args.grid_models]
         if args.grid_rows:
