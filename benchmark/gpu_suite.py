@@ -160,8 +160,9 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
                          "--idle-probe-steps", str(args.grid_idle_probe_steps))
         if args.grid_host_probe_steps:
             cmd += ["--host-probe-steps", str(args.grid_host_probe_steps)]
-        if args.grid_models and args.grid_models != "all":
-            cmd += ["--models", args.grid_models]
+        models = grid_scope(args)["models"]
+        if models:
+            cmd += ["--models", models]
         if args.grid_rows:
             cmd += ["--rows", args.grid_rows]
         also = [b for b in args.grid_also_stock if b != backend]
@@ -233,7 +234,7 @@ def write_summary(out: Path, doc: Dict[str, Any]) -> Path:
 def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     """What a grid part measured (its backends, models and rows): grid runs of different
     scopes complement each other in a merge, one of the same scope replaces the earlier."""
-    models = None if args.grid_models == "all" else args.grid_models
+    models = None if args.grid_models in (None, "", "all") else args.grid_models
     return dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
 
 

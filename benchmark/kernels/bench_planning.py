@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import os
 import platform
+from typing import Optional
 
 import numpy as np
 
@@ -218,13 +219,13 @@ class Thrash:
 
 
 def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False,
-                eager_ends: bool = False, thrash: bool = False):
+                eager_ends: bool = False, thrash: Optional["Thrash"] = None):
     """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
     in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
     seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
     seq_lens tensor and a NEW rows tensor for the batch every step (what a serving path that
     copies them would hand over), which defeats the planner's identity-based reuse. ``thrash``:
-    ``Thrash`` runs before each step, outside the timing."""
+    run before each step, outside the timing."""
     import torch
 
     from granikv.scheduler_step import on_run_batch
@@ -235,7 +236,6 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     wall = np.zeros(steps)
     cpu = np.zeros(steps)
     clock = HostClock()
-    evict = Thrash() if thrash else None
     for i in range(steps):
         host_buf[:bs] += 1  # SGLang's own per-step work (buffer fill), outside the timing
         if fresh:
@@ -246,8 +246,8 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
         view.seq_lens_sum += bs
         if cuda and i % 64 == 0:
             torch.cuda.synchronize()  # the GPU keeps up with the host, as in serving
-        if evict is not None:
-            evict()
+        if thrash is not None:
+            thrash()
         clock.start()
         on_run_batch(sched, sbatch, cfg)
         be.init_forward_metadata_out_graph(view)
@@ -265,6 +265,7 @@ def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager
                   thrash: bool = False) -> float:
     """Prints the serving table; returns the worst p50 over all rows."""
     rng = np.random.default_rng(0)
+    evict = Thrash() if thrash else None  # built once for every row of the table
     print(f"# device {device}{' (' + _device_name(device) + ')' if device != 'cpu' else ''}, "
           f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; "
           f"{'caches COLD (--thrash) at every step; ' if thrash else ''}suffix ends copied "
@@ -276,7 +277,7 @@ def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager
     for batch in BATCHES:
         for bs in (64, 128, 256):
             snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh, eager_ends=eager_ends,
-                                          thrash=thrash)
+                                          thrash=evict)
             path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
             p50, p99 = snap["plan_us_p50"], snap["plan_us_p99"]
             worst = [max(worst[0], p50), max(worst[1], p99)]

@@ -66,7 +66,7 @@ def on_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", cfg: "GraniKVCo
         n = scheduler._granikv_decode_steps = getattr(scheduler, "_granikv_decode_steps", 0) + 1
         _tp_check(scheduler, cfg).on_decode_step(cache, n)
         if not n % (cfg.log_interval or METRICS_INTERVAL):
-            _report(scheduler, cache, _AttentionStats(backends) if backends else None, cfg.log_interval)
+            _report(scheduler, cache, backends, cfg.log_interval)
 
 
 _ROWS_VIEW: List[Any] = [None, None]  # (SGLang's rows tensor, its numpy view) of the last step
@@ -81,17 +81,14 @@ def batch_rows(batch: "ScheduleBatch") -> np.ndarray:
     tensor is the same, so that the planner can tell an unchanged batch by identity. Otherwise
     the rows are read from the requests (a new array)."""
     cpu = getattr(batch, "req_pool_indices_cpu", None)
-    if cpu is None:
-        pass
-    elif _ROWS_VIEW[0] is cpu:  # checked when first seen; never written or resized in place
-        view = _ROWS_VIEW[1]
-        if len(view) == len(batch.reqs):
-            return view
-    elif cpu.dtype == torch.int64 and cpu.dim() == 1 and cpu.shape[0] == len(batch.reqs):
-        _ROWS_VIEW[:] = cpu, cpu.numpy()
-        return _ROWS_VIEW[1]
+    n = len(batch.reqs)
+    if cpu is not None:
+        if _ROWS_VIEW[0] is not cpu and cpu.dtype == torch.int64 and cpu.dim() == 1:
+            _ROWS_VIEW[:] = cpu, cpu.numpy()  # checked once: SGLang never writes or resizes it in place
+        if _ROWS_VIEW[0] is cpu and len(_ROWS_VIEW[1]) == n:
+            return _ROWS_VIEW[1]
     return np.fromiter((compat.req_pool_idx(r) for r in batch.reqs), dtype=np.int64,
-                       count=len(batch.reqs))
+                       count=n)
 
 
 def _tp_check(scheduler: "Scheduler", cfg: "GraniKVConfig") -> "TPConsistencyCheck":
@@ -172,13 +169,13 @@ class _AttentionStats:
 METRICS_INTERVAL = 40  # decode steps between /metrics refreshes when logging is off
 
 
-def _report(scheduler: "Scheduler", cache: "GraniKVRadixCache", backend: Optional[_AttentionStats],
+def _report(scheduler: "Scheduler", cache: "GraniKVRadixCache", backends: List["GraniKVAttnBackend"],
             log_interval: int) -> None:
     """What ``on_run_batch`` does every ``log_interval`` decode steps (every ``METRICS_INTERVAL``
     when logging is off): a log line if logging is on, and the /metrics gauges if enabled."""
     cache.refresh_gauges()
     if log_interval:
-        attn = backend.stats_snapshot() if backend is not None else {}
+        attn = _AttentionStats(backends).stats_snapshot() if backends else {}
         logger.info("%s | attention %s", cache.metrics.format(), attn)
     exporter = _exporter(scheduler)
     if exporter is not None:

@@ -75,7 +75,7 @@ class GraphVariants:
     """Which captured decode sizes have a cascade graph, and the variant of the current step.
 
     Owned by the backend (one per model runner); the graph-runner hooks in plugin.py drive it:
-    ``capturing_cascade`` around the second capture of a size, ``replay_label`` after the
+    ``capturing_cascade`` around the second capture of a size, ``replay_key`` after the
     step's plan. State: ``captured`` (sizes with a cascade graph), ``capturing`` (the size whose
     cascade graph is being captured, else None), ``planned_cascade`` (the step just planned
     replays the cascade graph), ``ends_bound`` (per captured size: whether its capture bound the
@@ -162,14 +162,10 @@ class GraphVariants:
     def has_cascade_graph(self, bs: int) -> bool:
         return bs in self.captured
 
-    def replay_label(self, variant_label: Optional[str]) -> Optional[str]:
-        """The variant label the step just planned must replay: the cascade graph's when the
-        plan chose cascade, else None (the stock graph SGLang picked)."""
-        return cascade_label(variant_label) if self.planned_cascade else None
-
     def replay_key(self, key: Any) -> Any:
-        """SGLang's replay ``ShapeKey`` for this step (``dataclasses.replace`` of its label,
-        made once per key)."""
+        """The ``ShapeKey`` the step just planned must replay: SGLang's own (the stock graph) or,
+        when the plan chose cascade, the same key with the cascade graph's label (made once per
+        key)."""
         if not self.planned_cascade:
             return key
         cascade = self._cascade_keys.get(key)
