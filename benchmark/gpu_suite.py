@@ -80,7 +80,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
     p.add_argument("--grid-host-probe-steps", type=int, default=0,
                    help="regimes --host-probe-steps (the host's time per CUDA call and ATen op per decode "
-                        "step, profiled on one more run per engine; 0: off).")
+                        "step, profiled on one more run per engine, with Python frames; each trace kept "
+                        "under <out>/grid/traces/; 0: off).")
     p.add_argument("--correctness-args", default=CORRECTNESS_ARGS,
                    help=f"Arguments of benchmark.correctness.check (one shell string; default {CORRECTNESS_ARGS!r}).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
@@ -159,7 +160,7 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
                          "--time-budget-s", f"{budget:g}", "--repeats", str(args.grid_repeats),
                          "--idle-probe-steps", str(args.grid_idle_probe_steps))
         if args.grid_host_probe_steps:
-            cmd += ["--host-probe-steps", str(args.grid_host_probe_steps)]
+            cmd += ["--host-probe-steps", str(args.grid_host_probe_steps), "--keep-host-traces"]
         models = grid_scope(args)["models"]
         if models:
             cmd += ["--models", models]

@@ -212,14 +212,16 @@ class EngineChild:
                     dp_routes=None if routes is None else [routes.count(r) for r in range(max(routes) + 1)],
                     **self._counters(before), **m)
 
-    def idle_probe(self, spec: wl.WorkloadSpec, steps: int, trace_dir: str, *, host: bool = False) -> Dict[str, Any]:
+    def idle_probe(self, spec: wl.WorkloadSpec, steps: int, trace_dir: str, *, host: bool = False,
+                   keep: Optional[str] = None) -> Dict[str, Any]:
         """The GPU's idle time between decode steps on one untimed run of ``spec``: once every
         agent has its first token (prefill done, decode steady), SGLang's profiler records the
         next ``steps`` forward steps (GPU activity only, no stacks or shapes); the trace is
         reduced by harness.gpu_idle. The run's tok/s is not reported (the profiler slows it).
         ``host``: CPU activity recorded too, reduced to the host's time per call name
         (``gpu_idle.host_calls_of_events``) instead of the idle time (which the CPU profiler
-        would distort)."""
+        would distort). ``keep``: a path; with ``host``, Python frames are recorded too and the
+        trace is kept there, gzipped (``gpu_idle.python_self_times`` reduces it per function)."""
         from benchmark.harness import gpu_idle
         from sglang.srt.managers.io_struct import ProfileReq
 
@@ -230,7 +232,7 @@ class EngineChild:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self.warm(w)
         req = ProfileReq(output_dir=trace_dir, num_steps=steps, activities=["CPU", "GPU"] if host else ["GPU"],
-                         with_stack=False, record_shapes=False, profile_prefix="host" if host else "idle")
+                         with_stack=bool(host and keep), record_shapes=False, profile_prefix="host" if host else "idle")
 
         async def probe() -> None:
             stats: Dict[str, List] = {"out": [], "cached": [], "ttft": [], "tpot": []}
@@ -252,6 +254,9 @@ class EngineChild:
             raise RuntimeError(f"no profiler trace in {trace_dir} after the probe")
         time.sleep(1.0)  # let the writer finish the file
         res = (gpu_idle.host_calls_of_trace(trace, steps) if host else gpu_idle.idle_of_trace(trace, steps)) or {}
+        if keep:
+            gpu_idle.keep_trace(trace, Path(keep))
+            res = dict(res, trace=keep)
         shutil.rmtree(trace_dir, ignore_errors=True)
         return dict(res, workload=w.name, agents=w.agents)
 

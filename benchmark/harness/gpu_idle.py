@@ -106,12 +106,65 @@ def host_calls_of_events(events: Iterable[Mapping[str, Any]], steps: int, top: i
                 profiled_steps=steps)
 
 
+def python_self_times(events: Iterable[Mapping[str, Any]], steps: int, top: int = 25) -> Dict[str, Any]:
+    """Per Python function of a trace recorded ``with_stack`` (category ``python_function``):
+    its self time per step (its duration less that of the Python frames nested in it on the
+    same thread), the ``top`` names by self time: where a step's host time goes between its
+    CUDA calls. ``python_self``: name -> [calls per step, self µs per step], largest first."""
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    frames: Dict[Tuple[Any, Any], List[Tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("ph") != "X" or str(e.get("cat", "")).lower() != "python_function":
+            continue
+        ts, dur = e.get("ts"), e.get("dur")
+        if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)) or dur < 0:
+            continue
+        frames.setdefault((e.get("pid"), e.get("tid")), []).append((float(ts), float(dur), str(e.get("name", "?"))))
+    acc: Dict[str, List[float]] = {}
+    for evs in frames.values():
+        evs.sort(key=lambda f: (f[0], -f[1]))  # a parent before the children it encloses
+        stack: List[List[Any]] = []  # [end, name, self µs]
+        for ts, dur, name in evs:
+            while stack and stack[-1][0] <= ts:
+                _close(stack.pop(), acc)
+            if stack:
+                stack[-1][2] -= min(dur, stack[-1][0] - ts)
+            stack.append([ts + dur, name, dur])
+        while stack:
+            _close(stack.pop(), acc)
+    ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(python_self={k: [round(n / steps, 2), round(us / steps, 2)] for k, (n, us) in ranked})
+
+
+def _close(frame: List[Any], acc: Dict[str, List[float]]) -> None:
+    a = acc.setdefault(frame[1], [0.0, 0.0])
+    a[0] += 1
+    a[1] += max(0.0, frame[2])
+
+
+def keep_trace(trace: Path, dest: Path) -> Path:
+    """Copies a profiler trace to ``dest``, gzipped unless it is already."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    data = Path(trace).read_bytes()
+    if not str(trace).endswith(".gz"):
+        data = gzip.compress(data, compresslevel=6)
+    dest.write_bytes(data)
+    return dest
+
+
 def idle_of_trace(path: Path, steps: int) -> Optional[Dict[str, Any]]:
     return idle_of_events(load_trace(path), steps)
 
 
 def host_calls_of_trace(path: Path, steps: int) -> Dict[str, Any]:
-    return host_calls_of_events(load_trace(path), steps)
+    """``host_calls_of_events``, and ``python_self_times`` where the trace has Python frames."""
+    events = load_trace(path)
+    res = host_calls_of_events(events, steps)
+    py = python_self_times(events, steps)
+    if py["python_self"]:
+        res.update(py)
+    return res
 
 
 def newest_trace(folder: Path) -> Optional[Path]:

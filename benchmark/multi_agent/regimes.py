@@ -110,6 +110,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="Likewise, one more untimed run per engine with the profiler recording CPU "
                         "activity too over this many decode steps: the host's time per CUDA call and "
                         "ATen op per step (host_calls_baseline / _granikv). 0: off.")
+    p.add_argument("--keep-host-traces", action="store_true",
+                   help="With --host-probe-steps: record Python frames too and keep each host probe's "
+                        "trace, gzipped, under --out/traces/ (for a per-function breakdown of a step).")
     p.add_argument("--dry-run", action="store_true", help="Print the selected grid and its estimate.")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="Combine partial regimes_*.json into --out/regimes.{json,md,png} and exit.")
@@ -296,8 +299,11 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
     for variant, steps in probes if row.turns == 1 else ():
         for config in CONFIGS:  # untimed: the profiler's own cost stays out of the tok/s above
             try:
+                keep = (str(Path(args.out) / "traces" / f"{model.name}_{row.name}_{config}_host.trace.json.gz")
+                        if variant == "host" and args.keep_host_traces else None)
                 rec = engines[config].request(dict(spec=row.spec_json(), tags=dict(tags, variant=variant),
-                                                   probe=dict(steps=steps, host=variant == "host")), timeout)
+                                                   probe=dict(steps=steps, host=variant == "host", keep=keep)),
+                                              timeout)
             except EngineGone as e:
                 run.error(model.name, config, f"{row.name} ({variant} probe): {e}")
                 return False
@@ -432,7 +438,8 @@ def main_child(job_path: str) -> int:
         if req.get("probe"):
             trace_dir = tempfile.mkdtemp(prefix="granikv_idle_")
             probe = req["probe"]
-            return dict(child.idle_probe(spec, int(probe["steps"]), trace_dir, host=bool(probe.get("host"))),
+            return dict(child.idle_probe(spec, int(probe["steps"]), trace_dir, host=bool(probe.get("host")),
+                                         keep=probe.get("keep")),
                         **req.get("tags", {}))
         return dict(child.run(spec), **req.get("tags", {}))
 

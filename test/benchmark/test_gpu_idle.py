@@ -48,3 +48,27 @@ def test_host_calls_per_step_rank_the_hosts_time_by_call():
     assert list(gpu_idle.host_calls_of_events(events, steps=2, top=1)["host_calls"]) == ["cudaStreamSynchronize"]
     with pytest.raises(ValueError, match="steps=0"):
         gpu_idle.host_calls_of_events(events, steps=0)
+
+
+def test_python_self_times_subtract_nested_frames_per_thread():
+    def py(name, ts, dur, tid=1):
+        return dict(ph="X", cat="python_function", ts=ts, dur=dur, name=name, pid=7, tid=tid)
+
+    events = [py("step", 0, 100), py("plan", 10, 40), py("fill", 20, 25), py("plan", 60, 20),
+              py("other_thread", 0, 500, tid=2),  # not nested in "step": another thread
+              dict(ph="X", cat="cuda_runtime", ts=15, dur=5, name="cudaMemcpyAsync")]  # not a frame
+    r = gpu_idle.python_self_times(events, steps=2)["python_self"]
+    assert r == {"other_thread": [0.5, 250.0], "step": [0.5, 20.0], "plan": [1.0, 17.5], "fill": [0.5, 12.5]}
+    assert list(gpu_idle.python_self_times(events, steps=1, top=1)["python_self"]) == ["other_thread"]
+
+
+def test_host_calls_of_a_kept_trace_add_python_self_times_only_where_recorded(tmp_path):
+    frames = [dict(ph="X", cat="python_function", ts=0, dur=8, name="plan", pid=1, tid=1)]
+    calls = [dict(ph="X", cat="cuda_runtime", ts=0, dur=4, name="cudaGraphLaunch")]
+    raw = tmp_path / "a.trace.json"
+    raw.write_text(json.dumps({"traceEvents": frames + calls}))
+    kept = gpu_idle.keep_trace(raw, tmp_path / "kept" / "a.trace.json.gz")
+    r = gpu_idle.host_calls_of_trace(kept, steps=1)
+    assert r["python_self"] == {"plan": [1.0, 8.0]} and r["host_calls"] == {"cudaGraphLaunch": [1.0, 4.0]}
+    raw.write_text(json.dumps({"traceEvents": calls}))
+    assert "python_self" not in gpu_idle.host_calls_of_trace(raw, steps=1)

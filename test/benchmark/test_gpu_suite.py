@@ -58,7 +58,8 @@ def test_default_budgets_split_the_suites_grid_and_correctness_runs_at_scale_2(s
     assert suite.part_commands(mine, tmp_path)["correctness"][0][-1] == str(tmp_path / "correctness")
     assert all("--host-probe-steps" not in c for c in cmds["grid"])
     host = suite.parse_args(["--out", str(tmp_path), "--grid-host-probe-steps", "16"])
-    assert all(c[c.index("--host-probe-steps") + 1] == "16" for c in suite.part_commands(host, tmp_path)["grid"])
+    assert all(c[c.index("--host-probe-steps") + 1] == "16" and "--keep-host-traces" in c
+               for c in suite.part_commands(host, tmp_path)["grid"])
 
 
 def test_grid_also_stock_goes_to_every_other_backends_grid(suite, tmp_path):

@@ -305,6 +305,7 @@ class FakeResident:
         key = (t["regime"], t["variant"])
         k = self.k[key] = self.k.get(key, -1) + 1
         FakeResident.log.append((self.job["config"], t["regime"], t["variant"]))
+        FakeResident.probes.append(payload.get("probe"))
         rec = FakeResident.answer(self.job, t, k)
         return dict(rec, id=0, **self.extra)
 
@@ -317,7 +318,7 @@ class FakeResident:
 
 @pytest.fixture()
 def fake_resident(regimes, monkeypatch):
-    FakeResident.log = []
+    FakeResident.log, FakeResident.probes = [], []
     monkeypatch.setattr(regimes, "ResidentEngine", FakeResident)
     return FakeResident
 
@@ -566,6 +567,12 @@ def test_host_probe_asks_for_cpu_activity_and_fills_the_row(regimes, fake_reside
     assert sorted(asked) == ["baseline", "granikv"] and [v for _, _, v in fake_resident.log if v][-2:] == ["host"] * 2
     row = json.loads((tmp_path / "regimes_flashinfer.json").read_text())["rows"][0]
     assert row["host_calls_granikv"] == {"cudaGraphLaunch": [1.0, 45.0]} and row["gpu_idle_us_granikv"] is None
+    assert [p["keep"] for p in fake_resident.probes if p] == [None, None]  # traces not kept unless asked
+    fake_resident.probes.clear()
+    assert regimes.main(argv + ["--keep-host-traces"]) == 0
+    kept = [p["keep"] for p in fake_resident.probes if p]
+    assert kept == [str(tmp_path / "traces" / f"qwen2.5-7b_short1k_3sharers_{c}_host.trace.json.gz")
+                    for c in ("baseline", "granikv")]
 
 
 def test_planning_verdict_rests_on_idle_evidence(rep):
