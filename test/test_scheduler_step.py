@@ -30,6 +30,9 @@ def _scheduler(sim):
     backend.decode.chooser = SteadyChooser(None)
     backend.decode.clock = StepClock()
     backend.decode.ends_in_graph_steps = 0
+    from granikv.attention.decode.view_memo import ViewPlanMemo
+
+    backend.decode.view_memo = ViewPlanMemo()
     runner = SimpleNamespace(attn_backend=backend)
     return SimpleNamespace(tree_cache=sim.cache, token_to_kv_pool_allocator=sim.allocator,
                            tp_worker=SimpleNamespace(model_runner=runner),

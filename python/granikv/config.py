@@ -19,6 +19,7 @@ AttentionPath = Literal["auto", "cascade", "fused", "bgemm", "paged"]
 ExtendPath = Literal["auto", "hot", "paged"]
 HotPolicy = Literal["pays_off", "threshold"]
 ReplaySlots = Literal["copy", "table"]
+ViewPlan = Literal["reuse", "every_step"]
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
@@ -107,6 +108,14 @@ class GraniKVConfig:
         "with stock graphs; table = SGLang's req_to_token during the replay (the scheduler then "
         "waits for the whole forward before its next writes).",
         choices=get_args(ReplaySlots),
+    )
+    view_plan: ViewPlan = _opt(
+        "reuse",
+        "How a cascade CUDA-graph step plans the wrapped backend's one-token view of the batch: "
+        "reuse = only when it differs from the view the previous step left in place (another "
+        "batch size, other requests, a HOT promotion in between, or any other call of the wrapped "
+        "backend since); every_step = on every step, as a paged step plans its batch.",
+        choices=get_args(ViewPlan),
     )
     cost_model: Optional[str] = _opt(
         None,

@@ -179,6 +179,7 @@ class GraniKVAttnBackend(ForwardingBackend):
     # ---- AttentionBackend metadata contract ---------------------------------------------
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.decode.view_memo.forget()
         if not forward_batch.forward_mode.is_decode():  # extend / prefill: the wrapped backend
             staged, self._staged = self._staged, None
             self.decode.stock_step(extend=True)
@@ -203,21 +204,26 @@ class GraniKVAttnBackend(ForwardingBackend):
         self.decode.begin_graph_metadata()
         self.compare.no_decode_compare()  # a replay runs no Python
         self._unplan_layer_paths()
+        memo = self.decode.view_memo
         if not (self.decode.graph_mode and forward_batch.forward_mode.is_decode()):
+            memo.forget()
             self.decode.stock_step(extend=not forward_batch.forward_mode.is_decode())
             return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         paths = self.layer_paths
         if in_capture:
+            memo.forget()
             self.decode.capture_metadata_for(forward_batch)
             if paths is not None and self.decode.path is not Path.PAGED:  # the cascade graph of a size
                 paths.capture(forward_batch)
             return
         view = self._plan_decode(forward_batch, graph=True)
-        self.inner.init_forward_metadata_out_graph(view)
+        if not memo.in_place(self.decode.view_key(forward_batch)):  # a steady cascade step: in place
+            self.inner.init_forward_metadata_out_graph(view)
         if paths is not None and self.graphs.planned_cascade:  # the windowed layers' buffers, real batch
             paths.replay(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        self.decode.view_memo.forget()
         self.inner.init_forward_metadata_in_graph(forward_batch)
         self.decode.in_graph_metadata(forward_batch)  # a cascade capture: its suffix-end copy
         paths = self.layer_paths
@@ -225,6 +231,7 @@ class GraniKVAttnBackend(ForwardingBackend):
             paths.real.init_forward_metadata_in_graph(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.decode.view_memo.forget()
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
         self.decode.init_graph_state(max_bs)
         if self.layer_paths is not None:

@@ -35,6 +35,7 @@ from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVar
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
 from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
+from granikv.attention.decode.view_memo import ViewKey, ViewPlanMemo
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
@@ -74,6 +75,7 @@ class DecodePlanner:
         self.ends_in_graph_steps = 0  # planned graph steps whose graph copied the suffix ends itself
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
+        self.view_memo = ViewPlanMemo(ctx.cfg.view_plan == "reuse")  # the wrapped backend's one-token plan
 
     def use_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Later steps choose with ``dispatcher`` (e.g. one forced to paged); it becomes the
@@ -101,6 +103,8 @@ class DecodePlanner:
                 "work_list_reuses": sum(w.fills_reused for w in wss),
                 "work_list_in_place": sum(w.advances_in_place for w in wss),
                 "ends_in_graph_steps": self.ends_in_graph_steps,
+                "view_plans_reused": self.view_memo.reused,
+                "view_plans_made": self.view_memo.planned,
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
                 **self._host_plan_counts(),
@@ -350,6 +354,14 @@ class DecodePlanner:
         seq_lens = fb.seq_lens
         ws.ends.copy_from(seq_lens, bs)  # fits: checked when the capture bound them (device_ends)
         self.graphs.record_capture_ends_source(seq_lens.data_ptr())
+
+    def view_key(self, fb: Any) -> Optional[ViewKey]:
+        """What the wrapped backend's plan of this replay step is a function of, where the step
+        planned its size's cascade graph (the one-token view, ``view_memo``); None otherwise."""
+        held = self._held
+        if not self.graphs.planned_cascade or held is None:
+            return None
+        return (fb.batch_size, held, held.version)
 
     def replay_runs_kernels(self) -> bool:
         """This step's decode-graph replay runs GraniKV's kernels (its size's cascade graph)."""
