@@ -66,6 +66,8 @@ def test_measured_faster_path_is_kept_after_its_paged_window():
     n_paged = paths.count(Path.PAGED)
     assert 0 < n_paged <= StepClock.WINDOW + 1 and paths[-1] is Path.CASCADE  # one paged window only
     assert clock.verdicts_model == 1 and clock.verdicts_paged == 0
+    # the verdict's medians and window spreads are in the snapshot (constant periods: no spread)
+    assert clock.snapshot()["clock_recent_verdicts"] == [["64", 3000.0, 3800.0, 0.0, 0.0, False]]
 
 
 def test_a_saving_that_dominates_the_step_is_never_probed():
@@ -89,6 +91,8 @@ def test_a_verdict_expires_and_the_size_is_measured_again(monkeypatch):
     clock = StepClock(clock=ft)
     drive(clock, ft, 80)
     assert clock.verdicts_paged >= 2
+    recent = clock.snapshot()["clock_recent_verdicts"]
+    assert len(recent) == min(clock.verdicts_paged, StepClock.RECENT) and all(v[-1] for v in recent)
 
 
 def test_a_planted_blind_clock_fails_the_host_bound_case(monkeypatch):

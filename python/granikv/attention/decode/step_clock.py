@@ -63,6 +63,7 @@ class StepClock:
     HOLD = 256  # steps a verdict holds before that batch shape is measured again
     TRUST = 0.5  # predicted saving >= TRUST x the measured step: the cost model decides alone
     MARGIN = 0.01  # paged must be this much faster (relative) to overrule the model
+    RECENT = 8  # verdicts kept for the snapshot
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
@@ -73,6 +74,9 @@ class StepClock:
         self._sizes: Dict[Hashable, _SizeState] = {}
         self.overruled_steps = 0  # steps turned paged by a measurement (or to measure paged)
         self.verdicts_paged = self.verdicts_model = 0
+        # the latest verdicts, newest last: (shape key, path median µs, paged median µs,
+        # relative spread of the path's samples, of paged's, paged won)
+        self.recent: List[tuple] = []
 
     # ---- per step --------------------------------------------------------------------------
 
@@ -143,6 +147,9 @@ class StepClock:
         st.paged_wins = b < a * (1.0 - self.MARGIN)
         st.phase, st.hold_left, st.verdicts = "hold", self.HOLD, st.verdicts + 1
         st.last_a, st.last_b = a, b
+        self.recent = self.recent[-(self.RECENT - 1):] + [
+            (bs, round(1e6 * a, 1), round(1e6 * b, 1), _spread(st.samples["A"]), _spread(st.samples["B"]),
+             st.paged_wins)]
         if st.paged_wins:
             self.verdicts_paged += 1
         else:
@@ -176,6 +183,16 @@ class StepClock:
                                  f"{self.verdicts_model} kept")
 
     def snapshot(self) -> dict:
-        """Counters for server info: overruled steps and verdicts (paged faster / model kept)."""
+        """Counters for server info: overruled steps and verdicts (paged faster / model kept), and
+        the latest verdicts: [shape, path µs, paged µs (medians), the two windows' spreads,
+        paged won]."""
         return {"clock_overruled_steps": self.overruled_steps, "clock_verdicts_paged": self.verdicts_paged,
-                "clock_verdicts_model": self.verdicts_model}
+                "clock_verdicts_model": self.verdicts_model,
+                "clock_recent_verdicts": [[str(k), a, b, sa, sb, won] for k, a, b, sa, sb, won in self.recent]}
+
+
+def _spread(xs: List[float]) -> float:
+    """(max - min) / median of a window's samples (0 for fewer than two)."""
+    if len(xs) < 2:
+        return 0.0
+    return round((max(xs) - min(xs)) / statistics.median(xs), 3)
