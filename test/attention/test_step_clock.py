@@ -53,8 +53,11 @@ def test_host_bound_batch_goes_paged_once_measured_slower():
     paths = drive(clock, ft, 60)
     first_paged = paths.index(Path.PAGED)
     assert all(p is Path.CASCADE for p in paths[:first_paged])  # measures the model's path first
-    assert all(p is Path.PAGED for p in paths[first_paged:])  # measures paged, then holds it
-    assert clock.verdicts_paged == 1 and clock.verdicts_model == 0
+    # paged measured faster: both paths measured once more (the confirmation), then paged held
+    runs = [p for k, p in enumerate(paths) if k == 0 or p is not paths[k - 1]]
+    assert runs == [Path.CASCADE, Path.PAGED, Path.CASCADE, Path.PAGED]
+    assert paths[-20:] == [Path.PAGED] * 20
+    assert clock.verdicts_paged == 1 and clock.verdicts_model == 0 and clock.confirmations == 1
     d = clock.adjust(model_choice(), 64)
     assert d.path is Path.PAGED and d.reason.startswith(MEASURED_SLOWER) and "measured" in d.reason
 
@@ -68,6 +71,21 @@ def test_measured_faster_path_is_kept_after_its_paged_window():
     assert clock.verdicts_model == 1 and clock.verdicts_paged == 0
     # the verdict's medians and window spreads are in the snapshot (constant periods: no spread)
     assert clock.snapshot()["clock_recent_verdicts"] == [["64", 3000.0, 3800.0, 0.0, 0.0, False]]
+
+
+def test_one_noisy_paged_window_is_not_confirmed():
+    """Paged measures faster in its first window only (noise): the confirmation measures both
+    paths again, finds the model's path faster and holds it."""
+    ft = FakeTime({Path.CASCADE: 3.0e-3, Path.PAGED: 3.8e-3})
+    clock = StepClock(clock=ft)
+    period = ft.period
+    ft.period = {Path.CASCADE: 3.0e-3, Path.PAGED: 2.0e-3}  # the first paged window: a fast fluke
+    paths = drive(clock, ft, 2 * StepClock.WINDOW + 1)
+    ft.period = period
+    paths += drive(clock, ft, 60)
+    assert clock.confirmations == 1 and clock.verdicts_paged == 0 and clock.verdicts_model == 1
+    assert paths[-20:] == [Path.CASCADE] * 20
+    assert clock.snapshot()["clock_recent_verdicts"][-1][-1] is False
 
 
 def test_a_saving_that_dominates_the_step_is_never_probed():

@@ -12,6 +12,11 @@ batch in turn and keeps the faster:
     steps of one batch size:  [path A x WINDOW] [path B x WINDOW] -> hold the faster for HOLD steps,
                               then measure again
 
+A window that finds paged faster is confirmed by a second pair of windows before paged is held
+(the path's own choice is held after one): a verdict against the model rests on twice the
+samples, so that one noisy window (a collection pause, a burst of output work in the
+scheduler) does not turn HOLD steps of a cheaper path paged.
+
 A step's end-to-end time is the host time between two consecutive decode plans (SGLang plans
 each decode step once, when it launches it; in the steady state the interval between two
 launches is the step's period, host and GPU together). Only intervals between two steps of the
@@ -49,6 +54,7 @@ class _SizeState:
     verdicts: int = 0
     last_a: float = 0.0  # medians of the last verdict (seconds per step)
     last_b: float = 0.0
+    confirming: bool = False  # the windows now measured confirm a first "paged is faster"
 
 
 class StepClock:
@@ -74,6 +80,7 @@ class StepClock:
         self._sizes: Dict[Hashable, _SizeState] = {}
         self.overruled_steps = 0  # steps turned paged by a measurement (or to measure paged)
         self.verdicts_paged = self.verdicts_model = 0
+        self.confirmations = 0  # "paged is faster" windows measured again before a verdict
         # the latest verdicts, newest last: (shape key, path median µs, paged median µs,
         # relative spread of the path's samples, of paged's, paged won)
         self.recent: List[tuple] = []
@@ -144,7 +151,13 @@ class StepClock:
             st.phase = "B"
             return
         a, b = statistics.median(st.samples["A"]), statistics.median(st.samples["B"])
-        st.paged_wins = b < a * (1.0 - self.MARGIN)
+        paged_wins = b < a * (1.0 - self.MARGIN)
+        if paged_wins and not st.confirming:  # measure both paths once more before holding paged
+            st.confirming, st.phase, st.samples = True, "A", {"A": [], "B": []}
+            self.confirmations += 1
+            return
+        st.confirming = False
+        st.paged_wins = paged_wins
         st.phase, st.hold_left, st.verdicts = "hold", self.HOLD, st.verdicts + 1
         st.last_a, st.last_b = a, b
         self.recent = self.recent[-(self.RECENT - 1):] + [
@@ -175,6 +188,8 @@ class StepClock:
                 if len(xs) > need or any(x <= 0 for x in xs):
                     raise AssertionError(f"step clock {key}: {len(xs)} samples of phase {ph} (at most {need}, "
                                          "each > 0)")
+            if st.confirming and st.phase == "hold":
+                raise AssertionError(f"step clock {key}: holds a verdict while confirming one")
             if st.phase == "hold" and not 0 < st.hold_left <= self.HOLD:
                 raise AssertionError(f"step clock {key}: held with {st.hold_left} steps left (1..{self.HOLD})")
         verdicts = sum(st.verdicts for st in self._sizes.values())
@@ -187,7 +202,7 @@ class StepClock:
         the latest verdicts: [shape, path µs, paged µs (medians), the two windows' spreads,
         paged won]."""
         return {"clock_overruled_steps": self.overruled_steps, "clock_verdicts_paged": self.verdicts_paged,
-                "clock_verdicts_model": self.verdicts_model,
+                "clock_verdicts_model": self.verdicts_model, "clock_confirmations": self.confirmations,
                 "clock_recent_verdicts": [[str(k), a, b, sa, sb, won] for k, a, b, sa, sb, won in self.recent]}
 
 
