@@ -139,3 +139,21 @@ def test_every_step_plans_the_view_on_every_cascade_replay():
 def test_the_flag_names_its_choices():
     with pytest.raises(ValueError, match="--granikv-view-plan=.sometimes. is not one of reuse, every_step"):
         GraniKVConfig(enable=True, view_plan="sometimes")
+
+
+def test_metadata_calls_the_backend_forwards_unchanged_forget_the_view_plan():
+    """A base-class metadata method GraniKV does not define (e.g. a breakable prefill graph's
+    replay metadata) goes straight to the wrapped backend and may rewrite buffers the decode
+    graphs share: the next cascade step plans its view again."""
+    runner, be = _graph_backend()
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    assert _step(be, runner, fb, rows, 50) and not _step(be, runner, fb, rows, 51)
+    seen = []
+    be.inner.prepare_forward_metadata_for_breakable_cuda_graph_replay = lambda *a, **kw: seen.append(a)
+    be.prepare_forward_metadata_for_breakable_cuda_graph_replay(fb)
+    assert seen == [(fb,)]  # forwarded as before
+    assert _step(be, runner, fb, rows, 52) and not _step(be, runner, fb, rows, 53)
+
+
+def test_the_reuse_is_opt_in():
+    assert GraniKVConfig(enable=True).view_plan == "every_step"

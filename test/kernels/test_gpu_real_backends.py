@@ -171,17 +171,20 @@ def _capture(ours, fb, q, k, v, layer, *, cascade: bool):
     return graph, out
 
 
+@pytest.mark.parametrize("view_plan", ["reuse", "every_step"])
 @pytest.mark.parametrize("name", BACKENDS)
-def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name):
+def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name, view_plan):
     """Both graphs of one size captured (stock, then cascade, sharing the wrapped backend's
     metadata buffers); each step's plan picks the graph that replays: a batch with a shared
     HOT prefix replays the cascade graph, a batch without one the stock graph, and both equal
-    the stock backend."""
+    the stock backend; then steady cascade steps, whose wrapped-backend plan is reused under
+    ``view_plan="reuse"``."""
     fb, rows = _batch(runner)
     bs = fb.batch_size
     layer = _layer()
     ours = GraniKVAttnBackend.wrap(_build(runner, name), model_runner=runner,
-                                   cfg=GraniKVConfig(enable=True, attention_path="cascade"), backend_name=name)
+                                   cfg=GraniKVConfig(enable=True, attention_path="cascade", view_plan=view_plan),
+                                   backend_name=name)
     ours.init_cuda_graph_state(bs, bs)
     q, k, v = (torch.zeros_like(t) for t in _qkv(bs, 0))  # the graphs' static inputs
     stock_graph, stock_out = _capture(ours, fb, q, k, v, layer, cascade=False)
@@ -207,3 +210,24 @@ def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name):
         torch.cuda.synchronize()
         torch.testing.assert_close(out, _stock(runner, name, fb, *fresh, layer), atol=ATOL, rtol=RTOL)
     assert ours.stats.paths.get("cascade") == 2 and ours.stats.paths.get("paged") == 1
+    if view_plan == "every_step":
+        return
+    # steady cascade steps of the same rows, back to back (no sync between them): the wrapped
+    # backend's one-token plan of the last step is in place and is not made again
+    # (ViewPlanMemo); every output still equals the stock backend
+    made = ours.decode.view_memo.planned
+    outs, inputs = [], []
+    for seed in (4, 5, 6):
+        fresh = _qkv(bs, seed)
+        for static, new in zip((q, k, v), fresh):
+            static.copy_(new)
+        ours.stage_batch(rows)
+        ours.init_forward_metadata_out_graph(fb)
+        assert ours.graphs.planned_cascade
+        cascade_graph.replay()
+        outs.append(cascade_out.clone())
+        inputs.append(fresh)
+    torch.cuda.synchronize()
+    assert ours.decode.view_memo.reused == 3 and ours.decode.view_memo.planned == made
+    for out, fresh in zip(outs, inputs, strict=True):
+        torch.testing.assert_close(out, _stock(runner, name, fb, *fresh, layer), atol=ATOL, rtol=RTOL)

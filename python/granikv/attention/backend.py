@@ -288,3 +288,25 @@ class GraniKVAttnBackend(ForwardingBackend):
                      "find; decode attention is stock from the next step on", layer.layer_id, reason)
         self.eligibility.record(layer.layer_id, reason)
         self.decode.use_dispatcher(self._paged_dispatcher())
+
+
+_METADATA_PREFIXES = ("init_forward_metadata", "prepare_forward_metadata", "prepare_full_cuda_graph")
+
+
+def _forgetting_view_plan(name: str) -> Callable[..., Any]:
+    """The forwarder of base method ``name``, which first forgets the wrapped backend's
+    one-token plan (``view_memo``): a metadata call GraniKV does not make itself (a breakable
+    prefill graph, a chunked-prefix graph) may rewrite buffers the decode graphs share."""
+    forward = getattr(GraniKVAttnBackend, name)
+
+    def call(self: GraniKVAttnBackend, *args: Any, **kwargs: Any) -> Any:
+        self.decode.view_memo.forget()
+        return forward(self, *args, **kwargs)
+
+    call._granikv_forwarded = True  # type: ignore[attr-defined]  # still a forwarder (forwarding.py)
+    return call
+
+
+for _name in GraniKVAttnBackend.forwarded_base_names:
+    if _name.startswith(_METADATA_PREFIXES) and callable(getattr(GraniKVAttnBackend, _name, None)):
+        setattr(GraniKVAttnBackend, _name, _forgetting_view_plan(_name))

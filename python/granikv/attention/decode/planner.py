@@ -75,7 +75,7 @@ class DecodePlanner:
         self.ends_in_graph_steps = 0  # planned graph steps whose graph copied the suffix ends itself
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
-        self.view_memo = ViewPlanMemo(ctx.cfg.view_plan == "reuse")  # the wrapped backend's one-token plan
+        self.view_memo = ViewPlanMemo(ctx.cfg.view_plan == "reuse")  # reuse of the wrapped backend's view plan
 
     def use_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Later steps choose with ``dispatcher`` (e.g. one forced to paged); it becomes the

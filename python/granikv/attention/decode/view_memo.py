@@ -16,7 +16,10 @@ skipped (on flashinfer it is the host's largest per-step cost after SGLang's own
 The planner asks ``in_place(key)`` before each replay's wrapped-backend call (``key``: the
 step's cascade view, None for a paged step over the real batch) and the backend calls
 ``forget()`` on every other call it makes to the wrapped backend (an extend, an eager step, a
-capture, new graph state). ``--granikv-view-plan every_step`` turns the reuse off.
+capture, new graph state) and on the base-class metadata methods it forwards unchanged
+(breakable prefill graphs, chunked-prefix graphs). ``--granikv-view-plan reuse`` turns the
+reuse on; the default, ``every_step``, plans the view on every step (the reuse is verified
+against SGLang's real backends on CPU-side logic only so far).
 """
 
 from __future__ import annotations
