@@ -239,11 +239,9 @@ def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
 
 
-def _part_key(part: Dict[str, Any], doc: Dict[str, Any]) -> Tuple[str, str]:
-    """A part's identity in a merge: its name, and for a grid part its scope (recorded, or read
-    back from the run's command line for summaries written before scopes were recorded)."""
-    if part["name"] != "grid":
-        return part["name"], ""
+def _part_scope(part: Dict[str, Any], doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """A grid part's scope: recorded, or read back from the run's command line for summaries
+    written before scopes were recorded; None where neither tells (an earlier merge of such)."""
     scope = part.get("scope")
     if scope is None and doc.get("command"):
         argv = shlex.split(doc["command"])
@@ -252,6 +250,19 @@ def _part_key(part: Dict[str, Any], doc: Dict[str, Any]) -> Tuple[str, str]:
                 scope = grid_scope(parse_args(argv[argv.index("benchmark.gpu_suite") + 1:]))
             except SystemExit:  # not a command this version parses: one scope per run
                 scope = dict(command=doc["command"])
+    return scope
+
+
+def _part_key(part: Dict[str, Any], doc: Dict[str, Any]) -> Tuple[str, str]:
+    """A part's identity in a merge: its name, and for a grid part its scope (``_part_scope``;
+    a part of an earlier merge whose scope nothing tells is itself: its run's commit, date and
+    wall time)."""
+    if part["name"] != "grid":
+        return part["name"], ""
+    scope = _part_scope(part, doc)
+    if scope is None and doc.get("runs"):
+        scope = dict(commit=part.get("commit", doc.get("commit")), date=part.get("date", doc.get("date")),
+                     wall_s=part.get("wall_s"))
     return "grid", json.dumps(scope, sort_keys=True)
 
 
@@ -266,6 +277,8 @@ def merge(docs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         for p in d.get("parts", []):
             kept = dict(p, commit=p.get("commit", d.get("commit")), date=p.get("date", d.get("date")),
                         gpu=p.get("gpu", d.get("gpu")))
+            if p["name"] == "grid" and p.get("scope") is None and _part_scope(p, d) is not None:
+                kept["scope"] = _part_scope(p, d)  # recorded, so that a later merge of this one reads it
             key = _part_key(p, d)
             parts.pop(key, None)  # re-inserted last: a replacement sorts as the latest
             parts[key] = kept

@@ -110,6 +110,13 @@ def test_merge_keeps_grid_parts_of_other_scopes_and_each_parts_gpu(suite):
     m2 = suite.merge([m, c])  # a merge merges again: its parts keep their own commit and GPU
     assert [(p["name"], p["commit"]) for p in m2["parts"]] == [("tests", "c1"), ("grid", "c2"), ("grid", "c3")]
     assert not m2["passed"] and [r["commit"] for r in m2["runs"]] == ["c1", "c2", "c3"]
+    # an earlier merge whose grid parts record no scope (and no command tells one): each kept
+    old = dict(commit="c2", runs=[dict(commit="c1"), dict(commit="c2")], parts=[
+        dict(name="grid", commit="c1", date="d1", wall_s=5, passed=True),
+        dict(name="grid", commit="c2", date="d2", wall_s=6, passed=True)])
+    m3 = suite.merge([old, c])
+    assert [(p["name"], p["commit"]) for p in m3["parts"]] == [("grid", "c1"), ("grid", "c2"), ("grid", "c3")]
+    assert suite.merge([m3, m3])["parts"] == m3["parts"]  # merging the same parts again adds none
 
 
 def test_a_stopped_suite_kills_its_running_part_and_records_it(suite, tmp_path, monkeypatch):
