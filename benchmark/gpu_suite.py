@@ -76,6 +76,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid-also-stock", type=csv, default=[],
                    help="regimes --also-stock: a stock engine of each of these backends beside every grid "
                         "backend's pair (skipped for the backend itself), e.g. fa3.")
+    p.add_argument("--grid-engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="regimes --engine-arg (repeatable; granikv_* keys go to the GraniKV engines), "
+                        "e.g. granikv_view_plan=reuse.")
     p.add_argument("--grid-idle-probe-steps", type=int, default=32,
                    help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
     p.add_argument("--grid-host-probe-steps", type=int, default=0,
@@ -166,6 +169,8 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
             cmd += ["--models", models]
         if args.grid_rows:
             cmd += ["--rows", args.grid_rows]
+        for item in args.grid_engine_arg:
+            cmd += ["--engine-arg", item]
         also = [b for b in args.grid_also_stock if b != backend]
         if also:
             cmd += ["--also-stock", ",".join(also)]
@@ -236,7 +241,10 @@ def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     """What a grid part measured (its backends, models and rows): grid runs of different
     scopes complement each other in a merge, one of the same scope replaces the earlier."""
     models = None if args.grid_models in (None, "", "all") else args.grid_models
-    return dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
+    scope = dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
+    if getattr(args, "grid_engine_arg", None):  # engines started otherwise measure another grid
+        scope["engine_args"] = list(args.grid_engine_arg)
+    return scope
 
 
 def _part_scope(part: Dict[str, Any], doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -83,7 +83,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmark.correctness import checkpoint, metrics, results
 from benchmark.harness.counters import counter_delta
-from benchmark.harness.engine_args import BASE_ENGINE_KWARGS
+from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, parse_engine_args
 from benchmark.harness.engine_child import EngineChild, gpu_name
 from benchmark.harness.engine_proc import REPO_ROOT, engine_env, exit_after, kill_group, module_command, repo_env
 from benchmark.multi_agent import workloads as wl
@@ -241,14 +241,17 @@ def main_child(job_path: str) -> int:
 
 def engine_kwargs(backend: str, config: str, attention_path: str, compare_every: int = 0,
                   kv_cache_dtype: Optional[str] = None, model: str = "llama",
-                  base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                  base: Optional[Dict[str, Any]] = None,
+                  granikv_extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The engine of ``config`` under ``backend``. ``compare_every`` > 0: decode CUDA graphs off
     on every engine (a replay runs no Python, so the layer compare needs eager steps, and all
     engines then decode alike) and the GraniKV engines compare every layer of every
     ``compare_every``-th decode step. ``kv_cache_dtype``: every engine's (e.g. ``fp8_e4m3``:
     GraniKV against stock over the same FP8 cache). ``model`` "gpt-oss": every engine without
     SGLang's hybrid SWA pool; the SPLITS engine is stock with another KV split count. ``base``:
-    the kwargs every engine starts from (default ``ENGINE_KWARGS``; ``memory_kwargs``)."""
+    the kwargs every engine starts from (default ``ENGINE_KWARGS``; ``memory_kwargs``).
+    ``granikv_extra``: more GraniKV keys (``--granikv-arg``) for every engine GraniKV computes
+    (its planted-fault engines too)."""
     kw = dict(ENGINE_KWARGS if base is None else base, attention_backend=backend)
     if kv_cache_dtype:
         kw.update(kv_cache_dtype=kv_cache_dtype)
@@ -265,7 +268,17 @@ def engine_kwargs(backend: str, config: str, attention_path: str, compare_every:
         kw.update(enable_granikv=True, granikv_attention_path=attention_path, granikv_extend_path="hot")
         if compare_every:
             kw.update(granikv_debug_compare_every=compare_every)
+        kw.update(granikv_extra or {})
     return kw
+
+
+def granikv_args(items: Sequence[str]) -> Dict[str, Any]:
+    """``--granikv-arg KEY=VALUE`` items as engine kwargs; every key must be GraniKV's."""
+    extra = parse_engine_args(items)
+    bad = [k for k in extra if not k.startswith("granikv_")]
+    if bad:
+        raise SystemExit(f"--granikv-arg takes GraniKV keys only (granikv_...), got {', '.join(bad)}")
+    return extra
 
 
 def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float,
@@ -343,6 +356,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="GraniKV engines compare every layer of every N-th decode step with the "
                         "stock backend's output (--granikv-debug-compare-every; decode CUDA "
                         "graphs off on every engine). 0: graphs on, no layer rule.")
+    p.add_argument("--granikv-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="A GraniKV engine keyword for every engine GraniKV computes (repeatable), "
+                        "e.g. granikv_view_plan=reuse.")
     p.add_argument("--no-fault", action="store_true", help="Skip the planted-fault engines.")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="SGLang --kv-cache-dtype of every engine (e.g. fp8_e4m3); default: the model's (bf16).")
@@ -407,6 +423,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 compare_every=args.compare_every, tolerance_factor=TOLERANCE_FACTOR,
                 kv_cache_dtype=args.kv_cache_dtype or "auto",
                 floor_eps=FLOOR_EPS, errors=[])
+    extra = granikv_args(args.granikv_arg)
+    if extra:
+        meta["granikv_args"] = extra
     runs = [(b, c) for b in args.backends for c in configs]
     if args.dequantized_reference:
         meta["dequantized_reference"] = list(results.DEQUANTIZED_BACKENDS)
@@ -420,7 +439,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
                    engine_kwargs=engine_kwargs(backend, config, args.attention_path, args.compare_every,
                                                None if dequantized else args.kv_cache_dtype, args.model,
-                                               base=base))
+                                               base=base, granikv_extra=extra))
         try:
             engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout,
                                                     kv_round=args.kv_cache_dtype if dequantized else None)

@@ -129,6 +129,17 @@ def test_engine_kwargs_turn_the_compare_on_with_eager_decode():
     assert check.parse_args([]).compare_every == 4
 
 
+def test_granikv_args_reach_the_granikv_engines_only():
+    extra = check.granikv_args(["granikv_view_plan=reuse", "granikv-log-interval=0"])
+    assert extra == {"granikv_view_plan": "reuse", "granikv_log_interval": 0}
+    for config in ("granikv", "fault"):
+        assert check.engine_kwargs("flashinfer", config, "cascade", 0, granikv_extra=extra)["granikv_view_plan"] == "reuse"
+    assert "granikv_view_plan" not in check.engine_kwargs("flashinfer", "baseline", "cascade", 0, granikv_extra=extra)
+    assert check.parse_args(["--granikv-arg", "granikv_view_plan=reuse"]).granikv_arg == ["granikv_view_plan=reuse"]
+    with pytest.raises(SystemExit, match="GraniKV keys only.*mem_fraction_static"):
+        check.granikv_args(["mem_fraction_static=0.5"])
+
+
 def test_memory_kwargs_reach_every_engine_and_reject_bad_values():
     base = check.memory_kwargs(0.9, 262144)
     for config in ("baseline", "granikv", "fault"):

@@ -60,6 +60,10 @@ def test_default_budgets_split_the_suites_grid_and_correctness_runs_at_scale_2(s
     host = suite.parse_args(["--out", str(tmp_path), "--grid-host-probe-steps", "16"])
     assert all(c[c.index("--host-probe-steps") + 1] == "16" and "--keep-host-traces" in c
                for c in suite.part_commands(host, tmp_path)["grid"])
+    reuse = suite.parse_args(["--out", str(tmp_path), "--grid-engine-arg", "granikv_view_plan=reuse"])
+    assert all(c[c.index("--engine-arg") + 1] == "granikv_view_plan=reuse"
+               for c in suite.part_commands(reuse, tmp_path)["grid"])
+    assert suite.grid_scope(reuse) == dict(suite.grid_scope(host), engine_args=["granikv_view_plan=reuse"])
 
 
 def test_grid_also_stock_goes_to_every_other_backends_grid(suite, tmp_path):
