@@ -133,7 +133,8 @@ def test_granikv_args_reach_the_granikv_engines_only():
     extra = check.granikv_args(["granikv_view_plan=reuse", "granikv-log-interval=0"])
     assert extra == {"granikv_view_plan": "reuse", "granikv_log_interval": 0}
     for config in ("granikv", "fault"):
-        assert check.engine_kwargs("flashinfer", config, "cascade", 0, granikv_extra=extra)["granikv_view_plan"] == "reuse"
+        kw = check.engine_kwargs("flashinfer", config, "cascade", 0, granikv_extra=extra)
+        assert kw["granikv_view_plan"] == "reuse"
     assert "granikv_view_plan" not in check.engine_kwargs("flashinfer", "baseline", "cascade", 0, granikv_extra=extra)
     assert check.parse_args(["--granikv-arg", "granikv_view_plan=reuse"]).granikv_arg == ["granikv_view_plan=reuse"]
     with pytest.raises(SystemExit, match="GraniKV keys only.*mem_fraction_static"):
