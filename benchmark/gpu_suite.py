@@ -242,7 +242,7 @@ def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     scopes complement each other in a merge, one of the same scope replaces the earlier."""
     models = None if args.grid_models in (None, "", "all") else args.grid_models
     scope = dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
-    if getattr(args, "grid_engine_arg", None):  # engines started otherwise measure another grid
+    if args.grid_engine_arg:  # engines started otherwise measure another grid
         scope["engine_args"] = list(args.grid_engine_arg)
     return scope
 
@@ -261,13 +261,12 @@ def _part_scope(part: Dict[str, Any], doc: Dict[str, Any]) -> Optional[Dict[str,
     return scope
 
 
-def _part_key(part: Dict[str, Any], doc: Dict[str, Any]) -> Tuple[str, str]:
-    """A part's identity in a merge: its name, and for a grid part its scope (``_part_scope``;
+def _part_key(part: Dict[str, Any], doc: Dict[str, Any], scope: Optional[Dict[str, Any]]) -> Tuple[str, str]:
+    """A part's identity in a merge: its name, and for a grid part its ``scope`` (``_part_scope``;
     a part of an earlier merge whose scope nothing tells is itself: its run's commit, date and
     wall time)."""
     if part["name"] != "grid":
         return part["name"], ""
-    scope = _part_scope(part, doc)
     if scope is None and doc.get("runs"):
         scope = dict(commit=part.get("commit", doc.get("commit")), date=part.get("date", doc.get("date")),
                      wall_s=part.get("wall_s"))
@@ -285,9 +284,10 @@ def merge(docs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         for p in d.get("parts", []):
             kept = dict(p, commit=p.get("commit", d.get("commit")), date=p.get("date", d.get("date")),
                         gpu=p.get("gpu", d.get("gpu")))
-            if p["name"] == "grid" and p.get("scope") is None and _part_scope(p, d) is not None:
-                kept["scope"] = _part_scope(p, d)  # recorded, so that a later merge of this one reads it
-            key = _part_key(p, d)
+            scope = _part_scope(p, d) if p["name"] == "grid" else None
+            if scope is not None:
+                kept["scope"] = scope  # recorded, so that a later merge of this one reads it
+            key = _part_key(p, d, scope)
             parts.pop(key, None)  # re-inserted last: a replacement sorts as the latest
             parts[key] = kept
         runs += d.get("runs") or [dict(commit=d.get("commit"), date=d.get("date"), gpu=d.get("gpu"),

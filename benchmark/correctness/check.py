@@ -87,6 +87,7 @@ from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, parse_engine_args
 from benchmark.harness.engine_child import EngineChild, gpu_name
 from benchmark.harness.engine_proc import REPO_ROOT, engine_env, exit_after, kill_group, module_command, repo_env
 from benchmark.multi_agent import workloads as wl
+from granikv.config import is_granikv_key
 
 # attention/debug/compare.py's constants without importing its module (this parent runs no engine); a test
 # checks they match
@@ -275,7 +276,7 @@ def engine_kwargs(backend: str, config: str, attention_path: str, compare_every:
 def granikv_args(items: Sequence[str]) -> Dict[str, Any]:
     """``--granikv-arg KEY=VALUE`` items as engine kwargs; every key must be GraniKV's."""
     extra = parse_engine_args(items)
-    bad = [k for k in extra if not k.startswith("granikv_")]
+    bad = [k for k in extra if not is_granikv_key(k)]
     if bad:
         raise SystemExit(f"--granikv-arg takes GraniKV keys only (granikv_...), got {', '.join(bad)}")
     return extra

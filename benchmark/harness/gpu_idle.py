@@ -101,9 +101,7 @@ def host_calls_of_events(events: Iterable[Mapping[str, Any]], steps: int, top: i
         a = acc.setdefault(str(e.get("name", "?")), [0.0, 0.0])
         a[0] += 1
         a[1] += float(dur)
-    ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
-    return dict(host_calls={k: [round(n / steps, 2), round(us / steps, 2)] for k, (n, us) in ranked},
-                profiled_steps=steps)
+    return dict(host_calls=_per_step(acc, steps, top), profiled_steps=steps)
 
 
 def python_self_times(events: Iterable[Mapping[str, Any]], steps: int, top: int = 25) -> Dict[str, Any]:
@@ -133,8 +131,13 @@ def python_self_times(events: Iterable[Mapping[str, Any]], steps: int, top: int 
             stack.append([ts + dur, name, dur])
         while stack:
             _close(stack.pop(), acc)
+    return dict(python_self=_per_step(acc, steps, top))
+
+
+def _per_step(acc: Dict[str, List[float]], steps: int, top: int) -> Dict[str, List[float]]:
+    """name -> [calls, µs] totals as [calls, µs] per step, the ``top`` names by time, largest first."""
     ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
-    return dict(python_self={k: [round(n / steps, 2), round(us / steps, 2)] for k, (n, us) in ranked})
+    return {k: [round(n / steps, 2), round(us / steps, 2)] for k, (n, us) in ranked}
 
 
 def _close(frame: List[Any], acc: Dict[str, List[float]]) -> None:

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Optional
+from typing import Callable, Deque, Dict, Hashable, List, Optional
 
 from granikv.attention.dispatcher import Decision, Path
 
@@ -83,7 +84,7 @@ class StepClock:
         self.confirmations = 0  # "paged is faster" windows measured again before a verdict
         # the latest verdicts, newest last: (shape key, path median µs, paged median µs,
         # relative spread of the path's samples, of paged's, paged won)
-        self.recent: List[tuple] = []
+        self.recent: Deque[tuple] = deque(maxlen=self.RECENT)
 
     # ---- per step --------------------------------------------------------------------------
 
@@ -160,9 +161,8 @@ class StepClock:
         st.paged_wins = paged_wins
         st.phase, st.hold_left, st.verdicts = "hold", self.HOLD, st.verdicts + 1
         st.last_a, st.last_b = a, b
-        self.recent = self.recent[-(self.RECENT - 1):] + [
-            (bs, round(1e6 * a, 1), round(1e6 * b, 1), _spread(st.samples["A"]), _spread(st.samples["B"]),
-             st.paged_wins)]
+        self.recent.append((bs, round(1e6 * a, 1), round(1e6 * b, 1), _spread(st.samples["A"]),
+                            _spread(st.samples["B"]), st.paged_wins))
         if st.paged_wins:
             self.verdicts_paged += 1
         else:
