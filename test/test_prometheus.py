@@ -32,11 +32,13 @@ def test_exporter_publishes_unplanned_steps_fallbacks_and_backends():
     exp.update({"hot_used_tokens": 0})  # no GraniKV attention reachable
     assert 'granikv:attention_backends{tp_rank="1"} 0.0' in generate_latest(reg).decode()
     exp.update({"attention": {"unplanned_steps": 7, "backends": 2,
-                              "extend_fallbacks": {"batch not staged": 3, "no HOT prefix in the batch": 5}}})
+                              "extend_fallbacks": {"batch not staged": 3, "no HOT prefix in the batch": 5},
+                              "decode_paged_reasons": {"no cascade graph of this batch size": 4}}})
     text = generate_latest(reg).decode()
     assert 'granikv:unplanned_steps_total{tp_rank="1"} 7.0' in text
     assert 'granikv:extend_fallbacks_total{reason="batch not staged",tp_rank="1"} 3.0' in text
     assert 'granikv:extend_fallbacks_total{reason="no HOT prefix in the batch",tp_rank="1"} 5.0' in text
+    assert 'granikv:decode_paged_reasons_total{reason="no cascade graph of this batch size",tp_rank="1"} 4.0' in text
     assert 'granikv:attention_backends{tp_rank="1"} 2.0' in text
 
 

@@ -453,7 +453,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   f"({KV_ROUND_MARK!r}): the reference would be the unrounded bf16 cache")
     meta["gpu"] = next((e.get("gpu") for e in engines.values() if e.get("gpu")), None)
     meta["seconds"] = round(time.time() - t0, 1)
-    rows = results.rows(engines, [s.name for s in spec_list], args.backends)
+    rows = results.rows(engines, [s.name for s in spec_list], args.backends, layer_rule=args.compare_every > 0)
     paths = results.write(args.out, meta, rows)
     print(results.markdown(meta, rows), flush=True)
     print(f"wrote {', '.join(map(str, paths))}", flush=True)

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from benchmark.correctness import metrics
 
 ATTENTION_KEYS = ("decode_steps", "steps_per_path", "unplanned_steps", "extend_batches",
-                  "extend_hot_batches", "extend_exact_batches", "extend_fallbacks")
+                  "extend_hot_batches", "extend_exact_batches", "extend_fallbacks", "decode_paged_reasons")
 
 
 #: The engine config of the FP8 check's references (check.py ``--dequantized-reference``): stock
@@ -80,13 +80,23 @@ def _layer(engines, backend: str, config: str, workload: str) -> Optional[Dict[s
     return out
 
 
+def decode_path_ran(att: Optional[Mapping[str, Any]]) -> bool:
+    """Whether GraniKV's own decode attention served any step (a non-paged decode step)."""
+    if not att:
+        return False
+    return sum(n for p, n in (att.get("steps_per_path") or {}).items() if p != "paged") > 0
+
+
 def fast_path_ran(att: Optional[Mapping[str, Any]]) -> bool:
     """Whether GraniKV's own attention served any step: a non-paged decode step or an extend
     batch over HOT extents. A check where it never ran proves nothing."""
-    if not att:
-        return False
-    decode = sum(n for p, n in (att.get("steps_per_path") or {}).items() if p != "paged")
-    return decode > 0 or att.get("extend_hot_batches", 0) > 0
+    return decode_path_ran(att) or bool(att and att.get("extend_hot_batches", 0) > 0)
+
+
+def forces_decode_path(meta: Mapping[str, Any]) -> bool:
+    """The check forced GraniKV's engines onto a non-paged decode path (``--attention-path``):
+    then a row whose decode steps all ran paged has not checked GraniKV's decode."""
+    return meta.get("attention_path") not in (None, "auto", "paged")
 
 
 def _r(x: Optional[float]) -> Optional[float]:
@@ -131,7 +141,10 @@ def _token_pair(engines, workload: str, backend: str, backends: Sequence[str],
     return stock, _outputs(engines, others[0], "baseline", workload), f"{backend} vs {others[0]}"
 
 
-def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[str, Any]:
+def row(engines, workload: str, backend: str, backends: Sequence[str], *, layer_rule: bool = True) -> Dict[str, Any]:
+    """One (workload, backend) row. ``layer_rule`` False: the GraniKV engines ran without the
+    debug compare (check.py ``--compare-every 0``), so the layer-output rule is not applied
+    (None) rather than failed for comparing nothing."""
     stock = _outputs(engines, backend, "baseline", workload)
     base, reference, label = _token_pair(engines, workload, backend, backends, stock)
     cross_pair: Tuple[Optional[metrics.Outputs], ...] = (base, reference)
@@ -150,7 +163,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
         out[f"{key}_agreement_diff_stderr"] = _r(metrics.difference_stderr(c, cross)) if both else None
         out[f"{key}_agreement_threshold"] = _r(metrics.agreement_threshold(c, cross)) if both else None
         token = metrics.token_passes(c, cross) if both else None
-        layer = _layer(engines, backend, config, workload)
+        layer = _layer(engines, backend, config, workload) if layer_rule else None
         layer_ok = metrics.layer_passes(layer)
         out[f"{key}_token_passes"] = token
         out[f"{key}_layer_passes"] = layer_ok
@@ -165,6 +178,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
         att = _attention(engines, backend, config, workload)
         out[f"{key}_attention"] = att
         out[f"{key}_fast_path_ran"] = fast_path_ran(att) if ours is not None else None
+        out[f"{key}_decode_path_ran"] = decode_path_ran(att) if ours is not None else None
     # the column names the results format fixes
     out["granikv_vs_baseline_agreement"] = out.pop("granikv_agreement")
     out["first_token_agreement"] = out.pop("granikv_first_token_agreement")
@@ -191,17 +205,21 @@ def row(engines, workload: str, backend: str, backends: Sequence[str]) -> Dict[s
     return out
 
 
-def rows(engines, workloads: Sequence[str], backends: Sequence[str]) -> List[Dict[str, Any]]:
-    return [row(engines, w, b, backends) for w in workloads for b in backends]
+def rows(engines, workloads: Sequence[str], backends: Sequence[str], *,
+         layer_rule: bool = True) -> List[Dict[str, Any]]:
+    return [row(engines, w, b, backends, layer_rule=layer_rule) for w in workloads for b in backends]
 
 
 def all_ok(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]], *, fault: bool) -> bool:
-    """Every row passed with GraniKV's attention exercised, every planted fault was caught,
-    and no engine failed."""
+    """Every row passed with GraniKV's attention exercised (its decode path too where the check
+    forced one), every planted fault was caught, and no engine failed."""
     if meta.get("errors") or not rows_:
         return False
+    decode = forces_decode_path(meta)
     for r in rows_:
         if r["passed"] is not True or not r["granikv_fast_path_ran"]:
+            return False
+        if decode and not r.get("granikv_decode_path_ran"):
             return False
         if fault and r["planted_fault_caught"] is not True:
             return False
@@ -290,6 +308,9 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
         "engine (caught by: the rules that did).",
         "",
     ]
+    if not meta.get("compare_every"):
+        lines += ["No debug compare ran (`--compare-every 0`: CUDA graphs on): the layer rule is not "
+                  "applied; the tokens decide, and catch the fault alone.", ""]
     if meta.get("dequantized_reference"):
         lines += [
             f"KV cache: {meta.get('kv_cache_dtype')}. Token rule's references: stock "
@@ -317,7 +338,7 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
             f"{_fmt(r['first_token_agreement'])} / {_fmt(r['cross_first_token_agreement'])} | "
             f"{_fmt(r['logprob_dev_mean'])} / {_fmt(r['cross_logprob_dev_mean'])} | "
             f"{_dev(r, 'granikv')} | "
-            f"{_fmt(r['granikv_fast_path_ran'])} | {_fmt(r['passed'])} | "
+            f"{_path_ran(r)} | {_fmt(r['passed'])} | "
             f"{_pm(r['fault_agreement'], r.get('fault_agreement_stderr'))} | {_dev(r, 'fault')} | "
             f"{_fmt(r['planted_fault_caught'])}{_by(r.get('fault_caught_by'))} | "
             f"{_fmt(r.get('granikv_vs_stock_agreement'))} |")
@@ -326,11 +347,25 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
         lines += ["", "GraniKV's prefill per row (extend batches with a cached prefix; a request "
                   "prefilled by the stock kernel can start differently from the reference):", ""]
         lines += prefill
+    decode = decode_lines(rows_)
+    if decode:
+        lines += ["", "GraniKV's decode steps sent to the stock path before any path choice, per row "
+                  "(`decode_paged_reasons`):", ""]
+        lines += decode
     for e in meta.get("errors") or []:
         lines.append(f"\nEngine failure: {e}")
     lines.append("")
     lines.append(f"Command: `{meta.get('command')}`")
     return "\n".join(lines) + "\n"
+
+
+def _path_ran(r: Mapping[str, Any]) -> str:
+    """The "GraniKV path ran" cell: yes (its decode path served steps), prefill only, or no."""
+    if r.get("granikv_fast_path_ran") is None:
+        return _fmt(None)
+    if r.get("granikv_decode_path_ran"):
+        return "yes"
+    return "prefill only" if r["granikv_fast_path_ran"] else "**no**"
 
 
 def prefill_lines(rows_: Sequence[Mapping[str, Any]]) -> List[str]:
@@ -348,6 +383,20 @@ def prefill_lines(rows_: Sequence[Mapping[str, Any]]) -> List[str]:
         also = f", computed over the FP8 cache's values without a HOT run in {exact}" if exact else ""
         out.append(f"- {r['workload']} / {r['backend']}: over HOT extents in {att.get('extend_hot_batches', 0)} "
                    f"of {n} extend batches{also}; left stock: {why}")
+    return out
+
+
+def decode_lines(rows_: Sequence[Mapping[str, Any]]) -> List[str]:
+    """One line per row whose GraniKV engine sent decode steps paged before choosing a path
+    (``decode_paged_reasons``: no cascade graph of the batch size, no HOT prefix, ...)."""
+    out = []
+    for r in rows_:
+        att = r.get("granikv_attention") or {}
+        why = {k: n for k, n in (att.get("decode_paged_reasons") or {}).items() if n}
+        if why:
+            steps = att.get("decode_steps", 0)
+            out.append(f"- {r['workload']} / {r['backend']}: " + ", ".join(
+                f"{reason}: {n}" for reason, n in sorted(why.items())) + f" (of {steps} decode steps)")
     return out
 
 

@@ -92,6 +92,7 @@ def granikv_facts(rec: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
         decode_steps=att.get("decode_steps"),
         dispatch_paths={k: v for k, v in (att.get("steps_per_path") or {}).items() if v},
         extend_fallbacks={k: v for k, v in (att.get("extend_fallbacks") or {}).items() if v},
+        decode_paged_reasons={k: v for k, v in (att.get("decode_paged_reasons") or {}).items() if v},
         extend_hot_batches=att.get("extend_hot_batches"),
         promotions=delta.get("promotions"),
         promotion_skips={k: v for k, v in (delta.get("skip_reasons") or {}).items() if v},

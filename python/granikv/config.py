@@ -110,12 +110,12 @@ class GraniKVConfig:
         choices=get_args(ReplaySlots),
     )
     view_plan: ViewPlan = _opt(
-        "every_step",
+        "reuse",
         "How a cascade CUDA-graph step plans the wrapped backend's one-token view of the batch: "
         "every_step = on every step, as a paged step plans its batch; reuse = only when it differs "
         "from the view the previous step left in place (another batch size, other requests, a HOT "
         "promotion in between, or any other metadata call of the wrapped backend since), which "
-        "saves the wrapped backend's host-side plan on steady steps (verified on CPU only so far).",
+        "saves the wrapped backend's host-side plan on steady steps.",
         choices=get_args(ViewPlan),
     )
     cost_model: Optional[str] = _opt(

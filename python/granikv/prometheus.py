@@ -98,6 +98,10 @@ class PrometheusExporter:
         self._fallbacks = gauge("granikv:extend_fallbacks_total",
                                 "Extend batches with a cached prefix left to the stock prefill, per reason.",
                                 ("reason",))
+        self._paged_reasons = gauge("granikv:decode_paged_reasons_total",
+                                    "Decode steps sent to the stock path before any path choice, per reason "
+                                    "(e.g. no cascade graph of this batch size, no HOT prefix in the batch).",
+                                    ("reason",))
         self._layer_calls = gauge("granikv:decode_layer_calls_total",
                                   "Decode layer calls of steps with per-layer paths (hybrid models): "
                                   "'granikv' (GraniKV's path) or 'stock' (sliding-window layers on the "
@@ -118,6 +122,8 @@ class PrometheusExporter:
                 self._host_term.labels(**self.labels).set(float(attention["dispatch_host_us_mean"]))
             for reason, n in (attention.get("extend_fallbacks") or {}).items():
                 self._fallbacks.labels(**self.labels, reason=reason).set(float(n))
+            for reason, n in (attention.get("decode_paged_reasons") or {}).items():
+                self._paged_reasons.labels(**self.labels, reason=reason).set(float(n))
             for path, n in attention.get("steps_per_path", {}).items():
                 self._steps.labels(**self.labels, path=path).set(float(n))
             self._hit.labels(**self.labels).set(float(attention.get("hot_hit_rate", 0.0)))

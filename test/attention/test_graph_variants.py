@@ -367,6 +367,21 @@ def test_auto_sizes_follow_the_cost_model():
     assert g.stock_only == {1, 8}
 
 
+def test_a_forced_path_decides_the_sizes_not_the_cost_model():
+    """--granikv-attention-path cascade: every size from min_group_size up gets a cascade graph,
+    also where the cost model puts paged ahead (a short prefix, a small batch); forced paged:
+    none. Otherwise a forced cascade replays stock graphs at those sizes (seen in serving on a
+    GPU without a calibrated cost model)."""
+    auto = _backend(_runner(), "auto").dispatcher
+    loses = [bs for bs in (2, 4, 8, 16) if not cascade_can_win(auto, bs, prefix_tokens=256, min_group_size=2)]
+    assert loses, "the cost model should put paged ahead somewhere on a 256-token prefix"
+    forced = _backend(_runner(), "cascade").dispatcher
+    assert all(cascade_can_win(forced, bs, prefix_tokens=256, min_group_size=2) for bs in (2, 4, 8, 16, 256))
+    assert not cascade_can_win(forced, 1, prefix_tokens=256, min_group_size=2)
+    paged = _backend(_runner(), "paged").dispatcher
+    assert not any(cascade_can_win(paged, bs, prefix_tokens=32768, min_group_size=2) for bs in (2, 16, 256))
+
+
 def test_graph_bs_flag():
     assert parse_graph_bs("auto") is None and parse_graph_bs("none") == frozenset()
     assert parse_graph_bs("8, 16,256") == frozenset({8, 16, 256})

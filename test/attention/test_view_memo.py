@@ -155,5 +155,5 @@ def test_metadata_calls_the_backend_forwards_unchanged_forget_the_view_plan():
     assert _step(be, runner, fb, rows, 52) and not _step(be, runner, fb, rows, 53)
 
 
-def test_the_reuse_is_opt_in():
-    assert GraniKVConfig(enable=True).view_plan == "every_step"
+def test_the_reuse_is_the_default():
+    assert GraniKVConfig(enable=True).view_plan == "reuse"

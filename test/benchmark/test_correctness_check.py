@@ -318,6 +318,45 @@ def test_rows_flag_a_fault_and_a_silent_fast_path():
     assert "| homogeneous | flashinfer | 4 | 1.000 ± 0.000 | 0.750 ± 0.000 |" in md and "**no**" in md
 
 
+def test_without_the_debug_compare_the_tokens_decide():
+    """--compare-every 0 (graphs on): the engines still report ``layer_output_compares`` = 0, but
+    the layer rule is not applied rather than failed; the fault is caught by the tokens alone."""
+    ref = [[1, 2, 3, 4]] * 8
+    off = (0, 0, 0.0, 0.0)  # what an engine without the compare reports
+    engines = {("flashinfer", "baseline"): _engine(ref), ("triton", "baseline"): _engine(ref),
+               ("flashinfer", "granikv"): _engine(ref, -1.0, {"cascade": 5}, off),
+               ("flashinfer", "fault"): _engine([[1, 9, 9, 9]] * 8, -1.0, {"cascade": 5}, off)}
+    r = results.rows(engines, ["homogeneous"], ["flashinfer", "triton"], layer_rule=False)[0]
+    assert r["passed"] is True and r["granikv_layer_passes"] is None
+    assert r["fault_caught_by"] == ["tokens"] and r["planted_fault_caught"] is True
+    meta = {"errors": [], "model": {}, "compare_every": 0, "attention_path": "cascade"}
+    assert results.all_ok(meta, [r], fault=True)
+    assert "the layer rule is not applied" in results.markdown(meta, [r])
+    # with the compare on, comparing nothing still fails the row
+    r_on = results.rows(engines, ["homogeneous"], ["flashinfer", "triton"])[0]
+    assert r_on["passed"] is False and r_on["granikv_layer_passes"] is False
+
+
+def test_a_forced_decode_path_that_never_ran_fails_the_check():
+    """--attention-path cascade and a row whose decode steps all ran paged (GraniKV served only
+    its prefill): the check fails, and the row says why its decode ran paged."""
+    ref = [[1, 2, 3, 4]] * 8
+    gkv = _engine(ref, -1.0, {"paged": 5, "cascade": 0})
+    gkv["workloads"]["homogeneous"]["granikv_delta"]["attention"].update(
+        extend_hot_batches=2, decode_steps=5, decode_paged_reasons={"no cascade graph of this batch size": 5})
+    engines = {("flashinfer", "baseline"): _engine(ref), ("triton", "baseline"): _engine(ref),
+               ("flashinfer", "granikv"): gkv,
+               ("flashinfer", "fault"): _engine([[1, 9, 9, 9]] * 8, -1.0, {"cascade": 5})}
+    r = results.rows(engines, ["homogeneous"], ["flashinfer", "triton"], layer_rule=False)[0]
+    assert r["passed"] and r["granikv_fast_path_ran"] and r["granikv_decode_path_ran"] is False
+    meta = {"errors": [], "model": {}, "compare_every": 0}
+    assert not results.all_ok(dict(meta, attention_path="cascade"), [r], fault=True)
+    assert results.all_ok(dict(meta, attention_path="auto"), [r], fault=True)  # auto may pick paged
+    md = results.markdown(dict(meta, attention_path="cascade"), [r])
+    assert "| prefill only |" in md
+    assert "- homogeneous / flashinfer: no cascade graph of this batch size: 5 (of 5 decode steps)" in md
+
+
 def test_rows_with_a_missing_engine_leave_columns_empty():
     engines = {("triton", "baseline"): _engine([[1, 2]])}
     (r,) = results.rows(engines, ["homogeneous"], ["triton"])

@@ -60,7 +60,11 @@ def cascade_label(variant_label: Optional[str]) -> str:
 
 def cascade_can_win(dispatcher: Dispatcher, bs: int, *, prefix_tokens: int, min_group_size: int) -> bool:
     """True iff the cost model puts cascade below paged for ``bs`` requests sharing one
-    ``prefix_tokens``-long HOT prefix with ``AUTO_SUFFIX_TOKENS`` private tokens each."""
+    ``prefix_tokens``-long HOT prefix with ``AUTO_SUFFIX_TOKENS`` private tokens each. Under a
+    forced path (``--granikv-attention-path``) the cost model does not choose: every size where
+    the forced path is eligible on a graph step gets a cascade graph, none under forced paged
+    (otherwise a forced cascade would still replay stock graphs wherever the cost model's
+    calibration, e.g. the conservative default on a GPU without one, puts paged ahead)."""
     if bs < min_group_size or prefix_tokens < 1:
         return False
     seq = np.full(bs, prefix_tokens + AUTO_SUFFIX_TOKENS, dtype=np.int64)
@@ -68,6 +72,9 @@ def cascade_can_win(dispatcher: Dispatcher, bs: int, *, prefix_tokens: int, min_
                             np.ones(bs, dtype=np.int64), np.full(bs, prefix_tokens, dtype=np.int64))
     grouping = group_requests(desc, min_group_size=min_group_size)
     times = dispatcher.estimate(grouping, desc, graph_safe_only=True)
+    forced = dispatcher.forced
+    if forced is not None:
+        return forced.value != "paged" and bool(np.isfinite(times.of(forced)))
     return times.cascade < times.paged
 
 

@@ -17,9 +17,8 @@ The planner asks ``in_place(key)`` before each replay's wrapped-backend call (``
 step's cascade view, None for a paged step over the real batch) and the backend calls
 ``forget()`` on every other call it makes to the wrapped backend (an extend, an eager step, a
 capture, new graph state) and on the base-class metadata methods it forwards unchanged
-(breakable prefill graphs, chunked-prefix graphs). ``--granikv-view-plan reuse`` turns the
-reuse on; the default, ``every_step``, plans the view on every step (the reuse is verified
-against SGLang's real backends on CPU-side logic only so far).
+(breakable prefill graphs, chunked-prefix graphs). ``--granikv-view-plan reuse`` (the default)
+turns the reuse on; ``every_step`` plans the view on every step, as before the memo existed.
 """
 
 from __future__ import annotations
