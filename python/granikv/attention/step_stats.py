@@ -130,7 +130,7 @@ class StepStats:
     extend_exact_batches: int = 0  # ... computed by GraniKV without a HOT run (an FP8 cache: paths.py)
     extend_hot_tokens: int = 0  # new tokens served that way
     extend_fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> extend batches left stock
-    paged_reasons: Counter[str] = field(default_factory=Counter)  # reason -> decode steps sent paged unplanned
+    decode_paged_reasons: Counter[str] = field(default_factory=Counter)  # reason -> decode steps sent paged unplanned
     max_extend_compare_diff: float = 0.0  # debug compare mode: worst |dense - paged| prefix output
     # debug compare mode, every layer of a compared decode step (DebugCompare.compare_decode):
     layer_output_compares: int = 0  # layer-steps compared
@@ -157,7 +157,7 @@ class StepStats:
         self.paths["paged"] += 1
         self.requests += batch_size
         self.last_reason = reason
-        self.paged_reasons[reason] += 1  # one of a few fixed strings (planner, graph_variants)
+        self.decode_paged_reasons[reason] += 1  # one of a few fixed strings (planner, graph_variants)
 
     def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0,
                          stage: float = 0.0, cpu: float = 0.0, sections: Optional[Sequence[float]] = None) -> None:
@@ -238,7 +238,7 @@ class StepStats:
             "extend_exact_batches": self.extend_exact_batches,
             "extend_hot_tokens": self.extend_hot_tokens,
             "extend_fallbacks": dict(self.extend_fallbacks),
-            "decode_paged_reasons": dict(self.paged_reasons),
+            "decode_paged_reasons": dict(self.decode_paged_reasons),
             "max_extend_compare_diff": self.max_extend_compare_diff,
             "layer_output_compares": self.layer_output_compares,
             "layer_output_over_tolerance": self.layer_output_over_tolerance,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Optional, Set,
 
 import numpy as np
 
+from granikv.attention.dispatcher import Path
 from granikv.attention.grouping import BatchDescription, group_requests
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def cascade_can_win(dispatcher: Dispatcher, bs: int, *, prefix_tokens: int, min_
     times = dispatcher.estimate(grouping, desc, graph_safe_only=True)
     forced = dispatcher.forced
     if forced is not None:
-        return forced.value != "paged" and bool(np.isfinite(times.of(forced)))
+        return forced is not Path.PAGED and bool(np.isfinite(times.of(forced)))
     return times.cascade < times.paged
 
 
