@@ -393,6 +393,13 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),
     "sfx32": dict(min_suffix_chunk=32),
+    # the prefix kernels' online softmax (KernelConfig.prefix_softmax): one fused multiply-add per
+    # score; and a lazy running max that skips the accumulator's rescale on most tiles; not
+    # measured yet
+    "sm_fma": dict(prefix_softmax="fma"),
+    "sm_lazy": dict(prefix_softmax="lazy"),
+    "sm_lazy_pw2.0": dict(prefix_softmax="lazy", prefix_waves=2.0),
+    "sm_lazy_bm128_w8": dict(prefix_softmax="lazy", block_m=128, prefix_warps=8),
 
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents

@@ -237,3 +237,71 @@ def test_tile_config_picks_auto_with_tma_and_two_waves_for_gqa8_head_dim_64():
     assert not device_has_tma("cpu")
     if not torch.cuda.is_available():  # a CPU machine asked about "cuda" answers, never raises
         assert not device_has_tma("cuda")
+
+
+def _tile_max_jumps(b, wl, block_n, qk_scale_log2):
+    """Largest rise (base 2) of a row's running max at a later kv tile of any prefix item: the
+    lazy softmax rescales only past ``LAZY_RESCALE_LOG2``, so a test that must exercise the
+    rescale needs a rise above it (and one that must exercise the skip, rises below it)."""
+    ratio = b.q.shape[1] // b.k.shape[1]
+    worst = 0.0
+    for w in range(wl.num_prefix_items):
+        lo, n = int(wl.pfx_slot_lo[w]), int(wl.pfx_n_kv[w])
+        k = b.k[lo:lo + n].double()  # [n, Hkv, D]
+        q = b.q.double().view(b.q.shape[0], -1, ratio, b.q.shape[2])  # [bs, Hkv, ratio, D]
+        s = torch.einsum("bhrd,nhd->bhrn", q, k) * qk_scale_log2  # every request: an upper bound is enough
+        run = s[..., :block_n].amax(-1)
+        for t in range(block_n, n, block_n):
+            tile = s[..., t:t + block_n].amax(-1)
+            worst = max(worst, float((tile - run).max()))
+            run = torch.maximum(run, tile)
+    return worst
+
+
+@pytest.mark.parametrize("softmax", ["fma", "lazy"])
+@pytest.mark.parametrize("kernel", ["pointer", "descriptor", "fused"])
+@pytest.mark.parametrize("spikes", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefix_softmax_variants_match_reference(softmax, kernel, spikes, dtype):
+    """``KernelConfig.prefix_softmax`` "fma" / "lazy" give the reference's partial states (the
+    pointer, descriptor and fused prefix kernels). With ``spikes`` a few late keys of every
+    extent are scaled up so that a row's max rises past ``LAZY_RESCALE_LOG2`` after the first
+    tile (the lazy rescale taken; asserted on the data); without, every rise stays below it (the
+    rescale skipped, the stale max kept)."""
+    from granikv.kernels.prefix_attention import LAZY_RESCALE_LOG2, LOG2E
+
+    ratio, hkv, head_dim = 3, 2, 64
+    b = make_batch(groups=((150, 5), (97, 3), (41, 2)), n_ungrouped=1, num_q_heads=ratio * hkv, num_kv_heads=hkv,
+                   head_dim=head_dim, dtype=dtype, seed=7)
+    cfg = dataclasses.replace(SMALL_CONFIG, prefix_softmax=softmax, even_split=True,
+                              prefix_kernel="descriptor" if kernel == "descriptor" else "pointer")
+    ws = CascadeWorkspace(b.bs, ratio * hkv, hkv, head_dim, "cpu", config=cfg, sm_count=32, max_splits=2)
+    wl = fill(ws, b)
+    if spikes:
+        for w in range(wl.num_prefix_items):
+            lo, n = int(wl.pfx_slot_lo[w]), int(wl.pfx_n_kv[w])
+            if n > cfg.block_n:
+                late = lo + cfg.block_n + (n - cfg.block_n) // 2
+                b.k[late] = b.k[late] * 12
+    jump = _tile_max_jumps(b, wl, cfg.block_n, b.sm_scale * LOG2E)
+    if spikes:
+        assert jump > LAZY_RESCALE_LOG2.value, jump  # the data takes the rescale branch
+    else:
+        assert 0 < jump < LAZY_RESCALE_LOG2.value, jump  # rises, all skipped by the lazy max
+    ws.part_o.fill_(float("nan"))
+    ws.part_lse.fill_(float("nan"))
+    if kernel == "fused":
+        out = fused_cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
+    else:
+        out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
+    exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
+    for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
+        torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(ws.part_lse[r].double(), exp[r].lse, atol=1e-4, rtol=1e-4)
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_prefix_softmax_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="prefix_softmax"):
+        dataclasses.replace(SMALL_CONFIG, prefix_softmax="exact")

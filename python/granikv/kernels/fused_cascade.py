@@ -23,7 +23,7 @@ import triton.language as tl
 
 from granikv.kernels.merge_state import check_sinks
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import _prefix_item, input_precision, score_math
+from granikv.kernels.prefix_attention import PREFIX_SOFTMAX, _prefix_item, input_precision, score_math
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
@@ -85,7 +85,7 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
                   BLOCK_H: tl.constexpr, SFX_HEADS: tl.constexpr, NUM_SFX_GROUPS: tl.constexpr,
                   SFX_BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                   EVEN_SPLIT: tl.constexpr, DEVICE_ENDS: tl.constexpr, SLOT_COPY: tl.constexpr,
-                  HAS_SINKS: tl.constexpr, MATH_F16: tl.constexpr):
+                  HAS_SINKS: tl.constexpr, MATH_F16: tl.constexpr, SOFTMAX: tl.constexpr):
     h = tl.program_id(1)
     n_pfx = tl.load(Counts + 1)
     n_sfx = tl.load(Counts + 2)
@@ -95,7 +95,8 @@ def _fused_kernel(Q, K, V, Out, PartO, PartLse, Counts, PfxItems, SfxItems, Grou
         b, qh, row_ok = _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16)
+                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16,
+                                     SOFTMAX)
         _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
                           stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
     elif (w < n_all) & (h < NUM_SFX_GROUPS):  # a suffix program serves SFX_HEADS kv heads
@@ -141,6 +142,7 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         SFX_HEADS=ws.suffix_heads, NUM_SFX_GROUPS=ws.suffix_groups, SFX_BLOCK_N=cfg.suffix_block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,
         SLOT_COPY=plan.slot_copy, HAS_SINKS=sinks is not None, MATH_F16=f16,
+        SOFTMAX=PREFIX_SOFTMAX[cfg.prefix_softmax],
         num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
     return out

@@ -109,7 +109,20 @@ class KernelConfig:
     "query" widens them to bf16, the query's dtype (three instructions per two values). Both
     accumulate in fp32 and read the same bytes; an fp16 / fp32 query is unaffected."""
 
+    prefix_softmax: Literal["scaled", "fma", "lazy"] = "scaled"
+    """The prefix kernels' online softmax (``prefix_attention._prefix_softmax_step``): "scaled"
+    scales each score, then shifts it by the running max; "fma" takes the row max of the
+    unscaled scores and scales and shifts each score in one fused multiply-add (one
+    floating-point operation per score fewer); "lazy" is "fma" with the running max moved only
+    when a tile's max exceeds it by more than 2**8, so the rescale of the [rows, head_dim]
+    accumulator is skipped (a branch of the whole program) on the tiles where no row's max moved
+    that far: most tiles of a long prefix. The prefix launch is bound by its non-MMA
+    instructions (tensor pipe 36% busy at 16K x 64, docs/results/kernels.md); not measured on a
+    GPU yet (sweep variants ``sm_fma``, ``sm_lazy``)."""
+
     def __post_init__(self) -> None:
+        if self.prefix_softmax not in ("scaled", "fma", "lazy"):
+            raise ValueError(f"prefix_softmax={self.prefix_softmax!r} must be 'scaled', 'fma' or 'lazy'")
         if self.fp8_math not in ("fp16", "query"):
             raise ValueError(f"fp8_math={self.fp8_math!r} must be 'fp16' or 'query'")
         if self.merge_rows not in ("workspace", "batch"):

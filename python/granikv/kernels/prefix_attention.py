@@ -63,6 +63,51 @@ def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr, 
     return m_new, l_i, acc
 
 
+PREFIX_SOFTMAX = {"scaled": 0, "fma": 1, "lazy": 2}
+"""``KernelConfig.prefix_softmax`` -> the prefix kernels' ``SOFTMAX`` (``_prefix_softmax_step``)."""
+
+LAZY_RESCALE_LOG2 = tl.constexpr(8.0)
+"""``prefix_softmax="lazy"``: a row's running max moves only when a tile's max exceeds it by
+more than this (base 2), so probabilities stay below 2**8 and the rescale of the accumulator
+is skipped on every tile where no row's max moved that far."""
+
+
+@triton.jit
+def _prefix_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr, SOFTMAX: tl.constexpr):
+    """The prefix kernels' online-softmax step. SOFTMAX 0 is ``_softmax_step`` (scores scaled,
+    then shifted); 1 takes the row max of the unscaled scores (``qk_scale`` > 0, so it scales
+    exactly) and shifts each score in one fused multiply-add; 2 is 1 with a lazy running max
+    (``LAZY_RESCALE_LOG2``): the accumulator and the sum are rescaled only on tiles where some
+    row's max moved, a branch taken by the whole program. All three give the same (o, lse) up to
+    fp32 rounding: o = acc / l and lse = m + log2(l) hold for any m the terms were shifted by."""
+    if SOFTMAX == 0:
+        return _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED, INPUT_PRECISION)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_tile = tl.max(s, 1) * qk_scale
+    if SOFTMAX == 1:
+        m_new = tl.maximum(m_i, m_tile)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        return m_new, l_i, acc
+    grow = m_tile > m_i + LAZY_RESCALE_LOG2
+    m_new = tl.where(grow, m_tile, m_i)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    if tl.max(grow.to(tl.int32), 0) > 0:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+    l_i = l_i + tl.sum(p, 1)
+    acc = acc + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr,
                    HEAD_DIM: tl.constexpr):
@@ -79,7 +124,8 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                  stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr):
+                 INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr,
+                 SOFTMAX: tl.constexpr = 0):
     """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
     row_lo = tl.load(PfxItems + w)
     row_hi = tl.load(PfxItems + pfx_cap + w)
@@ -107,7 +153,8 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
         for _ in range(0, n_full):
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION)
+            m_i, l_i, acc = _prefix_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION,
+                                                   SOFTMAX)
             k_ptrs += BLOCK_N * stride_kb
             v_ptrs += BLOCK_N * stride_vb
         n_left = n_kv - n_full * BLOCK_N
@@ -115,15 +162,15 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
             kv_ok = offs_n[:, None] < n_left
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_left)[None, :], True,
-                                          INPUT_PRECISION)
+            m_i, l_i, acc = _prefix_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_left)[None, :], True,
+                                                 INPUT_PRECISION, SOFTMAX)
     else:  # every tile masked (one code path, fewer registers)
         for start in range(0, n_kv, BLOCK_N):
             kv_ok = offs_n[:, None] < n_kv - start
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_kv - start)[None, :], True,
-                                          INPUT_PRECISION)
+            m_i, l_i, acc = _prefix_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_kv - start)[None, :],
+                                                 True, INPUT_PRECISION, SOFTMAX)
             k_ptrs += BLOCK_N * stride_kb
             v_ptrs += BLOCK_N * stride_vb
 
@@ -137,7 +184,8 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr,
+                   SOFTMAX: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 1)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
@@ -145,7 +193,7 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
         _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16)
+                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16, SOFTMAX)
 
 
 @triton.jit
@@ -154,7 +202,7 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
                         stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                         RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                        MATH_F16: tl.constexpr):
+                        MATH_F16: tl.constexpr, SOFTMAX: tl.constexpr):
     """``_prefix_kernel`` with the full K/V tiles loaded through tensor descriptors over the
     layer's buffers viewed ``[slots, Hkv * D]`` (TMA on sm90+): tile j of item w is the block
     at ``(slot_lo + j * BLOCK_N, h * D)``. The masked tail (< BLOCK_N keys) is a pointer load,
@@ -182,7 +230,8 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
         for j in tl.range(0, n_full, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
             k = k_desc.load([slot_lo + j * BLOCK_N, col])
             v = v_desc.load([slot_lo + j * BLOCK_N, col])
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION)
+            m_i, l_i, acc = _prefix_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, 0, False, INPUT_PRECISION,
+                                                   SOFTMAX)
         n_left = n_kv - n_full * BLOCK_N
         if n_left > 0:
             offs_n = tl.arange(0, BLOCK_N)
@@ -190,8 +239,8 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
             kv_ok = offs_n[:, None] < n_left
             k = tl.load(K + tail[:, None] * stride_kb + h * stride_kh + d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(V + tail[:, None] * stride_vb + h * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_left)[None, :], True,
-                                          INPUT_PRECISION)
+            m_i, l_i, acc = _prefix_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, (offs_n < n_left)[None, :], True,
+                                                 INPUT_PRECISION, SOFTMAX)
         rows_part = tl.load(PartIndptr + b, mask=row_ok, other=0).to(tl.int64) + split
         _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr,
                        HEAD_DIM)
@@ -278,6 +327,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     cfg = ws.config
     grid = (ws.grid_items("prefix"), ws.num_kv_heads)
     scale, f16 = score_math(q, k_buffer, cfg, sm_scale, k_scale)
+    softmax = PREFIX_SOFTMAX[cfg.prefix_softmax]
     kind = cfg.prefix_kernel
     if kind == "auto":
         kind = "descriptor" if descriptor_fits(k_buffer) and descriptor_fits(v_buffer) else "pointer"
@@ -290,7 +340,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             scale,
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
-            WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16,
+            WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16, SOFTMAX=softmax,
             num_warps=cfg.prefix_warps,
         )  # fmt: skip
         return
@@ -301,5 +351,5 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
-        MATH_F16=f16, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        MATH_F16=f16, SOFTMAX=softmax, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
     )  # fmt: skip
