@@ -52,8 +52,9 @@ The pass rule of a row (results.py): BOTH
   ``max|GraniKV - stock| / max|stock|`` (over the batch, per layer) above its tolerance;
 - tokens: ``granikv agreement >= cross-backend agreement - max(0.05, 3 * diff_stderr)``, with
   ``diff_stderr`` the paired bootstrap stderr of the difference of the two agreements (same
-  resampled requests), first-token agreement within 0.05 of cross-backend and logprob
-  deviation within 3x theirs + 0.02;
+  resampled requests), first-token agreement at least cross-backend's less
+  ``max(0.05, 3 * `` its paired bootstrap stderr ``)`` and logprob deviation within 3x theirs
+  + 0.02;
 
 with GraniKV's own attention shown to have run (its counters). The planted fault is caught
 only when EACH rule rejects the fault engine (``fault_caught_by`` records which did); with

@@ -162,6 +162,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str], *, layer_
         both = c is not None and cross is not None
         out[f"{key}_agreement_diff_stderr"] = _r(metrics.difference_stderr(c, cross)) if both else None
         out[f"{key}_agreement_threshold"] = _r(metrics.agreement_threshold(c, cross)) if both else None
+        out[f"{key}_first_token_threshold"] = _r(metrics.first_token_threshold(c, cross)) if both else None
         token = metrics.token_passes(c, cross) if both else None
         layer = _layer(engines, backend, config, workload) if layer_rule else None
         layer_ok = metrics.layer_passes(layer)
@@ -303,8 +304,9 @@ def markdown(meta: Mapping[str, Any], rows_: Sequence[Mapping[str, Any]]) -> str
         f"{meta.get('floor_eps')}x the dtype's eps. A row passes when no compared layer-step "
         "exceeds its tolerance AND GraniKV's agreement >= cross-backend agreement - max("
         f"{meta.get('margin')}, {meta.get('agreement_z', 2.0):g} x the paired bootstrap stderr of the difference) (first token "
-        f"within {meta.get('margin')}, logprob dev within {meta.get('logprob_factor')}x theirs + "
-        f"{meta.get('logprob_slack')}); the fault is caught when EACH rule rejects the fault "
+        f"likewise: at least the cross-backend share less max({meta.get('margin')}, "
+        f"{meta.get('agreement_z', 2.0):g} x the paired bootstrap stderr of that difference); logprob dev "
+        f"within {meta.get('logprob_factor')}x theirs + {meta.get('logprob_slack')}); the fault is caught when EACH rule rejects the fault "
         "engine (caught by: the rules that did).",
         "",
     ]

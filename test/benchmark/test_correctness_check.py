@@ -600,3 +600,36 @@ def test_every_engine_of_an_fp8_check_gets_the_same_kv_cache_dtype():
         assert check.engine_kwargs("triton", config, "cascade", 0, "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
         assert "kv_cache_dtype" not in check.engine_kwargs("triton", config, "cascade")
     assert check.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+
+
+def _firsts(agree):
+    """Requests of 10 output tokens whose first token agrees where ``agree`` (then all 10)."""
+    per = tuple((10 if a else 0, 10) for a in agree)
+    boot = metrics.bootstrap(per)
+    return metrics.Comparison(agreement=sum(n for n, _ in per) / sum(t for _, t in per),
+                              first_token_agreement=sum(agree) / len(agree), logprob_dev_mean=0.01,
+                              compared_tokens=100, agreement_stderr=boot[0], agreement_ci95=boot[1],
+                              per_request=per)
+
+
+def test_first_token_clause_widens_to_its_paired_stderr():
+    """16 requests: a correct engine that flips two more prefill near-ties than stock-vs-stock
+    (0.8125 against 0.9375, 0.125 below: more than the 0.05 margin) is within the noise; one
+    whose prefill is wrong (first tokens mostly differ) is not, whatever the request count."""
+    ref = _firsts([True] * 15 + [False])
+    two_more = _firsts([True] * 13 + [False] * 3)
+    se = metrics.first_token_difference_stderr(two_more, ref)
+    assert se is not None and 0.05 < se < 0.15
+    assert metrics.first_token_threshold(two_more, ref) == pytest.approx(0.9375 - 3 * se)
+    assert two_more.first_token_agreement < ref.first_token_agreement - metrics.AGREEMENT_MARGIN  # the old clause
+    assert metrics.token_passes(two_more, ref)
+    wrong = _firsts([True] * 3 + [False] * 13)
+    assert wrong.first_token_agreement < metrics.first_token_threshold(wrong, ref)
+    many_ref, many_wrong = _firsts([True] * 480 + [False] * 32), _firsts([True] * 440 + [False] * 72)
+    # 512 requests: 0.078 below is significant
+    assert many_wrong.first_token_agreement < metrics.first_token_threshold(many_wrong, many_ref)
+    assert metrics.first_token_difference_stderr(ref, ref) == 0.0  # the same requests: the margin alone
+    assert metrics.first_token_threshold(ref, ref) == pytest.approx(0.9375 - metrics.AGREEMENT_MARGIN)
+    # a comparison whose per-request data does not give its share (built by hand): the margin alone
+    hand = metrics.Comparison(0.5, 0.9, 0.01, 100, per_request=((10, 10), (0, 10)))
+    assert metrics.first_token_difference_stderr(hand, ref) is None

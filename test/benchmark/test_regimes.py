@@ -548,6 +548,21 @@ def test_idle_probe_runs_untimed_after_the_repeats_and_fills_the_row(regimes, fa
     assert (row["gpu_idle_us_baseline"], row["gpu_idle_us_granikv"]) == (12.0, 15.0)
     assert row["baseline_out_tok_s"] == 1000.0  # the probe's run is not a timed repeat
     assert "host_calls_baseline" not in row  # no host probe asked for
+    assert row["baseline_tpot_p50_ms"] is None and row["gpu_idle_us_baseline_timed"] is None  # no latency here
+
+
+def test_timed_idle_is_tpot_less_gpu_busy_and_shown_beside_the_probe(rep):
+    row = dict(baseline_tpot_p50_ms=3.54, gpu_busy_us_baseline=2816.2, granikv_tpot_p50_ms=2.92,
+               gpu_busy_us_granikv=2083.9)
+    assert rep.timed_idle_us(row, "baseline") == pytest.approx(723.8)
+    assert rep.timed_idle_us(row, "granikv") == pytest.approx(836.1)
+    assert rep.timed_idle_us(dict(row, gpu_busy_us_granikv=None), "granikv") is None  # no probe
+    assert rep.timed_idle_us(dict(row, granikv_tpot_p50_ms=None), "granikv") is None  # no latency
+    cell = dict(model="m", backend="flashinfer", workload="w", gpu_idle_us_baseline=393.0, gpu_idle_us_granikv=2052.4,
+                gpu_idle_us_baseline_timed=723.8, gpu_idle_us_granikv_timed=836.1)
+    assert "| 393 / 2052 (timed 724 / 836) |" in rep.markdown_table([cell])
+    assert "| 393 / 2052 |" in rep.markdown_table([dict(cell, gpu_idle_us_baseline_timed=None,
+                                                        gpu_idle_us_granikv_timed=None)])
 
 
 def test_host_probe_asks_for_cpu_activity_and_fills_the_row(regimes, fake_resident, tmp_path):

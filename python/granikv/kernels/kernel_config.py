@@ -116,9 +116,10 @@ class KernelConfig:
     floating-point operation per score fewer); "lazy" is "fma" with the running max moved only
     when a tile's max exceeds it by more than 2**8, so the rescale of the [rows, head_dim]
     accumulator is skipped (a branch of the whole program) on the tiles where no row's max moved
-    that far: most tiles of a long prefix. The prefix launch is bound by its non-MMA
-    instructions (tensor pipe 36% busy at 16K x 64, docs/results/kernels.md); not measured on a
-    GPU yet (sweep variants ``sm_fma``, ``sm_lazy``)."""
+    that far: most tiles of a long prefix. Measured on an H100 (sweep variants ``sm_fma``,
+    ``sm_lazy``; docs/results/kernels.md, "The prefix kernels' online softmax"): "fma" equal to
+    "scaled", "lazy" 3-24% slower in the prefix launch (its per-tile branch reduces across the
+    program's warps). The launch waits on latency, not on instruction count, so "scaled" stays."""
 
     def __post_init__(self) -> None:
         if self.prefix_softmax not in ("scaled", "fma", "lazy"):
