@@ -163,6 +163,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str], *, layer_
         out[f"{key}_agreement_diff_stderr"] = _r(metrics.difference_stderr(c, cross)) if both else None
         out[f"{key}_agreement_threshold"] = _r(metrics.agreement_threshold(c, cross)) if both else None
         out[f"{key}_first_token_threshold"] = _r(metrics.first_token_threshold(c, cross)) if both else None
+        out[f"{key}_per_request"] = [list(p) for p in c.per_request] if c else None  # re-judging needs them
         token = metrics.token_passes(c, cross) if both else None
         layer = _layer(engines, backend, config, workload) if layer_rule else None
         layer_ok = metrics.layer_passes(layer)
@@ -189,6 +190,7 @@ def row(engines, workload: str, backend: str, backends: Sequence[str], *, layer_
     out["cross_agreement_ci95"] = _ci(cross)
     out["cross_first_token_agreement"] = _r(cross.first_token_agreement) if cross else None
     out["cross_logprob_dev_mean"] = _r(cross.logprob_dev_mean) if cross else None
+    out["cross_per_request"] = [list(p) for p in cross.per_request] if cross else None
     # GraniKV against the same backend's stock engine over the same cache (the token rule's base
     # unless dequantized engines stand in for it)
     ours = outputs["granikv"]

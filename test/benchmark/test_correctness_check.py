@@ -308,6 +308,10 @@ def test_rows_flag_a_fault_and_a_silent_fast_path():
     assert fi["granikv_vs_baseline_agreement"] == 1.0 and fi["cross_backend_agreement"] == 0.75
     assert fi["passed"] and fi["planted_fault_caught"] and fi["granikv_fast_path_ran"]
     assert fi["fault_agreement"] == 0.25 and fi["logprob_dev_mean"] == pytest.approx(0.001)
+    # per request (agreeing tokens, output tokens): what re-judging a row under another rule needs
+    assert fi["granikv_per_request"] == [[4, 4]] * 4 and fi["fault_per_request"] == [[1, 4]] * 4
+    assert fi["cross_per_request"] == [[3, 4]] * 4
+    assert fi["granikv_first_token_threshold"] == pytest.approx(1.0 - metrics.AGREEMENT_MARGIN)
     # triton's GraniKV engine agrees, but only because its kernels never ran: fault not caught
     assert tr["passed"] and not tr["granikv_fast_path_ran"] and tr["planted_fault_caught"] is False
     meta = {"errors": [], "model": {}}
