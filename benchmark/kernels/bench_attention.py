@@ -396,6 +396,12 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # the prefix kernels' online softmax (KernelConfig.prefix_softmax): one fused multiply-add per
     # score; and a lazy running max that skips the accumulator's rescale on most tiles. H100
     # (kernels.md, "The prefix kernels' online softmax"): sm_fma equal, sm_lazy 3-24% slower
+    # the prefix kernel closest to FA3's shape Triton can express: descriptor loads, warp
+    # specialisation (producer warps loading, consumer warpgroups computing) and two consumer
+    # warpgroups of 64 rows per program; not measured yet ("descriptor_ws" neither)
+    "desc_ws_bm128_w8": dict(prefix_kernel="descriptor", prefix_warp_specialize=True, block_m=128, prefix_warps=8),
+    "desc_ws_bm128_w8_pw1.0": dict(prefix_kernel="descriptor", prefix_warp_specialize=True, block_m=128,
+                                   prefix_warps=8, prefix_waves=1.0),
     "sm_fma": dict(prefix_softmax="fma"),
     "sm_lazy": dict(prefix_softmax="lazy"),
     "sm_lazy_pw2.0": dict(prefix_softmax="lazy", prefix_waves=2.0),
