@@ -78,6 +78,7 @@ import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -325,6 +326,13 @@ def run_engine(backend: str, config: str, job: Dict[str, Any], timeout: float,
     return result
 
 
+PARALLEL_MEMORY = dict(mem_fraction_static=0.9, max_total_tokens=262144)
+"""``--parallel`` above 1: the memory flags' defaults, those two checks ran with side by side on
+one H200 (docs/results/fp8_kv.md): each engine caps its KV pool (262,144 tokens of the check's
+4-layer model: 4.3 GB; its workloads need well under 100K) and SGLang's memory profile sees
+the others' use."""
+
+
 def memory_kwargs(mem_fraction_static: Optional[float], max_total_tokens: Optional[int]) -> Dict[str, Any]:
     """``ENGINE_KWARGS`` with the engines' memory settings: two checks can share one GPU when
     each caps its KV pool (``max_total_tokens``; the workloads need well under 100K tokens) and
@@ -377,6 +385,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"Every engine's (default {ENGINE_KWARGS['mem_fraction_static']}); see memory_kwargs.")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="Every engine's KV pool cap in tokens (default: what the memory fraction gives).")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="Engines run at once (default 1: one after another). Above 1 the engines share "
+                        f"the GPU under the memory flags' defaults for sharing ({PARALLEL_MEMORY}, "
+                        "overridable): their start-ups (imports, weights, graph capture), most of an "
+                        "engine's time here, overlap on the host's cores.")
     p.add_argument("--child-timeout", type=float, default=400.0)  # eager decode + the layer compare
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -405,7 +418,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--backends {','.join(args.backends)}: the token rule needs a second correct "
                          f"reference: two backends (e.g. --backends flashinfer,triton), or one backend "
                          f"with --kv-cache-dtype fp8_* --dequantized-reference")
-    base = memory_kwargs(args.mem_fraction_static, args.max_total_tokens)
+    if args.parallel < 1:
+        raise SystemExit(f"--parallel {args.parallel} must be >= 1")
+    if args.parallel > 1:
+        base = memory_kwargs(PARALLEL_MEMORY["mem_fraction_static"] if args.mem_fraction_static is None
+                             else args.mem_fraction_static,
+                             PARALLEL_MEMORY["max_total_tokens"] if args.max_total_tokens is None
+                             else args.max_total_tokens)
+    else:
+        base = memory_kwargs(args.mem_fraction_static, args.max_total_tokens)
     t0 = time.time()
     shape = checkpoint.SHAPES[args.model]()
     model_dir = args.model_dir or checkpoint.write_checkpoint(
@@ -435,23 +456,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if allowed is not None:  # one backend serves this model: the second correct kernel is SPLITS
         meta["splits_reference"] = dict(triton_attention_num_kv_splits=SPLITS_KV_SPLITS)
         runs += [(b, results.SPLITS) for b in args.backends]
-    engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
-    for backend, config in runs:
+    meta["parallel"] = args.parallel
+
+    def one(run: Tuple[str, str]) -> Dict[str, Any]:
+        backend, config = run
         dequantized = config == results.DEQUANTIZED
         job = dict(model_dir=str(model_dir), vocab=shape.vocab, specs=meta["workloads"],
                    engine_kwargs=engine_kwargs(backend, config, args.attention_path, args.compare_every,
                                                None if dequantized else args.kv_cache_dtype, args.model,
                                                base=base, granikv_extra=extra))
-        try:
-            engines[(backend, config)] = run_engine(backend, config, job, args.child_timeout,
-                                                    kv_round=args.kv_cache_dtype if dequantized else None)
-        except Exception as e:  # the other engines still run; the report says what failed
-            traceback.print_exc()
-            meta["errors"].append(f"{backend}/{config}: {type(e).__name__}: {e}")
-            continue
-        if dequantized and not engines[(backend, config)]["kv_rounded"]:
-            meta["errors"].append(f"{backend}/{config}: its log never said the K/V are rounded "
-                                  f"({KV_ROUND_MARK!r}): the reference would be the unrounded bf16 cache")
+        return run_engine(backend, config, job, args.child_timeout,
+                          kv_round=args.kv_cache_dtype if dequantized else None)
+
+    engines: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # 1: one after another, in order
+        futures = [(run, pool.submit(one, run)) for run in runs]
+        for (backend, config), fut in futures:  # results and errors in the runs' order
+            try:
+                engines[(backend, config)] = fut.result()
+            except Exception as e:  # the other engines still run; the report says what failed
+                traceback.print_exception(e)
+                meta["errors"].append(f"{backend}/{config}: {type(e).__name__}: {e}")
+                continue
+            if config == results.DEQUANTIZED and not engines[(backend, config)]["kv_rounded"]:
+                meta["errors"].append(f"{backend}/{config}: its log never said the K/V are rounded "
+                                      f"({KV_ROUND_MARK!r}): the reference would be the unrounded bf16 cache")
     meta["gpu"] = next((e.get("gpu") for e in engines.values() if e.get("gpu")), None)
     meta["seconds"] = round(time.time() - t0, 1)
     rows = results.rows(engines, [s.name for s in spec_list], args.backends, layer_rule=args.compare_every > 0)

@@ -637,3 +637,52 @@ def test_first_token_clause_widens_to_its_paired_stderr():
     # a comparison whose per-request data does not give its share (built by hand): the margin alone
     hand = metrics.Comparison(0.5, 0.9, 0.01, 100, per_request=((10, 10), (0, 10)))
     assert metrics.first_token_difference_stderr(hand, ref) is None
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_parallel_engines_overlap_and_keep_the_runs_order(monkeypatch, tmp_path, parallel):
+    """``--parallel N``: up to N engines at once (their start-ups overlap), under the memory
+    defaults for sharing one GPU unless given; the rows, the errors and the verdict are those of
+    the same engines run one after another."""
+    import threading
+    import time as time_mod
+
+    live, peak, started, lock = [0], [0], [], threading.Lock()
+
+    def fake_run_engine(backend, config, job, timeout, kv_round=None):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            started.append((backend, config))
+            kw = job["engine_kwargs"]
+        time_mod.sleep(0.2)
+        with lock:
+            live[0] -= 1
+        if (backend, config) == ("triton", "fault"):
+            raise RuntimeError("boom")
+        assert (kw["mem_fraction_static"], kw.get("max_total_tokens")) == (
+            (0.9, 262144) if parallel > 1 else (check.ENGINE_KWARGS["mem_fraction_static"], None))
+        ids = [[1, 2, 3, 4]] * 4 if config != "fault" else [[1, 9, 9, 9]] * 4
+        att = {"attention": {"steps_per_path": {"cascade": 5}, "extend_hot_batches": 1}}
+        return {"workloads": {s["name"]: {"outputs": {"ids": ids, "logprobs": [[-1.0] * 4] * 4},
+                                          "granikv_delta": None if config == "baseline" else att,
+                                          "granikv_state": None} for s in job["specs"]},
+                "kv_rounded": False, "gpu": "fake"}
+
+    monkeypatch.setattr(check, "run_engine", fake_run_engine)
+    t0 = time_mod.time()
+    code = check.main(["--out", str(tmp_path), "--model-dir", str(tmp_path / "model"), "--scale", "1",
+                       "--compare-every", "0", "--parallel", str(parallel)])
+    took = time_mod.time() - t0
+    assert code == 1  # one engine failed: the run fails, whatever its rows say
+    doc = json.loads((tmp_path / "correctness.json").read_text())
+    assert doc["meta"]["parallel"] == parallel and doc["meta"]["errors"] == ["triton/fault: RuntimeError: boom"]
+    assert peak[0] == min(parallel, 6) and len(started) == 6
+    if parallel == 1:
+        assert started == [(b, c) for b in ("flashinfer", "triton") for c in check.CONFIGS]  # in order
+    else:
+        assert took < 6 * 0.2  # overlapped
+    fi = [r for r in doc["rows"] if r["backend"] == "flashinfer"]
+    assert all(r["passed"] and r["planted_fault_caught"] for r in fi)
+    with pytest.raises(SystemExit, match="--parallel 0 must be >= 1"):
+        check.main(["--out", str(tmp_path), "--parallel", "0"])
