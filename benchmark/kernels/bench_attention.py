@@ -402,6 +402,12 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "desc_ws_bm128_w8": dict(prefix_kernel="descriptor", prefix_warp_specialize=True, block_m=128, prefix_warps=8),
     "desc_ws_bm128_w8_pw1.0": dict(prefix_kernel="descriptor", prefix_warp_specialize=True, block_m=128,
                                    prefix_warps=8, prefix_waves=1.0),
+    # three prefix programs per SM instead of two: registers capped at 168 (spills allowed) and
+    # shared memory cut by kv tiles of 32 or 2 stages; wave targets for the extra program
+    "nreg168_bn32": dict(prefix_maxnreg=168, block_n=32),
+    "nreg168_s2": dict(prefix_maxnreg=168, prefix_stages=2),
+    "nreg168_bn32_pw2.25": dict(prefix_maxnreg=168, block_n=32, prefix_waves=2.25),
+    "nreg128_bn32": dict(prefix_maxnreg=128, block_n=32),
     "sm_fma": dict(prefix_softmax="fma"),
     "sm_lazy": dict(prefix_softmax="lazy"),
     "sm_lazy_pw2.0": dict(prefix_softmax="lazy", prefix_waves=2.0),

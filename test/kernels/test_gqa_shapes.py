@@ -305,3 +305,29 @@ def test_prefix_softmax_variants_match_reference(softmax, kernel, spikes, dtype)
 def test_prefix_softmax_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="prefix_softmax"):
         dataclasses.replace(SMALL_CONFIG, prefix_softmax="exact")
+
+
+def test_prefix_register_cap_is_passed_and_changes_no_result():
+    """``KernelConfig.prefix_maxnreg`` reaches the prefix launches as Triton's ``maxnreg`` (the
+    interpreter takes it; on a GPU it only changes register allocation) with the same partial
+    states; out of range it is refused."""
+    from granikv.kernels.prefix_attention import launch_limits
+
+    assert launch_limits(SMALL_CONFIG) == {}
+    cfg = dataclasses.replace(SMALL_CONFIG, prefix_maxnreg=168, even_split=True)
+    assert launch_limits(cfg) == {"maxnreg": 168}
+    b = make_batch(groups=((70, 4), (33, 2)), n_ungrouped=1, num_q_heads=8, num_kv_heads=2, dtype=torch.float32,
+                   seed=5)
+    for kind in ("pointer", "descriptor"):
+        ws = CascadeWorkspace(b.bs, 8, 2, 64, "cpu", config=dataclasses.replace(cfg, prefix_kernel=kind),
+                              sm_count=32, max_splits=2)
+        wl = fill(ws, b)
+        out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
+        ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+        torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+        assert wl.num_prefix_items > 0
+    out = fused_cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    for bad in (8, 256):
+        with pytest.raises(ValueError, match="prefix_maxnreg"):
+            dataclasses.replace(SMALL_CONFIG, prefix_maxnreg=bad)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from granikv.kernels.merge_state import check_sinks
 from granikv.kernels.plan import CascadePlan
-from granikv.kernels.prefix_attention import PREFIX_SOFTMAX, _prefix_item, input_precision, score_math
+from granikv.kernels.prefix_attention import PREFIX_SOFTMAX, _prefix_item, input_precision, launch_limits, score_math
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
@@ -143,6 +143,6 @@ def fused_cascade(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split, DEVICE_ENDS=ends is not None,
         SLOT_COPY=plan.slot_copy, HAS_SINKS=sinks is not None, MATH_F16=f16,
         SOFTMAX=PREFIX_SOFTMAX[cfg.prefix_softmax],
-        num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages, **launch_limits(cfg),
     )  # fmt: skip
     return out

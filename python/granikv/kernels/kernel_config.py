@@ -121,7 +121,17 @@ class KernelConfig:
     "scaled", "lazy" 3-24% slower in the prefix launch (its per-tile branch reduces across the
     program's warps). The launch waits on latency, not on instruction count, so "scaled" stays."""
 
+    prefix_maxnreg: int = 0
+    """Registers per thread the prefix launches may use at most (Triton's ``maxnreg``; 0: the
+    compiler's choice, 222 at Llama-3.1-8B heads on sm90). The prefix launch runs two 4-warp
+    programs per SM, bound by registers and shared memory, and its tensor pipe waits on latency
+    (docs/results/kernels.md): a cap of 168 with a smaller shared-memory footprint (``block_n``
+    32, or 2 stages) leaves room for a third program per SM, at the price of spills. Not
+    measured on a GPU yet (sweep variants ``nreg*``)."""
+
     def __post_init__(self) -> None:
+        if self.prefix_maxnreg and not 24 <= self.prefix_maxnreg <= 255:
+            raise ValueError(f"prefix_maxnreg={self.prefix_maxnreg} must be 0 (the compiler's choice) or in [24, 255]")
         if self.prefix_softmax not in ("scaled", "fma", "lazy"):
             raise ValueError(f"prefix_softmax={self.prefix_softmax!r} must be 'scaled', 'fma' or 'lazy'")
         if self.fp8_math not in ("fp16", "query"):

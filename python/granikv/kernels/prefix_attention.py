@@ -20,7 +20,7 @@ import triton.language as tl
 from granikv.kernels.kernel_config import FP8_KV_DTYPES, KernelConfig
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["prefix_attention", "descriptor_fits", "math_f16"]
+__all__ = ["prefix_attention", "descriptor_fits", "math_f16", "launch_limits"]
 
 LOG2E = 1.4426950408889634
 
@@ -300,6 +300,11 @@ def score_math(q: torch.Tensor, k_buffer: torch.Tensor, cfg: KernelConfig, sm_sc
     return qk_scale(sm_scale, k_scale, f16), f16
 
 
+def launch_limits(cfg: KernelConfig) -> Dict[str, int]:
+    """The prefix launches' resource caps: ``maxnreg`` where ``KernelConfig.prefix_maxnreg`` sets one."""
+    return {"maxnreg": cfg.prefix_maxnreg} if cfg.prefix_maxnreg else {}
+
+
 def input_precision(dtype: torch.dtype) -> str:
     """fp32 inputs are multiplied in full fp32 ("ieee"), never tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -341,7 +346,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
             WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16, SOFTMAX=softmax,
-            num_warps=cfg.prefix_warps,
+            num_warps=cfg.prefix_warps, **launch_limits(cfg),
         )  # fmt: skip
         return
     _prefix_kernel[grid](
@@ -352,4 +357,5 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
         MATH_F16=f16, SOFTMAX=softmax, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
+        **launch_limits(cfg),
     )  # fmt: skip
