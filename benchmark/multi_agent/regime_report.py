@@ -175,8 +175,12 @@ def timed_idle_us(row: Mapping[str, Any], side: str) -> Optional[float]:
 
 def gpu_waits_not(row: Mapping[str, Any]) -> bool:
     """Measured evidence that the GPU does not wait on GraniKV's planning: its idle time per
-    decode step is within the stock engine's + IDLE_SLACK_US on the same row."""
-    gb, gg = row.get("gpu_idle_us_baseline"), row.get("gpu_idle_us_granikv")
+    decode step is within the stock engine's + IDLE_SLACK_US on the same row; the timed
+    estimates (``timed_idle_us``) where both engines have one, else the probe's figures (the
+    probe's profiler can stretch one engine's step and not the other's)."""
+    gb, gg = row.get("gpu_idle_us_baseline_timed"), row.get("gpu_idle_us_granikv_timed")
+    if gb is None or gg is None:
+        gb, gg = row.get("gpu_idle_us_baseline"), row.get("gpu_idle_us_granikv")
     return gb is not None and gg is not None and gg <= gb + IDLE_SLACK_US
 
 

@@ -595,6 +595,12 @@ def test_planning_verdict_rests_on_idle_evidence(rep):
     assert "plan p50 > 30 us" in rep.verdicts(row) and "plan p99 > 80 us" in rep.verdicts(row)
     assert not rep.verdicts(dict(row, gpu_idle_us_baseline=10.0, gpu_idle_us_granikv=14.0))  # GPU never waits
     assert "plan p50 > 30 us" in rep.verdicts(dict(row, gpu_idle_us_baseline=10.0, gpu_idle_us_granikv=16.0))
+    # the timed estimates decide where both engines have one (the probe stretched one engine's step)
+    probed = dict(row, gpu_idle_us_baseline=393.0, gpu_idle_us_granikv=2052.0)
+    assert "plan p50 > 30 us" in rep.verdicts(dict(probed, gpu_idle_us_baseline_timed=724.0,
+                                                    gpu_idle_us_granikv_timed=836.0))
+    assert not rep.verdicts(dict(probed, gpu_idle_us_baseline_timed=724.0, gpu_idle_us_granikv_timed=727.0))
+    assert "plan p50 > 30 us" in rep.verdicts(dict(probed, gpu_idle_us_baseline_timed=724.0))  # one side: probe
 
 
 def test_the_fp8_model_serves_the_same_config_on_an_fp8_cache():
