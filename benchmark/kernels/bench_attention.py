@@ -431,6 +431,13 @@ def prefix_flops(groups) -> float:
     return float(sum(4 * HQ * n * lp * D for lp, n in groups))
 
 
+def prefix_kv_bytes(groups) -> float:
+    """Unique K/V bytes of the prefix part: every group's extent read once, per layer (what a
+    bandwidth-bound prefix launch, 128 query rows per kv head or fewer, is measured against)."""
+    item = (KV_DT or DT).itemsize
+    return float(sum(2 * lp * HKV * D * item for lp, _ in groups))
+
+
 def sweep_selection(variants: str, cases: str):
     """(names, cases) of a sweep: every SWEEP variant, or "default" plus ``variants``; every
     SWEEP_CASES entry, or those at the comma-separated indices ``cases``."""
@@ -470,6 +477,8 @@ def sweep(args):
                 ):
                     row[part + "_us"] = round(bench(f)[0] * 1e3, 1)
                 row["prefix_tflops"] = round(prefix_flops(groups) / (row["prefix_us"] * 1e-6) / 1e12, 1)
+                row["prefix_tbs"] = round(prefix_kv_bytes(groups) / (row["prefix_us"] * 1e-6) / 1e12, 2)
+                row["prefix_rows_per_kv_head"] = max(n for _, n in groups) * (HQ // HKV)
                 wl = ws.work_list
                 row.update(prefix_chunk=wl.prefix_chunk, prefix_items=wl.num_prefix_items,
                            suffix_chunk=wl.suffix_chunk, suffix_items=wl.num_suffix_items)
@@ -488,7 +497,7 @@ def sweep(args):
     for r in rows:
         print(f"{str(r['groups'])[:40]:<42}{r['suffix']:>5} {r['config']:<12}"
               + " ".join(f"{k[:-3]}={r.get(k, '-')}" for k in ("cascade_us", "prefix_us", "suffix_us", "merge_us"))
-              + f" prefix_TFLOP/s={r.get('prefix_tflops', '-')}"
+              + f" prefix_TFLOP/s={r.get('prefix_tflops', '-')} prefix_TB/s={r.get('prefix_tbs', '-')}"
               + f" diff={r.get('maxdiff', r.get('error', '-'))}")
 
 

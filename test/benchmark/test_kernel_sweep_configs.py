@@ -59,6 +59,8 @@ def test_prefix_flops_counts_both_products():
     bench.set_shape("gpt-oss-20b")
     try:  # 64 q-heads x 64 requests x 16K keys x head_dim 64, QK^T and PV: 17.2 GFLOP
         assert bench.prefix_flops([(16384, 64)]) == 4 * 64 * 64 * 16384 * 64
+        # its K/V: 16K keys x 8 kv heads x 64 x 2 tensors x 2 bytes (bf16), read once however many share it
+        assert bench.prefix_kv_bytes([(16384, 64)]) == bench.prefix_kv_bytes([(16384, 1)]) == 16384 * 8 * 64 * 2 * 2
     finally:
         bench.set_shape("llama-3.1-8b")
 
@@ -116,3 +118,7 @@ def test_sweep_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path, kv_dtype):
     for r in rows:
         assert "error" not in r, r
         assert r["maxdiff"] <= 2e-3 and r["prefix_tflops"] >= 0
+        item = {"bf16": 2, "fp8_e4m3": 1}[kv_dtype]  # bytes per K/V element as stored
+        assert mod.prefix_kv_bytes(r["groups"]) == sum(2 * lp * mod.HKV * mod.D * item for lp, _ in r["groups"])
+        assert r["prefix_tbs"] == round(mod.prefix_kv_bytes(r["groups"]) / (r["prefix_us"] * 1e-6) / 1e12, 2)
+        assert r["prefix_rows_per_kv_head"] == max(n for _, n in r["groups"]) * (mod.HQ // mod.HKV)
