@@ -161,6 +161,17 @@ def test_forest_target_cascade_matches_reference():
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
+def _assert_prefix_partials_and_output(b, ws, wl, out, dtype):
+    """The prefix partial states in ``ws`` against the float64 reference (o within ``TOL``, lse
+    within 1e-4), and the cascade's ``out`` against the reference decode."""
+    exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
+    for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
+        torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(ws.part_lse[r].double(), exp[r].lse, atol=1e-4, rtol=1e-4)
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("warp_specialize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("ratio,hkv,head_dim", [(4, 2, 64), (3, 2, 128), (7, 1, 64), (1, 2, 64)])
@@ -177,12 +188,7 @@ def test_descriptor_prefix_kernel_matches_reference(warp_specialize, dtype, rati
     ws.part_o.fill_(float("nan"))
     ws.part_lse.fill_(float("nan"))
     out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
-    exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
-    for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
-        torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[dtype], rtol=TOL[dtype])
-        torch.testing.assert_close(ws.part_lse[r].double(), exp[r].lse, atol=1e-4, rtol=1e-4)
-    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
-    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    _assert_prefix_partials_and_output(b, ws, wl, out, dtype)
 
 
 def test_descriptor_kernel_rejects_a_strided_kv_buffer_and_a_bad_variant():
@@ -294,12 +300,7 @@ def test_prefix_softmax_variants_match_reference(softmax, kernel, spikes, dtype)
         out = fused_cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
     else:
         out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
-    exp = partials_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, wl, b.sm_scale)
-    for r in sorted(set(exp) - set(wl.sfx_row.tolist())):
-        torch.testing.assert_close(ws.part_o[r].double(), exp[r].o, atol=TOL[dtype], rtol=TOL[dtype])
-        torch.testing.assert_close(ws.part_lse[r].double(), exp[r].lse, atol=1e-4, rtol=1e-4)
-    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
-    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    _assert_prefix_partials_and_output(b, ws, wl, out, dtype)
 
 
 def test_prefix_softmax_rejects_an_unknown_mode():
