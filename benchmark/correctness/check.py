@@ -420,13 +420,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"with --kv-cache-dtype fp8_* --dequantized-reference")
     if args.parallel < 1:
         raise SystemExit(f"--parallel {args.parallel} must be >= 1")
-    if args.parallel > 1:
-        base = memory_kwargs(PARALLEL_MEMORY["mem_fraction_static"] if args.mem_fraction_static is None
-                             else args.mem_fraction_static,
-                             PARALLEL_MEMORY["max_total_tokens"] if args.max_total_tokens is None
-                             else args.max_total_tokens)
-    else:
-        base = memory_kwargs(args.mem_fraction_static, args.max_total_tokens)
+    mem, tokens = args.mem_fraction_static, args.max_total_tokens
+    if args.parallel > 1:  # engines share the GPU: the sharing defaults where a flag is not given
+        mem = PARALLEL_MEMORY["mem_fraction_static"] if mem is None else mem
+        tokens = PARALLEL_MEMORY["max_total_tokens"] if tokens is None else tokens
+    base = memory_kwargs(mem, tokens)
     t0 = time.time()
     shape = checkpoint.SHAPES[args.model]()
     model_dir = args.model_dir or checkpoint.write_checkpoint(

@@ -14,6 +14,9 @@ import torch
 
 __all__ = ["KernelConfig", "SHAPE_TILES", "FP8_KV_DTYPES", "tile_config", "default_config"]
 
+PREFIX_SOFTMAX_MODES = ("scaled", "fma", "lazy")
+"""``KernelConfig.prefix_softmax`` values, in the order of the prefix kernels' ``SOFTMAX`` codes."""
+
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The FP8 caches the kernels read as stored (SGLang's ``--kv-cache-dtype fp8_e4m3`` /
 ``fp8_e5m2``), widened in registers (``KernelConfig.fp8_math``)."""
@@ -132,8 +135,8 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.prefix_maxnreg and not 24 <= self.prefix_maxnreg <= 255:
             raise ValueError(f"prefix_maxnreg={self.prefix_maxnreg} must be 0 (the compiler's choice) or in [24, 255]")
-        if self.prefix_softmax not in ("scaled", "fma", "lazy"):
-            raise ValueError(f"prefix_softmax={self.prefix_softmax!r} must be 'scaled', 'fma' or 'lazy'")
+        if self.prefix_softmax not in PREFIX_SOFTMAX_MODES:
+            raise ValueError(f"prefix_softmax={self.prefix_softmax!r} must be one of {', '.join(PREFIX_SOFTMAX_MODES)}")
         if self.fp8_math not in ("fp16", "query"):
             raise ValueError(f"fp8_math={self.fp8_math!r} must be 'fp16' or 'query'")
         if self.merge_rows not in ("workspace", "batch"):

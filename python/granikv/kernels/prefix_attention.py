@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from granikv.kernels.kernel_config import FP8_KV_DTYPES, KernelConfig
+from granikv.kernels.kernel_config import FP8_KV_DTYPES, PREFIX_SOFTMAX_MODES, KernelConfig
 from granikv.kernels.plan import CascadePlan
 
 __all__ = ["prefix_attention", "descriptor_fits", "math_f16", "launch_limits"]
@@ -63,7 +63,7 @@ def _softmax_step(q, k, v, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr, 
     return m_new, l_i, acc
 
 
-PREFIX_SOFTMAX = {"scaled": 0, "fma": 1, "lazy": 2}
+PREFIX_SOFTMAX = {mode: code for code, mode in enumerate(PREFIX_SOFTMAX_MODES)}
 """``KernelConfig.prefix_softmax`` -> the prefix kernels' ``SOFTMAX`` (``_prefix_softmax_step``)."""
 
 LAZY_RESCALE_LOG2 = tl.constexpr(8.0)
@@ -125,7 +125,7 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
                  stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                  RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr,
-                 SOFTMAX: tl.constexpr = 0):
+                 SOFTMAX: tl.constexpr):
     """Attention of prefix item ``w`` for kv head ``h``; returns per-row (batch pos, q-head, valid)."""
     row_lo = tl.load(PfxItems + w)
     row_hi = tl.load(PfxItems + pfx_cap + w)
