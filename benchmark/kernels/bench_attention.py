@@ -412,6 +412,17 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "sm_lazy": dict(prefix_softmax="lazy"),
     "sm_lazy_pw2.0": dict(prefix_softmax="lazy", prefix_waves=2.0),
     "sm_lazy_bm128_w8": dict(prefix_softmax="lazy", block_m=128, prefix_warps=8),
+    # the Gluon sm90 prefix kernel (prefix_wgmma.py): TMA stages, asynchronous wgmma, the next
+    # tile's scores overlapped with the last tile's P @ V ("_noovl": every MMA waited for at
+    # once); stages, kv tiles, two warpgroups of 64 rows, wave targets; not measured yet
+    "wgmma": dict(prefix_kernel="wgmma"),
+    "wgmma_noovl": dict(prefix_kernel="wgmma", prefix_mma_overlap=False),
+    "wgmma_s2": dict(prefix_kernel="wgmma", prefix_stages=2),
+    "wgmma_s4": dict(prefix_kernel="wgmma", prefix_stages=4),
+    "wgmma_bn128_s2": dict(prefix_kernel="wgmma", block_n=128, prefix_stages=2),
+    "wgmma_bm128": dict(prefix_kernel="wgmma", block_m=128, prefix_stages=2),
+    "wgmma_pw2.0": dict(prefix_kernel="wgmma", prefix_waves=2.0),
+    "wgmma_pw1.0": dict(prefix_kernel="wgmma", prefix_waves=1.0),
 
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents

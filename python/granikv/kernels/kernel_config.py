@@ -12,10 +12,13 @@ from typing import Any, Dict, Literal, Tuple, Union
 
 import torch
 
-__all__ = ["KernelConfig", "SHAPE_TILES", "FP8_KV_DTYPES", "tile_config", "default_config"]
+__all__ = ["KernelConfig", "SHAPE_TILES", "FP8_KV_DTYPES", "PREFIX_KERNELS", "tile_config", "default_config"]
 
 PREFIX_SOFTMAX_MODES = ("scaled", "fma", "lazy")
 """``KernelConfig.prefix_softmax`` values, in the order of the prefix kernels' ``SOFTMAX`` codes."""
+
+PREFIX_KERNELS = ("pointer", "descriptor", "wgmma", "auto")
+"""``KernelConfig.prefix_kernel`` values."""
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The FP8 caches the kernels read as stored (SGLang's ``--kv-cache-dtype fp8_e4m3`` /
@@ -62,16 +65,23 @@ class KernelConfig:
     decode steps of one batch then cost a few numpy calls instead of a full build. After a full
     build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
     ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
-    prefix_kernel: Literal["pointer", "descriptor", "auto"] = "pointer"
+    prefix_kernel: Literal["pointer", "descriptor", "wgmma", "auto"] = "pointer"
     """Prefix launch kernel: "pointer" (pointer loads, software-pipelined by ``prefix_stages``),
     "descriptor" (Hopper-class: the full K/V tiles come through host-side tensor descriptors,
     i.e. TMA loads on sm90+, in a ``tl.range`` loop pipelined by ``prefix_stages`` and, with
     ``prefix_warp_specialize``, warp-specialised; the masked tail stays a pointer load; a KV
     buffer it cannot describe is a ValueError), or "auto" (descriptor wherever the layer's
     buffers are contiguous fp16 / bf16 / fp32, pointer otherwise, e.g. an FP8 cache).
-    ``tile_config`` picks "auto" on sm90+: on an H200 the descriptor kernel's cascade layer was
+    "wgmma": the Gluon kernel for sm90 (``prefix_wgmma``: TMA stages, asynchronous warp-group
+    MMAs, scores of the next tile overlapped with P @ V of the last); fp16 / bf16 throughout,
+    head_dim 64 / 128, block_m 64 / 128, contiguous buffers, else a ValueError naming what does
+    not fit. ``tile_config`` picks "auto" on sm90+: on an H200 the descriptor kernel's cascade layer was
     never slower than the pointer kernel's beyond noise (+0.3 us) and up to 8.5% faster at 16K
     prefixes, its prefix launch 9-12% faster (docs/results/kernels.md, "TMA prefix loads")."""
+    prefix_mma_overlap: bool = True
+    """With ``prefix_kernel="wgmma"``: each tile's scores are computed while the previous tile's
+    P @ V is still on the tensor cores; False waits for every MMA at once (a ``tl.dot`` loop's
+    schedule, for comparison)."""
     prefix_warp_specialize: bool = False
     """With ``prefix_kernel="descriptor"``: ``tl.range(..., warp_specialize=True)`` (producer
     warps issue the loads, consumer warps the MMAs)."""
@@ -141,8 +151,8 @@ class KernelConfig:
             raise ValueError(f"fp8_math={self.fp8_math!r} must be 'fp16' or 'query'")
         if self.merge_rows not in ("workspace", "batch"):
             raise ValueError(f"merge_rows={self.merge_rows!r} must be 'workspace' or 'batch'")
-        if self.prefix_kernel not in ("pointer", "descriptor", "auto"):
-            raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be 'pointer', 'descriptor' or 'auto'")
+        if self.prefix_kernel not in PREFIX_KERNELS:
+            raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be one of {', '.join(PREFIX_KERNELS)}")
         if self.merge_block_p < 1 or self.merge_block_p & (self.merge_block_p - 1):
             raise ValueError(f"merge_block_p={self.merge_block_p} must be a power of two >= 1")
         for name in ("block_m", "block_n", "suffix_block_n"):

@@ -324,7 +324,8 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
     Grid: (``ws.grid_items("prefix")``, Hkv), fixed per set of buffers (CUDA-graph safe). The kernel is
     ``KernelConfig.prefix_kernel``'s: pointer loads; tensor-descriptor (TMA) loads, which need
-    contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise); or "auto": descriptor loads where
+    contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise); the sm90 Gluon kernel
+    (``prefix_wgmma``, "wgmma"; ValueError where it cannot run); or "auto": descriptor loads where
     ``descriptor_fits`` both buffers, pointer loads otherwise.
     """
     ws = plan.buffers
@@ -336,6 +337,12 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kind = cfg.prefix_kernel
     if kind == "auto":
         kind = "descriptor" if descriptor_fits(k_buffer) and descriptor_fits(v_buffer) else "pointer"
+    if kind == "wgmma":
+        from granikv.kernels.prefix_wgmma import prefix_wgmma_attention
+
+        prefix_wgmma_attention(q, k_buffer, v_buffer, plan, scale=scale, block_m=cfg.block_m, block_n=cfg.block_n,
+                               stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap)
+        return
     if kind == "descriptor":
         _prefix_desc_kernel[grid](
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),

@@ -1,0 +1,75 @@
+"""CPU checks of the Gluon sm90 prefix kernel (``prefix_kernel="wgmma"``): the launch's contract
+(what it refuses and how it says so) and the kernel compiled for sm90 by the installed Triton
+(Gluon kernels do not run in Triton's interpreter; their numerics are checked on the GPU host,
+test_gpu_prefix_wgmma.py). The compiled PTX must hold what the kernel is for: TMA tile loads,
+asynchronous warp-group MMAs, and (with the MMA overlap) a wait that leaves one MMA in flight.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import fill, make_batch
+
+from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.kernels import prefix_wgmma
+from granikv.kernels.kernel_config import PREFIX_KERNELS, KernelConfig, tile_config
+from granikv.kernels.prefix_attention import prefix_attention
+
+needs_gluon = pytest.mark.skipif(prefix_wgmma.gluon is None, reason=f"no Gluon: {prefix_wgmma.GLUON_ERROR}")
+
+
+def test_config_takes_wgmma_and_names_the_choices():
+    assert "wgmma" in PREFIX_KERNELS
+    assert KernelConfig(prefix_kernel="wgmma").prefix_mma_overlap
+    with pytest.raises(ValueError, match="prefix_kernel='tma'.*pointer, descriptor, wgmma, auto"):
+        KernelConfig(prefix_kernel="tma")
+
+
+def test_unfit_reasons_name_what_does_not_fit():
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(100, 8, 128, dtype=torch.bfloat16)
+    why = prefix_wgmma.wgmma_unfit_reason(q, kv, kv, 64)
+    assert why and ("sm90" in why or "Gluon" in why)
+    assert not prefix_wgmma.wgmma_fits(q, kv, kv, 64)
+
+
+def test_prefix_attention_refuses_wgmma_off_sm90():
+    b = make_batch(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    cfg = replace(tile_config(4, 64), prefix_kernel="wgmma")
+    ws = CascadeWorkspace(16, 8, 2, 64, "cpu", config=cfg)
+    fill(ws, b)
+    with pytest.raises(ValueError, match="prefix_kernel='wgmma' cannot run here"):
+        prefix_attention(b.q, b.k, b.v, ws.plan, sm_scale=b.sm_scale)
+
+
+def _compile_sm90(configs) -> list:
+    """PTX features of the kernel compiled for sm90 by the installed Triton (no GPU needed), one
+    dict per (block_m, block_n, head_dim, stages, overlap) config. In a child process: this
+    session runs under ``TRITON_INTERPRET=1`` (conftest), which makes every ``jit`` function
+    Triton defines at import (its reductions' combine functions too) an interpreted one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "python"), str(root / "test"), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "support.compile_sm90", json.dumps(configs)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+@pytest.mark.parametrize("block_m,block_n,head_dim,stages,overlap",
+                         [(64, 64, 128, 3, True), (64, 64, 128, 3, False), (128, 64, 128, 2, True),
+                          (64, 128, 64, 2, True), (64, 64, 64, 4, True)])
+def test_kernel_compiles_for_sm90(block_m, block_n, head_dim, stages, overlap):
+    (ptx,) = _compile_sm90([[block_m, block_n, head_dim, stages, overlap]])
+    assert ptx["tma_loads"]  # K/V tiles by TMA
+    assert f"m64n{block_n}k16" in ptx["wgmma_shapes"]  # S = Q K^T
+    assert f"m64n{head_dim}k16" in ptx["wgmma_shapes"]  # O += P V
+    assert ptx["waits_leaving_one"] == overlap  # P V left in flight under the next scores
+    assert ptx["spills"] == 0

@@ -1,0 +1,63 @@
+"""Compiles the Gluon sm90 prefix kernel for sm90 with the installed Triton (no GPU needed) and
+prints, as one JSON line, what its PTX holds per config: TMA tile loads, the warp-group MMA
+shapes, whether a wait leaves one MMA in flight, and ptxas's spill bytes (None where ptxas is
+not found). Run in a process without ``TRITON_INTERPRET`` (test_prefix_wgmma.py does).
+
+    python -m support.compile_sm90 '[[block_m, block_n, head_dim, stages, overlap], ...]'
+"""
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from granikv.kernels import prefix_wgmma
+
+
+def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap: bool, ratio: int = 3) -> str:
+    kernel = prefix_wgmma._prefix_wgmma_kernel
+    buf = torch.zeros(1024, 8, head_dim, dtype=torch.bfloat16)
+    desc = mangle_type(prefix_wgmma._descriptor(buf, block_n))
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", k_desc=desc, v_desc=desc, PartO="*fp32", PartLse="*fp32",
+                 Counts="*i32", PfxItems="*i32", GroupReqIdx="*i32", PartIndptr="*i32", qk_scale="fp32")
+    consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap,
+                  num_warps=block_m // 16)
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=block_m // 16)).asm["ptx"]
+
+
+def spill_bytes(ptx: str) -> Optional[int]:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(90)
+        path = getattr(tool, "path", tool)
+    except Exception:  # noqa: BLE001 - no ptxas: spills unknown
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    found = re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr)
+    return sum(int(x) for x in found) if found else None
+
+
+def features(ptx: str) -> dict:
+    return {"tma_loads": "cp.async.bulk.tensor.2d" in ptx,
+            "wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+            "waits_leaving_one": "wgmma.wait_group.sync.aligned 1;" in ptx,
+            "spills": spill_bytes(ptx)}
+
+
+if __name__ == "__main__":
+    print(json.dumps([features(compile_ptx(*cfg)) for cfg in json.loads(sys.argv[1])]))
