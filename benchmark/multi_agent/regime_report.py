@@ -42,6 +42,7 @@ SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.
 PLAN_P50_MAX_US, PLAN_P99_MAX_US = 30.0, 80.0
 IDLE_SLACK_US = 5.0  # GraniKV's GPU idle per decode step may exceed stock's by this much
 SPREAD_MAX = 0.01  # the stock engine's own spread a no-pay row's verdict can rest on
+POOL_TOLERANCE = 0.01  # stock and GraniKV KV pools differing more than this: the row compares nothing
 STOCK_PREFIX = "stock_"  # config of an --also-stock engine: stock_<backend> (regimes.also_stock_config)
 
 
@@ -197,6 +198,9 @@ def verdicts(row: Mapping[str, Any]) -> List[str]:
     sp = row.get("baseline_spread")
     if sp is not None and fs is not None and fs <= NO_PAY_FLOOR and sp > SPREAD_MAX:
         out.append(f"baseline_spread > {SPREAD_MAX:g}")
+    cb, cg = _num(row.get("baseline_kv_capacity_tokens")), _num(row.get("granikv_kv_capacity_tokens"))
+    if cb and cg and min(cb, cg) < (1.0 - POOL_TOLERANCE) * max(cb, cg):  # not the same workload
+        out.append(f"KV pools differ ({int(cb)} / {int(cg)} tokens)")
     p50, p99 = row.get("plan_us_p50"), row.get("plan_us_p99")
     if not gpu_waits_not(row):  # planning counts only where the GPU may be waiting on it
         if p50 is not None and p50 > PLAN_P50_MAX_US:

@@ -222,12 +222,56 @@ def graph_sizes(rows: Sequence[grid.Regime]) -> List[int]:
 
 def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
                   extra: Dict[str, Any]) -> Dict[str, ResidentEngine]:
-    """Both engines of ``model`` as resident children, started at once (each caps its KV pool at
-    the model's ``max_total_tokens``, so the two fit one GPU side by side); returns them by
-    config once both said INFO. Raises EngineGone (both killed) when either fails to start."""
+    """Every engine of ``model`` as a resident child, started at once (each caps its KV pool at
+    the model's ``max_total_tokens``, so they fit one GPU side by side); returns them by config
+    once all said INFO, with KV pools of one size: where SGLang lowered a pool below the cap
+    (its profiled memory: on a GPU too small for every engine at the cap, the engine that
+    profiles last gets what is left), all are restarted once with the pools they held shared out
+    evenly (``equal_pool``; ``run.meta["pool_equalized"]``), since engines with unequal pools serve different
+    workloads (evictions, re-prefill) and their ratio says nothing about GraniKV. Raises
+    EngineGone (all killed) when one fails to start or the pools still differ."""
+    engines, caps = _start_engines(run, model, rows, extra)
+    if not pools_differ(caps):
+        return engines
+    small = equal_pool(caps)
+    print(f"{model.name}: KV pools differ ({caps}); restarting every engine at {small} tokens", flush=True)
+    for e in engines.values():
+        e.shutdown()
+    run.meta.setdefault("pool_equalized", {})[model.name] = dict(tokens=small, profiled=dict(caps))
+    engines, caps = _start_engines(run, model, rows, dict(extra, max_total_tokens=small))
+    if pools_differ(caps):
+        for e in engines.values():
+            e.close()
+        raise EngineGone(f"KV pools still differ at max_total_tokens={small}: {caps} (pass a smaller "
+                         f"--engine-arg max_total_tokens=N)")
+    return engines
+
+
+POOL_TOLERANCE = report.POOL_TOLERANCE  # engines whose KV pools differ more than this are not comparable
+
+
+def pools_differ(caps: Mapping[str, Optional[int]]) -> bool:
+    """Whether the engines' KV pools (tokens, from their INFO) differ by more than POOL_TOLERANCE."""
+    known = [int(c) for c in caps.values() if c]
+    return len(known) > 1 and min(known) < (1.0 - POOL_TOLERANCE) * max(known)
+
+
+def equal_pool(caps: Mapping[str, Optional[int]]) -> int:
+    """One KV pool size for every engine (tokens) from the pools they got: the tokens they held
+    together, shared out evenly with a 5% margin (what each engine allocates beside its pool
+    stays as it was), in whole 1024s; never below the smallest pool."""
+    known = [int(c) for c in caps.values() if c]
+    even = int(0.95 * sum(known) / len(known)) // 1024 * 1024
+    return max(min(known), even)
+
+
+def _start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
+                   extra: Dict[str, Any]) -> Tuple[Dict[str, ResidentEngine], Dict[str, Optional[int]]]:
+    """``start_engines``' one attempt: the engines by config and each one's KV pool (tokens)."""
     args = run.args
     sizes = graph_sizes(rows)
     engines: Dict[str, ResidentEngine] = {}
+    caps: Dict[str, Optional[int]] = {}
     for config in run.configs:
         kw = engine_kwargs(model, args.backend, config, extra, engines=len(run.configs))
         kw.setdefault("cuda_graph_bs_decode", sizes)
@@ -246,8 +290,9 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
             on_record=lambda rec: run.add(rec) if rec["kind"] == "info" else None, cwd=engine_proc.REPO_ROOT)
         engines[config].job_path = f.name  # type: ignore[attr-defined]
     try:
-        for e in engines.values():
-            e.wait_ready(timeout=START_TIMEOUT_FACTOR * model.start_s + START_GRACE_S)
+        for config, e in engines.items():
+            info = e.wait_ready(timeout=START_TIMEOUT_FACTOR * model.start_s + START_GRACE_S)
+            caps[config] = info.get("max_total_num_tokens")
     except EngineGone:
         for e in engines.values():
             e.close()
@@ -255,7 +300,7 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
     finally:
         for e in engines.values():
             os.unlink(e.job_path)  # type: ignore[attr-defined]
-    return engines
+    return engines, caps
 
 
 def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Model,

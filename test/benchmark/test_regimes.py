@@ -246,6 +246,10 @@ def test_verdicts_and_summary(rep):
     assert s["worst_speedup"] == dict(row="m/b/w0", value=0.96) and s["no_pay_rows"] == 3
     assert s["no_pay_median_speedup"] == 0.995 and s["worst_floor_fraction"]["row"] == "m/b/w3"
     assert s["rows_missing_a_target"] == 4
+    # engines with unequal KV pools served different workloads: the row is flagged whatever its ratio
+    unequal = dict(rows[4], baseline_kv_capacity_tokens=294912, granikv_kv_capacity_tokens=55081)
+    assert rep.verdicts(unequal) == ["KV pools differ (294912 / 55081 tokens)"]
+    assert rep.verdicts(dict(unequal, granikv_kv_capacity_tokens=294000)) == []
 
 
 def test_merge_later_wins_and_prunes_skips(rep, tmp_path):
@@ -293,9 +297,15 @@ class FakeResident:
         self.extra, self.on_record = extra, on_record
         self.k = {}
 
+    pools = None  # config -> KV pool tokens of each start in turn (default 1000 every time)
+    starts: list = []
+
     def wait_ready(self, timeout):
         assert timeout > 0
-        rec = dict(kind="info", max_total_num_tokens=1000, **self.extra)
+        FakeResident.starts.append((self.job["config"], self.job["engine_kwargs"].get("max_total_tokens")))
+        n = sum(1 for c, _ in FakeResident.starts if c == self.job["config"]) - 1
+        pools = (FakeResident.pools or {}).get(self.job["config"])
+        rec = dict(kind="info", max_total_num_tokens=pools[min(n, len(pools) - 1)] if pools else 1000, **self.extra)
         self.on_record(rec)
         return rec
 
@@ -318,7 +328,7 @@ class FakeResident:
 
 @pytest.fixture()
 def fake_resident(regimes, monkeypatch):
-    FakeResident.log, FakeResident.probes = [], []
+    FakeResident.log, FakeResident.probes, FakeResident.starts, FakeResident.pools = [], [], [], None
     monkeypatch.setattr(regimes, "ResidentEngine", FakeResident)
     return FakeResident
 
@@ -379,6 +389,47 @@ def test_parent_skips_the_rest_of_a_model_whose_engine_is_gone(regimes, fake_res
     doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
     assert ["qwen2.5-7b/forest16", "an engine is gone"] in doc["meta"]["skipped"]
     assert any("exited with status -9" in r.get("error", "") for r in doc["measurements"] if r["kind"] == "error")
+
+
+def _one_row(job, tags, k):
+    return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+
+def test_unequal_kv_pools_restart_every_engine_at_one_size(regimes, fake_resident, tmp_path):
+    """SGLang lowered the GraniKV engine's pool (a GPU too small for both at the cap): both are
+    restarted with the pools they held shared out evenly, and the model's rows run on those."""
+    fake_resident.answer = _one_row
+    fake_resident.pools = {"baseline": [294912, 165888], "granikv": [55081, 165888]}
+    argv = ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
+            "--time-budget-s", "0", "--repeats", "1"]
+    assert regimes.main(argv) == 0
+    cap = regimes.grid.LLAMA_POOL_TOKENS
+    assert fake_resident.starts == [("baseline", cap), ("granikv", cap), ("baseline", 165888), ("granikv", 165888)]
+    assert [x for x in fake_resident.log if x[1] == "shutdown"][:2] == [("baseline", "shutdown", None),
+                                                                          ("granikv", "shutdown", None)]
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    assert doc["meta"]["pool_equalized"]["llama-3.1-8b"] == dict(tokens=165888,
+                                                                 profiled=dict(baseline=294912, granikv=55081))
+    assert [r["workload"] for r in doc["rows"] if r["granikv_out_tok_s"]] == ["short1k_3sharers"]
+
+
+def test_kv_pools_that_still_differ_skip_the_model_with_the_reason(regimes, fake_resident, tmp_path):
+    fake_resident.answer = _one_row
+    fake_resident.pools = {"baseline": [294912], "granikv": [55081]}
+    argv = ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
+            "--time-budget-s", "0", "--repeats", "1"]
+    assert regimes.main(argv) == 1
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    assert ["llama-3.1-8b/short1k_3sharers", "an engine did not start"] in doc["meta"]["skipped"]
+    assert any("KV pools still differ" in r.get("error", "") for r in doc["measurements"] if r["kind"] == "error")
+    assert len(fake_resident.starts) == 4  # one restart, then given up
+
+
+def test_pools_differ_and_equal_pool(regimes):
+    assert not regimes.pools_differ(dict(a=1000, b=995)) and regimes.pools_differ(dict(a=1000, b=980))
+    assert not regimes.pools_differ(dict(a=1000, b=None))
+    assert regimes.equal_pool(dict(a=294912, b=55081)) == 165888  # 0.95 x the mean, whole 1024s
+    assert regimes.equal_pool(dict(a=1000, b=900)) == 900  # never below the smallest
 
 
 def test_graph_sizes_cover_every_row_and_the_powers_below(regimes, grid):
