@@ -414,7 +414,7 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "sm_lazy_bm128_w8": dict(prefix_softmax="lazy", block_m=128, prefix_warps=8),
     # the Gluon sm90 prefix kernel (prefix_wgmma.py): TMA stages, asynchronous wgmma, the next
     # tile's scores overlapped with the last tile's P @ V ("_noovl": every MMA waited for at
-    # once); stages, kv tiles, two warpgroups of 64 rows, wave targets; not measured yet
+    # once); stages, kv tiles, two warpgroups of 64 rows, wave targets
     "wgmma": dict(prefix_kernel="wgmma"),
     "wgmma_noovl": dict(prefix_kernel="wgmma", prefix_mma_overlap=False),
     "wgmma_s2": dict(prefix_kernel="wgmma", prefix_stages=2),
@@ -423,6 +423,16 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "wgmma_bm128": dict(prefix_kernel="wgmma", block_m=128, prefix_stages=2),
     "wgmma_pw2.0": dict(prefix_kernel="wgmma", prefix_waves=2.0),
     "wgmma_pw1.0": dict(prefix_kernel="wgmma", prefix_waves=1.0),
+    # measured at df30722 (H100, kernels.md "The wgmma prefix kernel in Gluon"): wgmma the fastest
+    # prefix launch (4-10%), cascade 0-3%; the others slower. Not measured yet: the warp-specialized
+    # wgmma kernel (a producer warp, two consumer warpgroups sharing one K/V ring, one program per SM)
+    "wgmma_ws": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0),
+    "wgmma_ws_pw1.5": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.5),
+    "wgmma_ws_pw2.0": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=2.0),
+    "wgmma_ws_s4": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0,
+                        prefix_stages=4),
+    "wgmma_ws_s2": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0,
+                        prefix_stages=2),
 
 }
 FOREST_16 = [(1536 + 283 * g, 4 + (g * 5) % 9) for g in range(16)]  # 16 prefixes 1.5-5.8K, 4-12 agents

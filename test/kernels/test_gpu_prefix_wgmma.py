@@ -63,21 +63,28 @@ def _check(out, ref):
     assert_per_request(out, ref, atol=1e-2, rtol=1e-2, atol_floor=0.0)
 
 
+SCHEDULES = {  # the wgmma kernels' schedules: overlapped MMAs, every MMA waited, warp-specialized
+    "overlap": dict(), "waited": dict(prefix_mma_overlap=False),
+    "ws": dict(block_m=128, prefix_warp_specialize=True, prefix_waves=1.0),
+}
+
+
 @needs_sm90
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("model", list(GQA_SHAPES))
-def test_wgmma_prefix_every_gqa_shape(model, head_dim, overlap):
+def test_wgmma_prefix_every_gqa_shape(model, head_dim, schedule):
     hq, hkv = GQA_SHAPES[model]
     b = _batch(hq, hkv, head_dim, seed=hq + head_dim)
     base = tile_config(hq // hkv, head_dim, tma=True)
-    cfg = replace(base, prefix_kernel="wgmma", prefix_mma_overlap=overlap)
+    cfg = replace(base, prefix_kernel="wgmma", **SCHEDULES[schedule])
     out, ws, wl = _cascade(b, cfg, hq, hkv, head_dim)
     assert wl.num_prefix_items > 0
     _check(out, _ref(b))
     # the prefix partial rows against the descriptor kernel's, on the same work list
     mine_o, mine_lse = _prefix_partials(b, cfg, hq, hkv, head_dim)
-    desc_o, desc_lse = _prefix_partials(b, replace(cfg, prefix_kernel="descriptor"), hq, hkv, head_dim)
+    desc_o, desc_lse = _prefix_partials(b, replace(cfg, prefix_kernel="descriptor", prefix_warp_specialize=False),
+                                        hq, hkv, head_dim)
     written = ~torch.isnan(desc_lse)
     assert torch.equal(~torch.isnan(mine_lse), written), "the two kernels wrote different partial rows"
     torch.testing.assert_close(mine_lse[written], desc_lse[written], atol=2e-2, rtol=0)
@@ -97,8 +104,9 @@ def _prefix_partials(b, cfg, hq, hkv, head_dim):
 
 @needs_sm90
 @pytest.mark.parametrize("kw", [dict(), dict(prefix_stages=2), dict(prefix_stages=4), dict(block_n=128, prefix_stages=2),
-                                dict(block_m=128, prefix_stages=2)],
-                         ids=["default", "s2", "s4", "bn128", "bm128"])
+                                dict(block_m=128, prefix_stages=2), SCHEDULES["ws"], dict(SCHEDULES["ws"], prefix_stages=4),
+                                dict(SCHEDULES["ws"], prefix_stages=2)],
+                         ids=["default", "s2", "s4", "bn128", "bm128", "ws", "ws_s4", "ws_s2"])
 def test_wgmma_prefix_16k_eager_and_graph(kw):
     """Llama-3.1-8B heads, 16K x 64 + 4K x 16 (the grid's headline shape): per-request agreement
     with the reference; a CUDA-graph replay gives the eager output bit for bit."""
@@ -119,11 +127,12 @@ def test_wgmma_prefix_16k_eager_and_graph(kw):
 
 
 @needs_sm90
-def test_wgmma_prefix_planted_fault_fails_the_check():
+@pytest.mark.parametrize("schedule", ["overlap", "ws"])
+def test_wgmma_prefix_planted_fault_fails_the_check(schedule):
     """Every prefix item's extent moved by one slot: the per-request check must fail."""
     hq, hkv = GQA_SHAPES["llama-3.1-8b"]
     b = _batch(hq, hkv, 128, seed=11)
-    cfg = replace(tile_config(4, 128, tma=True), prefix_kernel="wgmma")
+    cfg = replace(tile_config(4, 128, tma=True), prefix_kernel="wgmma", **SCHEDULES[schedule])
     out, _, _ = _cascade(b, cfg, hq, hkv, 128, plant=True)
     with pytest.raises(AssertionError):
         _check(out, _ref(b))

@@ -67,9 +67,30 @@ def _compile_sm90(configs) -> list:
                          [(64, 64, 128, 3, True), (64, 64, 128, 3, False), (128, 64, 128, 2, True),
                           (64, 128, 64, 2, True), (64, 64, 64, 4, True)])
 def test_kernel_compiles_for_sm90(block_m, block_n, head_dim, stages, overlap):
-    (ptx,) = _compile_sm90([[block_m, block_n, head_dim, stages, overlap]])
+    (ptx,) = _compile_sm90([[block_m, block_n, head_dim, stages, overlap, 3]])
     assert ptx["tma_loads"]  # K/V tiles by TMA
     assert f"m64n{block_n}k16" in ptx["wgmma_shapes"]  # S = Q K^T
     assert f"m64n{head_dim}k16" in ptx["wgmma_shapes"]  # O += P V
     assert ptx["waits_leaving_one"] == overlap  # P V left in flight under the next scores
     assert ptx["spills"] == 0
+
+
+@needs_gluon
+@pytest.mark.parametrize("block_n,head_dim,stages", [(64, 128, 3), (64, 64, 4), (64, 128, 2)])
+def test_warp_specialized_kernel_compiles_for_sm90(block_n, head_dim, stages):
+    """The producer / two-consumer kernel: TMA loads, both MMA shapes with one left in flight,
+    the registers split between the partitions (the producer's budget and the consumers'), and
+    no spills at that split."""
+    (ptx,) = _compile_sm90([[128, block_n, head_dim, stages, True, 4, True]])
+    assert ptx["tma_loads"] and ptx["waits_leaving_one"]
+    assert {f"m64n{block_n}k16", f"m64n{head_dim}k16"} <= set(ptx["wgmma_shapes"])
+    assert {str(prefix_wgmma.WS_CONSUMER_REGS), str(prefix_wgmma.WS_PRODUCER_REGS)} <= set(ptx["register_splits"])
+    assert ptx["spills"] is not None and ptx["spills"] <= 64  # ptxas: 16-32 bytes (Triton 3.6 / 3.8)
+
+
+def test_warp_specialized_launch_refuses_other_row_tiles_and_one_stage():
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(100, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="prefix_kernel='wgmma' cannot run here"):
+        prefix_wgmma.prefix_wgmma_attention(q, kv, kv, None, scale=1.0, block_m=64, block_n=64, stages=3,
+                                            overlap=True, warp_specialize=True)

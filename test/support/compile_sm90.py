@@ -3,7 +3,7 @@ prints, as one JSON line, what its PTX holds per config: TMA tile loads, the war
 shapes, whether a wait leaves one MMA in flight, and ptxas's spill bytes (None where ptxas is
 not found). Run in a process without ``TRITON_INTERPRET`` (test_prefix_wgmma.py does).
 
-    python -m support.compile_sm90 '[[block_m, block_n, head_dim, stages, overlap], ...]'
+    python -m support.compile_sm90 '[[block_m, block_n, head_dim, stages, overlap, ratio, warp_specialize], ...]'
 """
 
 import json
@@ -22,18 +22,28 @@ from triton.runtime.jit import mangle_type
 from granikv.kernels import prefix_wgmma
 
 
-def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap: bool, ratio: int = 3) -> str:
-    kernel = prefix_wgmma._prefix_wgmma_kernel
+def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap: bool, ratio: int = 3,
+                warp_specialize: bool = False) -> str:
+    """The launch ``prefix_wgmma_attention`` makes with these settings, compiled for sm90."""
     buf = torch.zeros(1024, 8, head_dim, dtype=torch.bfloat16)
     desc = mangle_type(prefix_wgmma._descriptor(buf, block_n))
     types = dict(Q="*bf16", K="*bf16", V="*bf16", k_desc=desc, v_desc=desc, PartO="*fp32", PartLse="*fp32",
                  Counts="*i32", PfxItems="*i32", GroupReqIdx="*i32", PartIndptr="*i32", qk_scale="fp32")
-    consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap,
-                  num_warps=block_m // 16)
+    if warp_specialize:
+        kernel = prefix_wgmma._prefix_wgmma_ws_kernel
+        consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
+                      CONSUMER_REGS=prefix_wgmma.WS_CONSUMER_REGS, PRODUCER_REGS=prefix_wgmma.WS_PRODUCER_REGS,
+                      num_warps=4)
+        options = dict(num_warps=4, maxnreg=prefix_wgmma.WS_MAXNREG)
+    else:
+        kernel = prefix_wgmma._prefix_wgmma_kernel
+        consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                      OVERLAP=overlap, num_warps=block_m // 16)
+        options = dict(num_warps=block_m // 16)
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=block_m // 16)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def spill_bytes(ptx: str) -> Optional[int]:
@@ -56,6 +66,8 @@ def features(ptx: str) -> dict:
     return {"tma_loads": "cp.async.bulk.tensor.2d" in ptx,
             "wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
             "waits_leaving_one": "wgmma.wait_group.sync.aligned 1;" in ptx,
+            "register_splits": sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)),
+                                      key=int),
             "spills": spill_bytes(ptx)}
 
 

@@ -84,7 +84,10 @@ class KernelConfig:
     schedule, for comparison)."""
     prefix_warp_specialize: bool = False
     """With ``prefix_kernel="descriptor"``: ``tl.range(..., warp_specialize=True)`` (producer
-    warps issue the loads, consumer warps the MMAs)."""
+    warps issue the loads, consumer warps the MMAs). With "wgmma": the warp-specialized Gluon
+    kernel, a producer warp (TMA loads, the gathered query rows, the masked last tile) and two
+    consumer warpgroups of 64 rows sharing one K/V ring (``block_m`` must be 128; one program
+    per SM, so ``prefix_waves`` 1.0 is one wave)."""
     forest_items_per_tile: float = 0.0
     """Many-group steps (forests): the prefix launch aims at no fewer than this many items per
     (group, row tile), so that long prefixes are cut to about the length of the short ones

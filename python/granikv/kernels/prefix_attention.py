@@ -341,7 +341,8 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         from granikv.kernels.prefix_wgmma import prefix_wgmma_attention
 
         prefix_wgmma_attention(q, k_buffer, v_buffer, plan, scale=scale, block_m=cfg.block_m, block_n=cfg.block_n,
-                               stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap)
+                               stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap,
+                               warp_specialize=cfg.prefix_warp_specialize)
         return
     if kind == "descriptor":
         _prefix_desc_kernel[grid](
