@@ -385,8 +385,9 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "merge8": dict(merge_block_p=8),
     "merge16": dict(merge_block_p=16),
     "merge32": dict(merge_block_p=32),
-    # the merge grid sized by the batch (out's rows) instead of the workspace's 256 slots; not
-    # measured yet
+    # the merge grid sized by the batch (out's rows) instead of the workspace's 256 slots. H100 at
+    # df30722: no change alone; merge32_rows_batch 8% faster on the agent-loop batch, 6-9% slower
+    # at 64-130 requests
     "merge_rows_batch": dict(merge_rows="batch"),
     "merge32_rows_batch": dict(merge_block_p=32, merge_rows="batch"),
     "sfx_s3": dict(suffix_stages=3),
@@ -398,12 +399,14 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # (kernels.md, "The prefix kernels' online softmax"): sm_fma equal, sm_lazy 3-24% slower
     # the prefix kernel closest to FA3's shape Triton can express: descriptor loads, warp
     # specialisation (producer warps loading, consumer warpgroups computing) and two consumer
-    # warpgroups of 64 rows per program; not measured yet ("descriptor_ws" neither)
+    # warpgroups of 64 rows per program. H100 at df30722 (kernels.md, "The wgmma prefix kernel in
+    # Gluon"): descriptor_ws equal to the default, desc_ws_bm128_w8 17-39% slower
     "desc_ws_bm128_w8": dict(prefix_kernel="descriptor", prefix_warp_specialize=True, block_m=128, prefix_warps=8),
     "desc_ws_bm128_w8_pw1.0": dict(prefix_kernel="descriptor", prefix_warp_specialize=True, block_m=128,
                                    prefix_warps=8, prefix_waves=1.0),
     # three prefix programs per SM instead of two: registers capped at 168 (spills allowed) and
-    # shared memory cut by kv tiles of 32 or 2 stages; wave targets for the extra program
+    # shared memory cut by kv tiles of 32 or 2 stages; wave targets for the extra program. H100 at
+    # df30722: 23-60% slower at 16K, 1-5% faster on the agent-loop batch
     "nreg168_bn32": dict(prefix_maxnreg=168, block_n=32),
     "nreg168_s2": dict(prefix_maxnreg=168, prefix_stages=2),
     "nreg168_bn32_pw2.25": dict(prefix_maxnreg=168, block_n=32, prefix_waves=2.25),
@@ -424,8 +427,9 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "wgmma_pw2.0": dict(prefix_kernel="wgmma", prefix_waves=2.0),
     "wgmma_pw1.0": dict(prefix_kernel="wgmma", prefix_waves=1.0),
     # measured at df30722 (H100, kernels.md "The wgmma prefix kernel in Gluon"): wgmma the fastest
-    # prefix launch (4-10%), cascade 0-3%; the others slower. Not measured yet: the warp-specialized
-    # wgmma kernel (a producer warp, two consumer warpgroups sharing one K/V ring, one program per SM)
+    # prefix launch (4-10%), cascade 0-3%; the others slower. The warp-specialized wgmma kernel (a
+    # producer warp, two consumer warpgroups sharing one K/V ring, one program per SM), 73c52b5:
+    # prefix 60% slower at 16K x 64 (wgmma_ws, _s4, _pw2.0; _pw1.5 and _s2 not run)
     "wgmma_ws": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0),
     "wgmma_ws_pw1.5": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.5),
     "wgmma_ws_pw2.0": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=2.0),
