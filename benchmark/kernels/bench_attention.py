@@ -430,6 +430,11 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # prefix launch (4-10%), cascade 0-3%; the others slower. The warp-specialized wgmma kernel (a
     # producer warp, two consumer warpgroups sharing one K/V ring, one program per SM), 73c52b5:
     # prefix 60% slower at 16K x 64 (wgmma_ws, _s4, _pw2.0; _pw1.5 and _s2 not run)
+    # not measured yet: kv tiles of 32 (64 KB of shared memory and 148 registers per program,
+    # no spills: three programs per SM instead of two) at wave targets for the third program
+    "wgmma_bn32": dict(prefix_kernel="wgmma", block_n=32),
+    "wgmma_bn32_pw2.0": dict(prefix_kernel="wgmma", block_n=32, prefix_waves=2.0),
+    "wgmma_bn32_pw3.0": dict(prefix_kernel="wgmma", block_n=32, prefix_waves=3.0),
     "wgmma_ws": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0),
     "wgmma_ws_pw1.5": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.5),
     "wgmma_ws_pw2.0": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=2.0),

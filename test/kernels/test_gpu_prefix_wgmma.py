@@ -104,9 +104,9 @@ def _prefix_partials(b, cfg, hq, hkv, head_dim):
 
 @needs_sm90
 @pytest.mark.parametrize("kw", [dict(), dict(prefix_stages=2), dict(prefix_stages=4), dict(block_n=128, prefix_stages=2),
-                                dict(block_m=128, prefix_stages=2), SCHEDULES["ws"], dict(SCHEDULES["ws"], prefix_stages=4),
-                                dict(SCHEDULES["ws"], prefix_stages=2)],
-                         ids=["default", "s2", "s4", "bn128", "bm128", "ws", "ws_s4", "ws_s2"])
+                                dict(block_m=128, prefix_stages=2), dict(block_n=32), dict(block_n=32, prefix_maxnreg=168),
+                                SCHEDULES["ws"], dict(SCHEDULES["ws"], prefix_stages=4), dict(SCHEDULES["ws"], prefix_stages=2)],
+                         ids=["default", "s2", "s4", "bn128", "bm128", "bn32", "bn32_nreg168", "ws", "ws_s4", "ws_s2"])
 def test_wgmma_prefix_16k_eager_and_graph(kw):
     """Llama-3.1-8B heads, 16K x 64 + 4K x 16 (the grid's headline shape): per-request agreement
     with the reference; a CUDA-graph replay gives the eager output bit for bit."""

@@ -65,7 +65,7 @@ def _compile_sm90(configs) -> list:
 @needs_gluon
 @pytest.mark.parametrize("block_m,block_n,head_dim,stages,overlap",
                          [(64, 64, 128, 3, True), (64, 64, 128, 3, False), (128, 64, 128, 2, True),
-                          (64, 128, 64, 2, True), (64, 64, 64, 4, True)])
+                          (64, 128, 64, 2, True), (64, 64, 64, 4, True), (64, 32, 128, 3, True)])
 def test_kernel_compiles_for_sm90(block_m, block_n, head_dim, stages, overlap):
     (ptx,) = _compile_sm90([[block_m, block_n, head_dim, stages, overlap, 3]])
     assert ptx["tma_loads"]  # K/V tiles by TMA

@@ -457,11 +457,13 @@ WS_PRODUCER_REGS = 120  # 3 x 168 = 192 + 192 + 120: with fewer the producer's g
 
 def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,
                            scale: float, block_m: int, block_n: int, stages: int, overlap: bool,
-                           warp_specialize: bool = False) -> None:
+                           warp_specialize: bool = False, maxnreg: int = 0) -> None:
     """``prefix_attention``'s launch on the wgmma kernel (``KernelConfig.prefix_kernel`` "wgmma");
     ``scale``: the base-2 score scale (``prefix_attention.qk_scale``); ``warp_specialize``: the
     kernel with a producer warp and two consumer warpgroups (``block_m`` 128; the consumers
-    always overlap scores with P @ V). ValueError where it cannot run (``wgmma_unfit_reason``)."""
+    always overlap scores with P @ V; its registers are split by ``WS_*``); ``maxnreg``: a cap on
+    the other kernel's registers per thread (``KernelConfig.prefix_maxnreg``, 0: none). ValueError
+    where it cannot run (``wgmma_unfit_reason``)."""
     why = wgmma_unfit_reason(q, k_buffer, v_buffer, block_m)
     if not why and warp_specialize and block_m != 128:
         why = f"block_m {block_m} (the warp-specialized kernel's items are two warpgroups of 64 rows: 128)"
@@ -487,5 +489,5 @@ def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap,
-        num_warps=block_m // 16,
+        num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
