@@ -17,7 +17,7 @@ import torch
 from conftest import fill, make_batch
 
 from granikv.attention.decode.workspace import CascadeWorkspace
-from granikv.kernels import prefix_wgmma
+from granikv.kernels import prefix_wgmma, prefix_wgmma_ws
 from granikv.kernels.kernel_config import PREFIX_KERNELS, KernelConfig, tile_config
 from granikv.kernels.prefix_attention import prefix_attention
 
@@ -84,7 +84,7 @@ def test_warp_specialized_kernel_compiles_for_sm90(block_n, head_dim, stages):
     (ptx,) = _compile_sm90([[128, block_n, head_dim, stages, True, 4, True]])
     assert ptx["tma_loads"] and ptx["waits_leaving_one"]
     assert {f"m64n{block_n}k16", f"m64n{head_dim}k16"} <= set(ptx["wgmma_shapes"])
-    assert {str(prefix_wgmma.WS_CONSUMER_REGS), str(prefix_wgmma.WS_PRODUCER_REGS)} <= set(ptx["register_splits"])
+    assert {str(prefix_wgmma_ws.WS_CONSUMER_REGS), str(prefix_wgmma_ws.WS_PRODUCER_REGS)} <= set(ptx["register_splits"])
     assert ptx["spills"] is not None and ptx["spills"] <= 64  # ptxas: 16-32 bytes (Triton 3.6 / 3.8)
 
 

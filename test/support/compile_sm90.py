@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from granikv.kernels import prefix_wgmma
+from granikv.kernels import prefix_wgmma, prefix_wgmma_ws
 
 
 def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap: bool, ratio: int = 3,
@@ -30,11 +30,11 @@ def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap:
     types = dict(Q="*bf16", K="*bf16", V="*bf16", k_desc=desc, v_desc=desc, PartO="*fp32", PartLse="*fp32",
                  Counts="*i32", PfxItems="*i32", GroupReqIdx="*i32", PartIndptr="*i32", qk_scale="fp32")
     if warp_specialize:
-        kernel = prefix_wgmma._prefix_wgmma_ws_kernel
+        kernel = prefix_wgmma_ws._prefix_wgmma_ws_kernel
         consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-                      CONSUMER_REGS=prefix_wgmma.WS_CONSUMER_REGS, PRODUCER_REGS=prefix_wgmma.WS_PRODUCER_REGS,
+                      CONSUMER_REGS=prefix_wgmma_ws.WS_CONSUMER_REGS, PRODUCER_REGS=prefix_wgmma_ws.WS_PRODUCER_REGS,
                       num_warps=4)
-        options = dict(num_warps=4, maxnreg=prefix_wgmma.WS_MAXNREG)
+        options = dict(num_warps=4, maxnreg=prefix_wgmma_ws.WS_MAXNREG)
     else:
         kernel = prefix_wgmma._prefix_wgmma_kernel
         consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
