@@ -85,6 +85,26 @@ if gluon is not None:
         return acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
 
     @gluon.jit
+    def _store_partials(acc, m_i, l_i, row_lo, row_hi, h, split, GroupReqIdx, PartIndptr, PartO, PartLse,
+                        stride_pr, stride_ph, stride_lr, RATIO: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        ROWS: gl.constexpr, o_layout: gl.constexpr):
+        """Rows [row_lo, row_lo + ROWS) of an item (those below ``row_hi``): normalised output and
+        natural-log LSE into each member's partial row ``part_indptr[member] + split``."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        l_o = gl.convert_layout(l_i, row_o)
+        m_o = gl.convert_layout(m_i, row_o)
+        o = acc / l_o[:, None]
+        lse = (m_o + gl.log2(l_o)) * 0.6931471805599453
+        rows_o = row_lo + gl.arange(0, ROWS, layout=row_o)
+        ok_o = rows_o < row_hi
+        b_o = gl.load(GroupReqIdx + rows_o // RATIO, mask=ok_o, other=0).to(gl.int64)
+        qh_o = h * RATIO + rows_o % RATIO
+        part = gl.load(PartIndptr + b_o, mask=ok_o, other=0).to(gl.int64) + split
+        d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(PartO + part[:, None] * stride_pr + qh_o[:, None] * stride_ph + d_o[None, :], o, mask=ok_o[:, None])
+        gl.store(PartLse + part * stride_lr + qh_o, lse, mask=ok_o)
+
+    @gluon.jit
     def _load_tile(k_desc, v_desc, k_bufs, v_bufs, bars, t, slot_lo, col, ok,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """TMA loads of full tile ``t`` (keys [slot_lo + t * BLOCK_N, +BLOCK_N)) into stage t % STAGES."""
@@ -205,21 +225,8 @@ if gluon is not None:
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
 
-            # normalised rows and their natural-log LSE into each member's partial row
-            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-            l_o = gl.convert_layout(l_i, row_o)
-            m_o = gl.convert_layout(m_i, row_o)
-            o = acc / l_o[:, None]
-            lse = (m_o + gl.log2(l_o)) * 0.6931471805599453
-            rows_o = row_lo + gl.arange(0, BLOCK_M, layout=row_o)
-            ok_o = rows_o < row_hi
-            b_o = gl.load(GroupReqIdx + rows_o // RATIO, mask=ok_o, other=0).to(gl.int64)
-            qh_o = h * RATIO + rows_o % RATIO
-            part = gl.load(PartIndptr + b_o, mask=ok_o, other=0).to(gl.int64) + split
-            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            gl.store(PartO + part[:, None] * stride_pr + qh_o[:, None] * stride_ph + d_o[None, :], o,
-                     mask=ok_o[:, None])
-            gl.store(PartLse + part * stride_lr + qh_o, lse, mask=ok_o)
+            _store_partials(acc, m_i, l_i, row_lo, row_hi, h, split, GroupReqIdx, PartIndptr, PartO, PartLse,
+                            stride_pr, stride_ph, stride_lr, RATIO, HEAD_DIM, BLOCK_M, o_layout)
 
 
 def wgmma_unfit_reason(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, block_m: int) -> str:

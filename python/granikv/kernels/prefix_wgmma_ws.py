@@ -24,7 +24,7 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
-    from granikv.kernels.prefix_wgmma import _rescale, _scores, _softmax
+    from granikv.kernels.prefix_wgmma import _rescale, _scores, _softmax, _store_partials
 
 __all__ = ["WS_MAXNREG", "WS_CONSUMER_REGS", "WS_PRODUCER_REGS"]
 
@@ -76,21 +76,8 @@ if gluon is not None:
             acc = warpgroup_mma(p16, v_bufs.index((n_tiles - 1) % STAGES), acc, is_async=True)
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
             mbarrier.arrive(empty.index((n_tiles - 1) % STAGES), count=1)
-
-            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-            l_o = gl.convert_layout(l_i, row_o)
-            m_o = gl.convert_layout(m_i, row_o)
-            o = acc / l_o[:, None]
-            lse = (m_o + gl.log2(l_o)) * 0.6931471805599453
-            rows_o = row_lo + c * ROWS + gl.arange(0, ROWS, layout=row_o)
-            ok_o = rows_o < row_hi
-            b_o = gl.load(GroupReqIdx + rows_o // RATIO, mask=ok_o, other=0).to(gl.int64)
-            qh_o = h * RATIO + rows_o % RATIO
-            part = gl.load(PartIndptr + b_o, mask=ok_o, other=0).to(gl.int64) + split
-            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            gl.store(PartO + part[:, None] * stride_pr + qh_o[:, None] * stride_ph + d_o[None, :], o,
-                     mask=ok_o[:, None])
-            gl.store(PartLse + part * stride_lr + qh_o, lse, mask=ok_o)
+            _store_partials(acc, m_i, l_i, row_lo + c * ROWS, row_hi, h, split, GroupReqIdx, PartIndptr, PartO,
+                            PartLse, stride_pr, stride_ph, stride_lr, RATIO, HEAD_DIM, ROWS, o_layout)
 
     @gluon.jit
     def _ws_produce(Q, K, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, GroupReqIdx,
@@ -145,28 +132,20 @@ if gluon is not None:
                 fence_async_shared()
                 mbarrier.arrive(ready.index(st), count=1)
 
-    # the partitions (same signature for both workers; constexprs as their own arguments)
+    # the partitions: one signature for every worker (constexprs as their own arguments); C is
+    # the consumer warpgroup (the producer ignores it)
     @gluon.jit
-    def _ws_consumer_default(cargs, pargs, RATIO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr):
+    def _ws_consumer(cargs, pargs, C: gl.constexpr, RATIO: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         (q_bufs, k_bufs, v_bufs, ready, empty, q_ready, row_lo, row_hi, n_kv, split, h, qk_scale, GroupReqIdx,
          PartIndptr, PartO, PartLse, stride_pr, stride_ph, stride_lr) = cargs
-        _ws_consume(0, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, row_lo, row_hi, n_kv, split, h, qk_scale,
+        _ws_consume(C, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, row_lo, row_hi, n_kv, split, h, qk_scale,
                     GroupReqIdx, PartIndptr, PartO, PartLse, stride_pr, stride_ph, stride_lr,
                     RATIO, HEAD_DIM, BLOCK_N, STAGES)
 
     @gluon.jit
-    def _ws_consumer_worker(cargs, pargs, RATIO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr):
-        (q_bufs, k_bufs, v_bufs, ready, empty, q_ready, row_lo, row_hi, n_kv, split, h, qk_scale, GroupReqIdx,
-         PartIndptr, PartO, PartLse, stride_pr, stride_ph, stride_lr) = cargs
-        _ws_consume(1, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, row_lo, row_hi, n_kv, split, h, qk_scale,
-                    GroupReqIdx, PartIndptr, PartO, PartLse, stride_pr, stride_ph, stride_lr,
-                    RATIO, HEAD_DIM, BLOCK_N, STAGES)
-
-    @gluon.jit
-    def _ws_producer_worker(cargs, pargs, RATIO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr):
+    def _ws_producer(cargs, pargs, C: gl.constexpr, RATIO: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         (Q, K, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, GroupReqIdx, row_lo, row_hi,
          slot_lo, n_kv, h, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh) = pargs
         _ws_produce(Q, K, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, GroupReqIdx,
@@ -209,7 +188,7 @@ if gluon is not None:
         # the argument tuples written out in the call: a tuple assigned to a name first would turn
         # its constexprs into tensors
         gl.warp_specialize([
-            (_ws_consumer_default, (cargs, pargs, RATIO, HEAD_DIM, BLOCK_N, STAGES)),
-            (_ws_consumer_worker, (cargs, pargs, RATIO, HEAD_DIM, BLOCK_N, STAGES)),
-            (_ws_producer_worker, (cargs, pargs, RATIO, HEAD_DIM, BLOCK_N, STAGES)),
+            (_ws_consumer, (cargs, pargs, 0, RATIO, HEAD_DIM, BLOCK_N, STAGES)),
+            (_ws_consumer, (cargs, pargs, 1, RATIO, HEAD_DIM, BLOCK_N, STAGES)),
+            (_ws_producer, (cargs, pargs, 0, RATIO, HEAD_DIM, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
