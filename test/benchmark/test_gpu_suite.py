@@ -40,12 +40,12 @@ def test_parts_and_their_commands(suite, tmp_path):
         suite.parse_args(["--parts", "tests,bogus"])
 
 
-def test_default_budgets_split_the_suites_grid_and_correctness_runs_at_scale_2(suite, tmp_path):
+def test_default_budgets_split_the_suites_grid_and_correctness_runs_at_scale_2_three_at_a_time(suite, tmp_path):
     args = suite.parse_args(["--out", str(tmp_path)])
     cmds = suite.part_commands(args, tmp_path)
     budgets = [float(c[c.index("--time-budget-s") + 1]) for c in cmds["grid"]]
     assert budgets == [320.0, 160.0] and sum(budgets) == suite.GRID_BUDGET_S  # flashinfer first
-    assert cmds["correctness"][0][-2:] == ["--scale", "2"]
+    assert cmds["correctness"][0][-4:] == ["--scale", "2", "--parallel", "3"]
     assert all(c[c.index("--models") + 1] == suite.GRID_MODELS for c in cmds["grid"])
     every = suite.parse_args(["--out", str(tmp_path), "--grid-models", "all"])
     assert all("--models" not in c for c in suite.part_commands(every, tmp_path)["grid"])
