@@ -20,6 +20,7 @@ ExtendPath = Literal["auto", "hot", "paged"]
 HotPolicy = Literal["pays_off", "threshold"]
 ReplaySlots = Literal["copy", "table"]
 ViewPlan = Literal["reuse", "every_step"]
+PrefixKernel = Literal["auto", "pointer", "descriptor", "wgmma"]
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"
@@ -117,6 +118,15 @@ class GraniKVConfig:
         "promotion in between, or any other metadata call of the wrapped backend since), which "
         "saves the wrapped backend's host-side plan on steady steps.",
         choices=get_args(ViewPlan),
+    )
+    prefix_kernel: PrefixKernel = _opt(
+        "auto",
+        "The kernel of the cascade's prefix part (decode steps over HOT prefixes): auto = TMA "
+        "tile loads on Hopper and later where the KV buffers allow them, pointer loads otherwise; "
+        "pointer; descriptor (TMA); wgmma = the Hopper kernel written in Gluon (asynchronous "
+        "warp-group MMAs; sm90, fp16/bf16 KV cache, head_dim 64 or 128, else the server refuses "
+        "to start and says why; docs/kernels.md).",
+        choices=get_args(PrefixKernel),
     )
     cost_model: Optional[str] = _opt(
         None,

@@ -93,6 +93,7 @@ class GraniKVAttnBackend(ForwardingBackend):
                  build_inner: Optional[Callable[[], AttentionBackend]] = None):
         dispatcher = build_dispatcher(model_runner, cfg, backend_name)
         geo = dispatcher.geometry
+        check_prefix_kernel(cfg, model_runner, geo.head_dim)
         # the one owner of what the parts below read (they get the context, never this object)
         self.ctx = AttentionContext(cfg=cfg, model_runner=model_runner, inner=inner, backend_name=backend_name,
                                     dispatcher=dispatcher, device=torch.device(model_runner.device),
@@ -291,6 +292,19 @@ class GraniKVAttnBackend(ForwardingBackend):
 
 
 _METADATA_PREFIXES = ("init_forward_metadata", "prepare_forward_metadata", "prepare_full_cuda_graph")
+
+
+def check_prefix_kernel(cfg: GraniKVConfig, model_runner: Any, head_dim: int) -> None:
+    """At startup: ``--granikv-prefix-kernel wgmma`` on a model and GPU it cannot serve is a
+    ValueError naming the flag and the reason (never a failed launch mid-serving)."""
+    if cfg.prefix_kernel != "wgmma":
+        return
+    from granikv.kernels.prefix_wgmma import wgmma_unfit_for
+
+    kv_dtype = model_runner.kv_cache_dtype
+    why = wgmma_unfit_for(model_runner.device, getattr(model_runner, "dtype", kv_dtype), kv_dtype, head_dim)
+    if why:
+        raise ValueError(f"--granikv-prefix-kernel=wgmma cannot run here: {why}; use auto, pointer or descriptor")
 
 
 def _forgetting_view_plan(name: str) -> Callable[..., Any]:

@@ -51,7 +51,8 @@ except Exception as e:  # noqa: BLE001 - any import failure only disables this k
     gluon = None
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
-__all__ = ["prefix_wgmma_attention", "wgmma_fits", "wgmma_unfit_reason", "GLUON_ERROR", "WGMMA_DTYPES"]
+__all__ = ["prefix_wgmma_attention", "wgmma_fits", "wgmma_unfit_reason", "wgmma_unfit_for", "GLUON_ERROR",
+           "WGMMA_DTYPES"]
 
 WGMMA_DTYPES = (torch.float16, torch.bfloat16)
 WGMMA_HEAD_DIMS = (64, 128)
@@ -229,19 +230,31 @@ if gluon is not None:
                             stride_pr, stride_ph, stride_lr, RATIO, HEAD_DIM, BLOCK_M, o_layout)
 
 
-def wgmma_unfit_reason(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, block_m: int) -> str:
-    """Why the wgmma kernel cannot run this launch ("" if it can)."""
-    if gluon is None:
-        return f"Gluon is unavailable ({GLUON_ERROR})"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "not an sm90 device"
-    if k_buffer.dtype not in WGMMA_DTYPES or q.dtype != k_buffer.dtype or v_buffer.dtype != k_buffer.dtype:
-        return f"dtypes q {q.dtype}, KV {k_buffer.dtype} (needs fp16 or bf16 throughout)"
-    d = k_buffer.shape[2]
-    if d not in WGMMA_HEAD_DIMS:
-        return f"head_dim {d} (needs one of {WGMMA_HEAD_DIMS})"
+def wgmma_unfit_for(device: Any, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+                    block_m: int = 64) -> str:
+    """Why the wgmma kernel cannot serve a model of this device, dtypes and head_dim ("" if it
+    can): what a server checks at startup (``--granikv-prefix-kernel wgmma``)."""
+    if kv_dtype not in WGMMA_DTYPES or q_dtype != kv_dtype:
+        return f"dtypes q {q_dtype}, KV {kv_dtype} (needs fp16 or bf16 throughout)"
+    if head_dim not in WGMMA_HEAD_DIMS:
+        return f"head_dim {head_dim} (needs one of {WGMMA_HEAD_DIMS})"
     if block_m not in (64, 128):
         return f"block_m {block_m} (needs 64 or 128: one or two warp groups of 64 rows)"
+    if gluon is None:
+        return f"Gluon is unavailable ({GLUON_ERROR})"
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
+        return "not an sm90 device"
+    return ""
+
+
+def wgmma_unfit_reason(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, block_m: int) -> str:
+    """Why the wgmma kernel cannot run this launch ("" if it can)."""
+    if v_buffer.dtype != k_buffer.dtype:
+        return f"K {k_buffer.dtype} and V {v_buffer.dtype} differ"
+    why = wgmma_unfit_for(q.device, q.dtype, k_buffer.dtype, k_buffer.shape[2], block_m)
+    if why:
+        return why
     for buf in (k_buffer, v_buffer):
         slots, hkv, dd = buf.shape
         if buf.stride() != (hkv * dd, dd, 1):
