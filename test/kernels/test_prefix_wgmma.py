@@ -51,7 +51,7 @@ def test_prefix_attention_refuses_wgmma_off_sm90():
 def _compile_sm90(configs) -> list:
     """PTX features of the kernel compiled for sm90 by the installed Triton (no GPU needed), one
     dict per (block_m, block_n, head_dim, stages, overlap) config. In a child process: this
-    session runs under ``TRITON_INTERPRET=1`` (conftest), which makes every ``jit`` function
+    test run has ``TRITON_INTERPRET=1`` set (conftest), which makes every ``jit`` function
     Triton defines at import (its reductions' combine functions too) an interpreted one."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
