@@ -174,6 +174,12 @@ def timed_idle_us(row: Mapping[str, Any], side: str) -> Optional[float]:
     return None if tpot is None or busy is None else round(tpot * 1000.0 - busy, 1)
 
 
+def pools_differ(caps: Mapping[str, Any]) -> bool:
+    """Whether engines' KV pools (tokens; None: unknown) differ by more than POOL_TOLERANCE."""
+    known = [int(c) for c in caps.values() if _num(c)]
+    return len(known) > 1 and min(known) < (1.0 - POOL_TOLERANCE) * max(known)
+
+
 def gpu_waits_not(row: Mapping[str, Any]) -> bool:
     """Measured evidence that the GPU does not wait on GraniKV's planning: its idle time per
     decode step is within the stock engine's + IDLE_SLACK_US on the same row; the timed
@@ -198,8 +204,8 @@ def verdicts(row: Mapping[str, Any]) -> List[str]:
     sp = row.get("baseline_spread")
     if sp is not None and fs is not None and fs <= NO_PAY_FLOOR and sp > SPREAD_MAX:
         out.append(f"baseline_spread > {SPREAD_MAX:g}")
-    cb, cg = _num(row.get("baseline_kv_capacity_tokens")), _num(row.get("granikv_kv_capacity_tokens"))
-    if cb and cg and min(cb, cg) < (1.0 - POOL_TOLERANCE) * max(cb, cg):  # not the same workload
+    cb, cg = row.get("baseline_kv_capacity_tokens"), row.get("granikv_kv_capacity_tokens")
+    if pools_differ(dict(baseline=cb, granikv=cg)):  # not the same workload
         out.append(f"KV pools differ ({int(cb)} / {int(cg)} tokens)")
     p50, p99 = row.get("plan_us_p50"), row.get("plan_us_p99")
     if not gpu_waits_not(row):  # planning counts only where the GPU may be waiting on it

@@ -247,13 +247,7 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
     return engines
 
 
-POOL_TOLERANCE = report.POOL_TOLERANCE  # engines whose KV pools differ more than this are not comparable
-
-
-def pools_differ(caps: Mapping[str, Optional[int]]) -> bool:
-    """Whether the engines' KV pools (tokens, from their INFO) differ by more than POOL_TOLERANCE."""
-    known = [int(c) for c in caps.values() if c]
-    return len(known) > 1 and min(known) < (1.0 - POOL_TOLERANCE) * max(known)
+pools_differ = report.pools_differ  # engines whose KV pools differ more than POOL_TOLERANCE are not comparable
 
 
 def equal_pool(caps: Mapping[str, Optional[int]]) -> int:

@@ -20,7 +20,7 @@ ExtendPath = Literal["auto", "hot", "paged"]
 HotPolicy = Literal["pays_off", "threshold"]
 ReplaySlots = Literal["copy", "table"]
 ViewPlan = Literal["reuse", "every_step"]
-PrefixKernel = Literal["auto", "pointer", "descriptor", "wgmma"]
+PrefixKernel = Literal["auto", "pointer", "descriptor", "wgmma"]  # kernels.kernel_config.PREFIX_KERNELS (no torch here)
 
 FLAG_PREFIX = "granikv_"
 ENABLE_FLAG = "enable_granikv"

@@ -53,6 +53,15 @@ def test_wgmma_fit_on_the_gpu_host():
     assert wgmma_unfit_for("cuda", torch.bfloat16, torch.bfloat16, 128) == ""
 
 
+def test_the_flag_offers_the_kernel_configs_prefix_kernels():
+    from typing import get_args
+
+    from granikv.config import PrefixKernel
+    from granikv.kernels.kernel_config import PREFIX_KERNELS
+
+    assert set(get_args(PrefixKernel)) == set(PREFIX_KERNELS)
+
+
 def test_unknown_prefix_kernel_is_refused_with_its_choices():
     with pytest.raises(ValueError, match="--granikv-prefix-kernel='tma' is not one of auto, pointer, descriptor, wgmma"):
         GraniKVConfig(enable=True, prefix_kernel="tma")

@@ -8,17 +8,19 @@ in ``SHAPE_TILES``.
 """
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Literal, Tuple, Union
+from typing import Any, Dict, Literal, Tuple, Union, get_args
 
 import torch
 
-__all__ = ["KernelConfig", "SHAPE_TILES", "FP8_KV_DTYPES", "PREFIX_KERNELS", "tile_config", "default_config"]
+__all__ = ["KernelConfig", "SHAPE_TILES", "FP8_KV_DTYPES", "PREFIX_KERNELS", "tile_config", "device_config",
+           "default_config"]
 
 PREFIX_SOFTMAX_MODES = ("scaled", "fma", "lazy")
 """``KernelConfig.prefix_softmax`` values, in the order of the prefix kernels' ``SOFTMAX`` codes."""
 
-PREFIX_KERNELS = ("pointer", "descriptor", "wgmma", "auto")
-"""``KernelConfig.prefix_kernel`` values."""
+PrefixKernel = Literal["pointer", "descriptor", "wgmma", "auto"]
+PREFIX_KERNELS = get_args(PrefixKernel)
+"""``KernelConfig.prefix_kernel`` values (``--granikv-prefix-kernel`` offers the same)."""
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The FP8 caches the kernels read as stored (SGLang's ``--kv-cache-dtype fp8_e4m3`` /
@@ -65,7 +67,7 @@ class KernelConfig:
     decode steps of one batch then cost a few numpy calls instead of a full build. After a full
     build, last chunks hold at most ``suffix_chunk`` tokens, so a batch rebuilds at most once per
     ``(reuse_chunk_factor - 1) * suffix_chunk`` steps. 0 disables reuse."""
-    prefix_kernel: Literal["pointer", "descriptor", "wgmma", "auto"] = "pointer"
+    prefix_kernel: PrefixKernel = "pointer"
     """Prefix launch kernel: "pointer" (pointer loads, software-pipelined by ``prefix_stages``),
     "descriptor" (Hopper-class: the full K/V tiles come through host-side tensor descriptors,
     i.e. TMA loads on sm90+, in a ``tl.range`` loop pipelined by ``prefix_stages`` and, with
@@ -200,6 +202,13 @@ def tile_config(ratio: int, head_dim: int, *, tma: bool = False) -> KernelConfig
     base = replace(KernelConfig(), suffix_max_keys=max(16, KernelConfig.suffix_max_keys * 128 // head_dim),
                    prefix_kernel="auto" if tma else "pointer")
     return replace(base, **(over or {}))
+
+
+def device_config(ratio: int, head_dim: int, device: Any, prefix_kernel: PrefixKernel = "auto") -> KernelConfig:
+    """``tile_config`` for ``device`` (TMA where it has it), with ``prefix_kernel`` where it names
+    one ("auto": the config's own choice; ``--granikv-prefix-kernel``)."""
+    cfg = tile_config(ratio, head_dim, tma=device_has_tma(device))
+    return cfg if prefix_kernel == "auto" else replace(cfg, prefix_kernel=prefix_kernel)
 
 
 def default_config(head_dim: int) -> KernelConfig:

@@ -11,7 +11,7 @@ partial state (o, lse) per row into the workspace's partial table (see work_list
     tile 1  item(0,1) -> split 0  item(1,1) -> split 1
 """
 
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import triton
@@ -20,7 +20,7 @@ import triton.language as tl
 from granikv.kernels.kernel_config import FP8_KV_DTYPES, PREFIX_SOFTMAX_MODES, KernelConfig
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["prefix_attention", "descriptor_fits", "math_f16", "launch_limits"]
+__all__ = ["prefix_attention", "descriptor_fits", "kv_descriptor", "math_f16", "launch_limits"]
 
 LOG2E = 1.4426950408889634
 
@@ -247,7 +247,7 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
 
 
 _DESCRIBED = (torch.float16, torch.bfloat16, torch.float32)
-_DESCRIPTORS: Dict[Tuple[int, Tuple[int, ...], torch.dtype, int], Any] = {}
+_DESCRIPTORS: Dict[Tuple[Any, ...], Any] = {}
 _MAX_DESCRIPTORS = 512  # K and V of every layer of a few models; cleared past it
 
 
@@ -260,23 +260,34 @@ def descriptor_fits(buf: torch.Tensor) -> bool:
     return buf.stride() == (hkv * d, d, 1) and buf.dtype in _DESCRIBED
 
 
-def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:  # triton's TensorDescriptor
-    """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``, made
-    once per buffer and tile (a decode step launches one per layer)."""
+def kv_descriptor(buf: torch.Tensor, block_n: int, make: Callable[[torch.Tensor, List[int]], Any],
+                  kind: str = "descriptor") -> Any:
+    """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``, tile
+    ``[block_n, D]``, made by ``make(flat, block)`` once per buffer, tile and maker (a decode step
+    launches one per layer); ValueError naming ``prefix_kernel=kind`` unless the buffer is a
+    contiguous ``[slots, Hkv, D]``."""
     if buf.stride() != (buf.shape[1] * buf.shape[2], buf.shape[2], 1):
-        raise ValueError(f"prefix_kernel='descriptor' needs a contiguous [slots, Hkv, D] KV buffer, got strides "
+        raise ValueError(f"prefix_kernel={kind!r} needs a contiguous [slots, Hkv, D] KV buffer, got strides "
                          f"{buf.stride()} for shape {tuple(buf.shape)}")
-    key = (buf.data_ptr(), tuple(buf.shape), buf.dtype, block_n)
+    key = (buf.data_ptr(), tuple(buf.shape), buf.dtype, block_n, make)
     desc = _DESCRIPTORS.get(key)
     if desc is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         slots, hkv, d = buf.shape
-        flat = buf.view(slots, hkv * d)
         if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
             _DESCRIPTORS.clear()
-        desc = _DESCRIPTORS[key] = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, d])
+        desc = _DESCRIPTORS[key] = make(buf.view(slots, hkv * d), [block_n, d])
     return desc
+
+
+def _tl_descriptor(flat: torch.Tensor, block: List[int]) -> Any:  # triton's TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block)
+
+
+def _kv_descriptor(buf: torch.Tensor, block_n: int) -> Any:
+    """The descriptor kernel's ``kv_descriptor``."""
+    return kv_descriptor(buf, block_n, _tl_descriptor)
 
 
 def qk_scale(sm_scale: float, k_scale: float, f16: bool = False) -> float:

@@ -27,11 +27,12 @@ reference and with the Triton prefix kernels on the same work lists.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, List
 
 import torch
 
 from granikv.kernels.plan import CascadePlan
+from granikv.kernels.prefix_attention import descriptor_fits, kv_descriptor
 
 try:  # Gluon ships with Triton >= 3.5; older Triton: the launch is unavailable
     from triton.experimental import gluon
@@ -255,9 +256,8 @@ def wgmma_unfit_reason(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     why = wgmma_unfit_for(q.device, q.dtype, k_buffer.dtype, k_buffer.shape[2], block_m)
     if why:
         return why
-    for buf in (k_buffer, v_buffer):
-        slots, hkv, dd = buf.shape
-        if buf.stride() != (hkv * dd, dd, 1):
+    for buf in (k_buffer, v_buffer):  # fp16 / bf16 by now: only the layout can fail
+        if not descriptor_fits(buf):
             return f"KV buffer strides {buf.stride()} (needs a contiguous [slots, Hkv, D] buffer)"
     return ""
 
@@ -266,26 +266,18 @@ def wgmma_fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
     return not wgmma_unfit_reason(q, k_buffer, v_buffer, block_m)
 
 
-_DESCRIPTORS: Dict[Tuple[int, Tuple[int, ...], torch.dtype, int], Any] = {}
-_MAX_DESCRIPTORS = 512
+def _gluon_descriptor(flat: torch.Tensor, block: List[int]) -> Any:
+    """A Gluon tensor descriptor of ``block`` tiles with the 128-byte swizzle wgmma reads."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    elem = gl.float16 if flat.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for(block, elem)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
 def _descriptor(buf: torch.Tensor, block_n: int) -> Any:
-    """Gluon tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``, tile
-    ``[block_n, D]`` with the 128-byte swizzle wgmma reads (made once per buffer and tile)."""
-    key = (buf.data_ptr(), tuple(buf.shape), buf.dtype, block_n)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        slots, hkv, d = buf.shape
-        flat = buf.view(slots, hkv * d)
-        elem = gl.float16 if buf.dtype == torch.float16 else gl.bfloat16
-        layout = gl.NVMMASharedLayout.get_default_for([block_n, d], elem)
-        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
-            _DESCRIPTORS.clear()
-        desc = _DESCRIPTORS[key] = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, d], layout)
-    return desc
+    """The wgmma kernels' ``kv_descriptor`` over one layer's K or V buffer."""
+    return kv_descriptor(buf, block_n, _gluon_descriptor, kind="wgmma")
 
 
 def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,

@@ -19,12 +19,11 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
-    from granikv.kernels.prefix_wgmma import _rescale, _scores, _softmax, _store_partials
+    from granikv.kernels.prefix_wgmma import _load_tile, _rescale, _scores, _softmax, _store_partials
 
 __all__ = ["WS_MAXNREG", "WS_CONSUMER_REGS", "WS_PRODUCER_REGS"]
 
@@ -91,14 +90,8 @@ if gluon is not None:
             ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # one warp, 16-byte pieces
             col = h * HEAD_DIM
             n_full = n_kv // BLOCK_N
-            nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
             for t in gl.static_range(STAGES):  # a fresh ring: every stage is free
-                ok = t < n_full
-                mbarrier.expect(ready.index(t), nbytes, pred=ok)
-                tma.async_copy_global_to_shared(k_desc, [slot_lo + t * BLOCK_N, col], ready.index(t), k_bufs.index(t),
-                                                pred=ok)
-                tma.async_copy_global_to_shared(v_desc, [slot_lo + t * BLOCK_N, col], ready.index(t), v_bufs.index(t),
-                                                pred=ok)
+                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, t, slot_lo, col, t < n_full, BLOCK_N, STAGES)
             d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
             for c in gl.static_range(2):  # 8 rows at a time: a warp of few registers
                 for r0 in gl.static_range(0, 64, 8):
@@ -114,9 +107,7 @@ if gluon is not None:
             for t in range(STAGES, n_full):
                 st = t % STAGES
                 mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(st), nbytes)
-                tma.async_copy_global_to_shared(k_desc, [slot_lo + t * BLOCK_N, col], ready.index(st), k_bufs.index(st))
-                tma.async_copy_global_to_shared(v_desc, [slot_lo + t * BLOCK_N, col], ready.index(st), v_bufs.index(st))
+                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, t, slot_lo, col, True, BLOCK_N, STAGES)
             n_left = n_kv - n_full * BLOCK_N
             if n_left > 0:
                 st = n_full % STAGES

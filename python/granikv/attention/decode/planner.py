@@ -21,7 +21,6 @@ read (``kernels.plan.CascadePlan``); the backend asks, it never writes them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Dict, Optional, Tuple
@@ -41,7 +40,7 @@ from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
 from granikv.attention.kv_scales import kv_scales
-from granikv.kernels.kernel_config import KernelConfig, device_has_tma, tile_config
+from granikv.kernels.kernel_config import KernelConfig, device_config
 from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
@@ -137,10 +136,9 @@ class DecodePlanner:
     def kernel_config(self) -> KernelConfig:
         """The kernels' tiles for this model (``tile_config``), with ``--granikv-prefix-kernel``
         where it names one."""
-        geo, device = self.ctx.dispatcher.geometry, self.ctx.device
-        cfg = tile_config(geo.num_q_heads // geo.num_kv_heads, geo.head_dim, tma=device_has_tma(device))
-        kind = self.ctx.cfg.prefix_kernel
-        return cfg if kind == "auto" else dataclasses.replace(cfg, prefix_kernel=kind)
+        geo = self.ctx.dispatcher.geometry
+        return device_config(geo.num_q_heads // geo.num_kv_heads, geo.head_dim, self.ctx.device,
+                             self.ctx.cfg.prefix_kernel)
 
     def workspace_for(self, bs: int) -> CascadeWorkspace:
         """The workspace a step of ``bs`` requests uses.

@@ -27,7 +27,7 @@ from granikv.attention.decode.work_list import (
     suffix_heads,
     suffix_tile_rows,
 )
-from granikv.kernels.kernel_config import KernelConfig, device_has_tma, tile_config
+from granikv.kernels.kernel_config import KernelConfig, device_config
 from granikv.kernels.plan import BgemmMembers, CascadeBuffers, CascadePlan, Grouping
 
 _NO_REQUEST = Grouping.empty(0)  # the grouping of a step with no request
@@ -81,7 +81,7 @@ class CascadeWorkspace(StagingRing):
         if self.device.type == "cuda" and self.device.index is None:  # one spelling, for SuffixEnds.fits
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ratio = num_q_heads // num_kv_heads
-        self.config = config or tile_config(self.ratio, head_dim, tma=device_has_tma(self.device))
+        self.config = config or device_config(self.ratio, head_dim, self.device)
         if sm_count is None:
             sm_count = (
                 torch.cuda.get_device_properties(self.device).multi_processor_count
