@@ -435,6 +435,15 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "wgmma_bn32": dict(prefix_kernel="wgmma", block_n=32),
     "wgmma_bn32_pw2.0": dict(prefix_kernel="wgmma", block_n=32, prefix_waves=2.0),
     "wgmma_bn32_pw3.0": dict(prefix_kernel="wgmma", block_n=32, prefix_waves=3.0),
+    # not measured yet: the query tile in registers (no Q reads from shared memory; 16 KB less
+    # shared memory per program; 246 registers per thread at 64-key tiles (two programs per SM),
+    # 168 at 32-key tiles (three per SM, with 4 stages in 64 KB))
+    "wgmma_qreg": dict(prefix_kernel="wgmma", prefix_q_registers=True),
+    "wgmma_qreg_s2": dict(prefix_kernel="wgmma", prefix_q_registers=True, prefix_stages=2),
+    "wgmma_qreg_bn32": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32),
+    "wgmma_qreg_bn32_s4": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32, prefix_stages=4),
+    "wgmma_qreg_bn32_s4_pw3.0": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32, prefix_stages=4,
+                                     prefix_waves=3.0),
     "wgmma_ws": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0),
     "wgmma_ws_pw1.5": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.5),
     "wgmma_ws_pw2.0": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=2.0),

@@ -63,8 +63,9 @@ def _check(out, ref):
     assert_per_request(out, ref, atol=1e-2, rtol=1e-2, atol_floor=0.0)
 
 
-SCHEDULES = {  # the wgmma kernels' schedules: overlapped MMAs, every MMA waited, warp-specialized
-    "overlap": dict(), "waited": dict(prefix_mma_overlap=False),
+SCHEDULES = {  # the wgmma kernels' schedules: overlapped MMAs, the query in registers, every MMA waited,
+    # warp-specialized
+    "overlap": dict(), "qreg": dict(prefix_q_registers=True), "waited": dict(prefix_mma_overlap=False),
     "ws": dict(block_m=128, prefix_warp_specialize=True, prefix_waves=1.0),
 }
 
@@ -105,8 +106,11 @@ def _prefix_partials(b, cfg, hq, hkv, head_dim):
 @needs_sm90
 @pytest.mark.parametrize("kw", [dict(), dict(prefix_stages=2), dict(prefix_stages=4), dict(block_n=128, prefix_stages=2),
                                 dict(block_m=128, prefix_stages=2), dict(block_n=32), dict(block_n=32, prefix_maxnreg=168),
-                                SCHEDULES["ws"], dict(SCHEDULES["ws"], prefix_stages=4), dict(SCHEDULES["ws"], prefix_stages=2)],
-                         ids=["default", "s2", "s4", "bn128", "bm128", "bn32", "bn32_nreg168", "ws", "ws_s4", "ws_s2"])
+                                SCHEDULES["ws"], dict(SCHEDULES["ws"], prefix_stages=4), dict(SCHEDULES["ws"], prefix_stages=2),
+                                SCHEDULES["qreg"], dict(SCHEDULES["qreg"], prefix_stages=2),
+                                dict(SCHEDULES["qreg"], block_n=32, prefix_stages=4)],
+                         ids=["default", "s2", "s4", "bn128", "bm128", "bn32", "bn32_nreg168", "ws", "ws_s4", "ws_s2",
+                              "qreg", "qreg_s2", "qreg_bn32_s4"])
 def test_wgmma_prefix_16k_eager_and_graph(kw):
     """Llama-3.1-8B heads, 16K x 64 + 4K x 16 (the grid's headline shape): per-request agreement
     with the reference; a CUDA-graph replay gives the eager output bit for bit."""
@@ -127,7 +131,7 @@ def test_wgmma_prefix_16k_eager_and_graph(kw):
 
 
 @needs_sm90
-@pytest.mark.parametrize("schedule", ["overlap", "ws"])
+@pytest.mark.parametrize("schedule", ["overlap", "qreg", "ws"])
 def test_wgmma_prefix_planted_fault_fails_the_check(schedule):
     """Every prefix item's extent moved by one slot: the per-request check must fail."""
     hq, hkv = GQA_SHAPES["llama-3.1-8b"]

@@ -73,6 +73,18 @@ def test_kernel_compiles_for_sm90(block_m, block_n, head_dim, stages, overlap):
     assert f"m64n{head_dim}k16" in ptx["wgmma_shapes"]  # O += P V
     assert ptx["waits_leaving_one"] == overlap  # P V left in flight under the next scores
     assert ptx["spills"] == 0
+    assert f"m64n{block_n}k16" not in ptx["register_a_shapes"]  # Q read from shared memory
+
+
+@needs_gluon
+@pytest.mark.parametrize("block_n,stages", [(64, 3), (64, 2), (32, 4)])
+def test_query_in_registers_compiles_for_sm90(block_n, stages):
+    """``prefix_q_registers``: S = Q K^T takes its A operand from registers (P V always does), with
+    the overlap and no spills."""
+    (ptx,) = _compile_sm90([[64, block_n, 128, stages, True, 4, False, True]])
+    assert ptx["tma_loads"] and ptx["waits_leaving_one"]
+    assert {f"m64n{block_n}k16", "m64n128k16"} <= set(ptx["register_a_shapes"])
+    assert ptx["spills"] == 0
 
 
 @needs_gluon

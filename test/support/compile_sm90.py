@@ -3,7 +3,8 @@ prints, as one JSON line, what its PTX holds per config: TMA tile loads, the war
 shapes, whether a wait leaves one MMA in flight, and ptxas's spill bytes (None where ptxas is
 not found). Run in a process without ``TRITON_INTERPRET`` (test_prefix_wgmma.py does).
 
-    python -m support.compile_sm90 '[[block_m, block_n, head_dim, stages, overlap, ratio, warp_specialize], ...]'
+    python -m support.compile_sm90 '[[block_m, block_n, head_dim, stages, overlap, ratio, warp_specialize,
+                                      q_registers], ...]'
 """
 
 import json
@@ -23,7 +24,7 @@ from granikv.kernels import prefix_wgmma, prefix_wgmma_ws
 
 
 def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap: bool, ratio: int = 3,
-                warp_specialize: bool = False) -> str:
+                warp_specialize: bool = False, q_registers: bool = False) -> str:
     """The launch ``prefix_wgmma_attention`` makes with these settings, compiled for sm90."""
     buf = torch.zeros(1024, 8, head_dim, dtype=torch.bfloat16)
     desc = mangle_type(prefix_wgmma._descriptor(buf, block_n))
@@ -38,7 +39,7 @@ def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap:
     else:
         kernel = prefix_wgmma._prefix_wgmma_kernel
         consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                      OVERLAP=overlap, num_warps=block_m // 16)
+                      OVERLAP=overlap, Q_REGS=q_registers, num_warps=block_m // 16)
         options = dict(num_warps=block_m // 16)
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
@@ -64,6 +65,10 @@ def spill_bytes(ptx: str) -> Optional[int]:
 
 def features(ptx: str) -> dict:
     return {"tma_loads": "cp.async.bulk.tensor.2d" in ptx,
+            # the S = Q K^T MMA with its A operand in registers: "{%r...}" where a shared-memory
+            # descriptor would be one 64-bit register
+            "register_a_shapes": sorted(set(re.findall(
+                r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*\{", ptx))),
             "wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
             "waits_leaving_one": "wgmma.wait_group.sync.aligned 1;" in ptx,
             "register_splits": sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)),

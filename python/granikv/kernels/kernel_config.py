@@ -84,6 +84,12 @@ class KernelConfig:
     """With ``prefix_kernel="wgmma"``: each tile's scores are computed while the previous tile's
     P @ V is still on the tensor cores; False waits for every MMA at once (a ``tl.dot`` loop's
     schedule, for comparison)."""
+    prefix_q_registers: bool = False
+    """With ``prefix_kernel="wgmma"``: the query tile stays in registers as the A operand of
+    S = Q K^T, so each tile's MMAs read only K and V from shared memory (a third less shared-memory
+    traffic) and the program holds no query tile there (16 KB less at block_m 64, head_dim 128:
+    three programs per SM with 2 stages of 64 keys). Not measured on a GPU yet (sweep variants
+    ``wgmma_qreg*``)."""
     prefix_warp_specialize: bool = False
     """With ``prefix_kernel="descriptor"``: ``tl.range(..., warp_specialize=True)`` (producer
     warps issue the loads, consumer warps the MMAs). With "wgmma": the warp-specialized Gluon

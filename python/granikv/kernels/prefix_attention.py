@@ -353,7 +353,8 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
         prefix_wgmma_attention(q, k_buffer, v_buffer, plan, scale=scale, block_m=cfg.block_m, block_n=cfg.block_n,
                                stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap,
-                               warp_specialize=cfg.prefix_warp_specialize, maxnreg=cfg.prefix_maxnreg)
+                               warp_specialize=cfg.prefix_warp_specialize, maxnreg=cfg.prefix_maxnreg,
+                               q_registers=cfg.prefix_q_registers)
         return
     if kind == "descriptor":
         _prefix_desc_kernel[grid](

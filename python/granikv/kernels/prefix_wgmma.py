@@ -63,10 +63,11 @@ LN2 = 0.6931471805599453
 if gluon is not None:
 
     @gluon.jit
-    def _scores(q_smem, k_tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, qk_layout: gl.constexpr):
-        """Issues S = Q K^T (asynchronous); the caller waits for it."""
+    def _scores(q_op, k_tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, qk_layout: gl.constexpr):
+        """Issues S = Q K^T (asynchronous); the caller waits for it. ``q_op``: the query tile in
+        shared memory, or in registers (``Q_REGS``: the MMA then reads only K from shared memory)."""
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=qk_layout)
-        return warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        return warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, n_valid, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -123,7 +124,7 @@ if gluon is not None:
                              stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                              RATIO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             Q_REGS: gl.constexpr, num_warps: gl.constexpr):
         h = gl.program_id(1)
         w = gl.program_id(0)
         if w < gl.load(Counts + 1):  # the live item count (the grid is the capacity: graph-safe)
@@ -160,10 +161,13 @@ if gluon is not None:
             d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
             q = gl.load(Q + b[:, None] * stride_qb + qh[:, None] * stride_qh + d[None, :],
                         mask=row_ok[:, None], other=0.0)
-            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], k_desc.layout)
-            q_smem.store(q)
-            fence_async_shared()
-            _cta_barrier()
+            if Q_REGS:  # the A operand of every S = Q K^T from registers: no query tile in shared memory
+                q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=qk_layout, k_width=2))
+            else:
+                q_op = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], k_desc.layout)
+                q_op.store(q)
+                fence_async_shared()
+                _cta_barrier()
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, qk_layout))
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, qk_layout))
@@ -171,7 +175,7 @@ if gluon is not None:
             if OVERLAP:
                 if n_full > 0:
                     mbarrier.wait(bars.index(0), 0)
-                    s = _scores(q_smem, k_bufs.index(0), BLOCK_M, BLOCK_N, qk_layout)
+                    s = _scores(q_op, k_bufs.index(0), BLOCK_M, BLOCK_N, qk_layout)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     _load_tile(k_desc, v_desc, k_bufs, v_bufs, bars, STAGES - 1, slot_lo, col,
                                STAGES - 1 < n_full, BLOCK_N, STAGES)
@@ -180,7 +184,7 @@ if gluon is not None:
                     for j in range(1, n_full):
                         st = j % STAGES
                         mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                        s = _scores(q_smem, k_bufs.index(st), BLOCK_M, BLOCK_N, qk_layout)
+                        s = _scores(q_op, k_bufs.index(st), BLOCK_M, BLOCK_N, qk_layout)
                         acc = warpgroup_mma(p16, v_bufs.index((j - 1) % STAGES), acc, is_async=True)
                         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, P_{j-1} V_{j-1} may run
                         m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, BLOCK_N, False, BLOCK_N, qk_layout)
@@ -196,7 +200,7 @@ if gluon is not None:
                 for j in range(n_full):
                     st = j % STAGES
                     mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                    s = _scores(q_smem, k_bufs.index(st), BLOCK_M, BLOCK_N, qk_layout)
+                    s = _scores(q_op, k_bufs.index(st), BLOCK_M, BLOCK_N, qk_layout)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, BLOCK_N, False, BLOCK_N, qk_layout)
                     acc = _rescale(acc, alpha, o_layout)
@@ -217,7 +221,7 @@ if gluon is not None:
                 v_bufs.index(0).store(vt)
                 fence_async_shared()
                 _cta_barrier()
-                s = _scores(q_smem, k_bufs.index(0), BLOCK_M, BLOCK_N, qk_layout)
+                s = _scores(q_op, k_bufs.index(0), BLOCK_M, BLOCK_N, qk_layout)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, n_left, True, BLOCK_N, qk_layout)
                 acc = _rescale(acc, alpha, o_layout)
@@ -282,12 +286,13 @@ def _descriptor(buf: torch.Tensor, block_n: int) -> Any:
 
 def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,
                            scale: float, block_m: int, block_n: int, stages: int, overlap: bool,
-                           warp_specialize: bool = False, maxnreg: int = 0) -> None:
+                           warp_specialize: bool = False, maxnreg: int = 0, q_registers: bool = False) -> None:
     """``prefix_attention``'s launch on the wgmma kernel (``KernelConfig.prefix_kernel`` "wgmma");
     ``scale``: the base-2 score scale (``prefix_attention.qk_scale``); ``warp_specialize``: the
     kernel with a producer warp and two consumer warpgroups (``prefix_wgmma_ws``; ``block_m``
     128; the consumers always overlap scores with P @ V); ``maxnreg``: a cap on
-    the other kernel's registers per thread (``KernelConfig.prefix_maxnreg``, 0: none). ValueError
+    the other kernel's registers per thread (``KernelConfig.prefix_maxnreg``, 0: none);
+    ``q_registers``: the query tile held in registers (``KernelConfig.prefix_q_registers``). ValueError
     where it cannot run (``wgmma_unfit_reason``)."""
     why = wgmma_unfit_reason(q, k_buffer, v_buffer, block_m)
     if not why and warp_specialize and block_m != 128:
@@ -321,5 +326,5 @@ def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap,
-        num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        Q_REGS=q_registers, num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
