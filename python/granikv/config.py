@@ -121,8 +121,9 @@ class GraniKVConfig:
     )
     prefix_kernel: PrefixKernel = _opt(
         "auto",
-        "The kernel of the cascade's prefix part (decode steps over HOT prefixes): auto = TMA "
-        "tile loads on Hopper and later where the KV buffers allow them, pointer loads otherwise; "
+        "The kernel of the cascade's prefix part (decode steps over HOT prefixes): auto = the "
+        "wgmma kernel on Hopper (sm90) where it can run, else TMA tile loads on Hopper and later "
+        "where the KV buffers allow them, else pointer loads; "
         "pointer; descriptor (TMA); wgmma = the Hopper kernel written in Gluon (asynchronous "
         "warp-group MMAs; sm90, fp16/bf16 KV cache, head_dim 64 or 128, else the server refuses "
         "to start and says why; docs/kernels.md).",

@@ -65,7 +65,7 @@ def _check(out, ref):
 
 SCHEDULES = {  # the wgmma kernels' schedules: overlapped MMAs, the query in registers, every MMA waited,
     # warp-specialized
-    "overlap": dict(), "qreg": dict(prefix_q_registers=True), "waited": dict(prefix_mma_overlap=False),
+    "overlap": dict(prefix_q_registers=False), "qreg": dict(prefix_q_registers=True), "waited": dict(prefix_mma_overlap=False),
     "ws": dict(block_m=128, prefix_warp_specialize=True, prefix_waves=1.0),
 }
 
@@ -128,6 +128,19 @@ def test_wgmma_prefix_16k_eager_and_graph(kw):
     torch.cuda.synchronize()
     assert torch.equal(eager, out)
     _check(out, _ref(b))
+
+
+@needs_sm90
+def test_auto_launches_the_wgmma_kernel_on_sm90():
+    """``tile_config(tma=True)``'s "auto" on this sm90 GPU: the wgmma kernel with the query in
+    registers (bf16, head_dim 128), the descriptor kernel over fp32."""
+    from granikv.kernels.prefix_attention import auto_prefix_kernel
+
+    cfg = tile_config(4, 128, tma=True)
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(256, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert cfg.prefix_q_registers and auto_prefix_kernel(q, kv, kv, cfg) == "wgmma"
+    assert auto_prefix_kernel(q.float(), kv.float(), kv.float(), cfg) == "descriptor"
 
 
 @needs_sm90

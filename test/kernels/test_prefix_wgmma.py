@@ -31,6 +31,31 @@ def test_config_takes_wgmma_and_names_the_choices():
         KernelConfig(prefix_kernel="tma")
 
 
+def test_auto_takes_wgmma_only_where_it_can_run(monkeypatch):
+    """``prefix_kernel="auto"`` (``auto_prefix_kernel``): the wgmma kernel where its checks pass
+    (here: a device it is told is sm90), descriptor loads where they do not (this CPU, a block_m
+    it has no warpgroups for, one stage), pointer loads over an FP8 cache or a strided buffer;
+    ``tile_config`` with TMA holds the query in registers."""
+    from granikv.kernels import prefix_attention as pa
+
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(100, 8, 128, dtype=torch.bfloat16)
+    cfg = tile_config(4, 128, tma=True)
+    assert cfg.prefix_kernel == "auto" and cfg.prefix_q_registers and not tile_config(4, 128).prefix_q_registers
+    pa._wgmma_serves.cache_clear()
+    assert pa.auto_prefix_kernel(q, kv, kv, cfg) == "descriptor"  # not an sm90 device
+    monkeypatch.setattr(prefix_wgmma, "wgmma_unfit_for", lambda device, qd, kd, hd, bm: "" if bm in (64, 128) else "x")
+    pa._wgmma_serves.cache_clear()
+    assert pa.auto_prefix_kernel(q, kv, kv, cfg) == "wgmma"
+    assert pa.auto_prefix_kernel(q, kv, kv, replace(cfg, block_m=32)) == "descriptor"
+    assert pa.auto_prefix_kernel(q, kv, kv, replace(cfg, prefix_stages=1)) == "descriptor"
+    assert pa.auto_prefix_kernel(q, kv, kv, replace(cfg, block_m=64, prefix_warp_specialize=True)) == "descriptor"
+    fp8 = kv.to(torch.float8_e4m3fn)
+    assert pa.auto_prefix_kernel(q, fp8, fp8, cfg) == "pointer"
+    assert pa.auto_prefix_kernel(q, kv[:, :4], kv[:, :4], cfg) == "pointer"
+    pa._wgmma_serves.cache_clear()
+
+
 def test_unfit_reasons_name_what_does_not_fit():
     q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(100, 8, 128, dtype=torch.bfloat16)
@@ -73,7 +98,8 @@ def test_kernel_compiles_for_sm90(block_m, block_n, head_dim, stages, overlap):
     assert f"m64n{head_dim}k16" in ptx["wgmma_shapes"]  # O += P V
     assert ptx["waits_leaving_one"] == overlap  # P V left in flight under the next scores
     assert ptx["spills"] == 0
-    assert f"m64n{block_n}k16" not in ptx["register_a_shapes"]  # Q read from shared memory
+    if block_n != head_dim:  # else P V's register MMA has the same shape
+        assert f"m64n{block_n}k16" not in ptx["register_a_shapes"]  # Q read from shared memory
 
 
 @needs_gluon

@@ -73,23 +73,27 @@ class KernelConfig:
     i.e. TMA loads on sm90+, in a ``tl.range`` loop pipelined by ``prefix_stages`` and, with
     ``prefix_warp_specialize``, warp-specialised; the masked tail stays a pointer load; a KV
     buffer it cannot describe is a ValueError), or "auto" (descriptor wherever the layer's
-    buffers are contiguous fp16 / bf16 / fp32, pointer otherwise, e.g. an FP8 cache).
+    buffers are contiguous fp16 / bf16 / fp32, pointer otherwise, e.g. an FP8 cache; and on sm90
+    "wgmma" wherever that kernel can run the launch: ``prefix_attention.auto_prefix_kernel``).
     "wgmma": the Gluon kernel for sm90 (``prefix_wgmma``: TMA stages, asynchronous warp-group
     MMAs, scores of the next tile overlapped with P @ V of the last); fp16 / bf16 throughout,
     head_dim 64 / 128, block_m 64 / 128, contiguous buffers, else a ValueError naming what does
     not fit. ``tile_config`` picks "auto" on sm90+: on an H200 the descriptor kernel's cascade layer was
     never slower than the pointer kernel's beyond noise (+0.3 us) and up to 8.5% faster at 16K
-    prefixes, its prefix launch 9-12% faster (docs/results/kernels.md, "TMA prefix loads")."""
+    prefixes, its prefix launch 9-12% faster (docs/results/kernels.md, "TMA prefix loads"); on an
+    H100 the wgmma kernel's prefix launch was 2-10% faster than the descriptor kernel's on every
+    sweep case, its cascade layer 0-3% ("The wgmma prefix kernel in Gluon")."""
     prefix_mma_overlap: bool = True
     """With ``prefix_kernel="wgmma"``: each tile's scores are computed while the previous tile's
     P @ V is still on the tensor cores; False waits for every MMA at once (a ``tl.dot`` loop's
     schedule, for comparison)."""
     prefix_q_registers: bool = False
     """With ``prefix_kernel="wgmma"``: the query tile stays in registers as the A operand of
-    S = Q K^T, so each tile's MMAs read only K and V from shared memory (a third less shared-memory
-    traffic) and the program holds no query tile there (16 KB less at block_m 64, head_dim 128:
-    three programs per SM with 2 stages of 64 keys). Not measured on a GPU yet (sweep variants
-    ``wgmma_qreg*``)."""
+    S = Q K^T, so each tile's MMAs read only K and V from shared memory and the program holds no
+    query tile there (16 KB less at block_m 64, head_dim 128; 183 registers per thread instead of
+    153, still two programs per SM). ``tile_config`` turns it on with TMA: on an H100 the prefix
+    launch was 4% faster at 16K x 128 and equal on the other sweep cases (sweep variant
+    ``wgmma_qreg``; docs/results/kernels.md, "The query in registers")."""
     prefix_warp_specialize: bool = False
     """With ``prefix_kernel="descriptor"``: ``tl.range(..., warp_specialize=True)`` (producer
     warps issue the loads, consumer warps the MMAs). With "wgmma": the warp-specialized Gluon
@@ -197,8 +201,8 @@ def device_has_tma(device: Any) -> bool:
 
 def tile_config(ratio: int, head_dim: int, *, tma: bool = False) -> KernelConfig:
     """The kernel config for ``ratio`` q-heads per kv head at ``head_dim``; ``tma``: the device
-    has TMA (``device_has_tma``), so the prefix kernel is "auto" (descriptor loads wherever the
-    buffers allow them)."""
+    has TMA (``device_has_tma``), so the prefix kernel is "auto" (the wgmma kernel on sm90 or
+    descriptor loads, wherever the buffers allow them) with the query in registers."""
     if ratio < 1 or head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head shape (GQA ratio {ratio}, head_dim {head_dim}) needs ratio >= 1 and a "
                          f"power-of-two head_dim >= 16")
@@ -206,7 +210,7 @@ def tile_config(ratio: int, head_dim: int, *, tma: bool = False) -> KernelConfig
     if over is None and head_dim > 128:
         over = SHAPE_TILES["head_dim>128"]
     base = replace(KernelConfig(), suffix_max_keys=max(16, KernelConfig.suffix_max_keys * 128 // head_dim),
-                   prefix_kernel="auto" if tma else "pointer")
+                   prefix_kernel="auto" if tma else "pointer", prefix_q_registers=tma)
     return replace(base, **(over or {}))
 
 

@@ -11,6 +11,7 @@ partial state (o, lse) per row into the workspace's partial table (see work_list
     tile 1  item(0,1) -> split 0  item(1,1) -> split 1
 """
 
+import functools
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -260,6 +261,30 @@ def descriptor_fits(buf: torch.Tensor) -> bool:
     return buf.stride() == (hkv * d, d, 1) and buf.dtype in _DESCRIBED
 
 
+def auto_prefix_kernel(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cfg: KernelConfig) -> str:
+    """What ``prefix_kernel="auto"`` launches: "wgmma" where that kernel can run the launch (sm90,
+    fp16 / bf16 throughout, head_dim 64 / 128, contiguous buffers: the fastest prefix launch
+    measured on every sweep case, docs/results/kernels.md), else "descriptor" where
+    ``descriptor_fits`` both buffers, else "pointer" (e.g. an FP8 cache)."""
+    if not (descriptor_fits(k_buffer) and descriptor_fits(v_buffer)):
+        return "pointer"
+    serves = _wgmma_serves(q.device, q.dtype, k_buffer.dtype, v_buffer.dtype, k_buffer.shape[2], cfg.block_m,
+                           cfg.prefix_stages, cfg.prefix_warp_specialize)
+    return "wgmma" if serves else "descriptor"
+
+
+@functools.lru_cache(maxsize=64)
+def _wgmma_serves(device: torch.device, q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype,
+                  head_dim: int, block_m: int, stages: int, warp_specialize: bool) -> bool:
+    """The wgmma kernel's launch checks (``prefix_wgmma_attention``) for contiguous buffers, once
+    per device, dtypes and tile (a decode step launches the prefix once per layer)."""
+    from granikv.kernels.prefix_wgmma import wgmma_unfit_for
+
+    if k_dtype != v_dtype or stages < 2 or (warp_specialize and block_m != 128):
+        return False
+    return not wgmma_unfit_for(device, q_dtype, k_dtype, head_dim, block_m)
+
+
 def kv_descriptor(buf: torch.Tensor, block_n: int, make: Callable[[torch.Tensor, List[int]], Any],
                   kind: str = "descriptor") -> Any:
     """Host-side tensor descriptor over one layer's K or V buffer as ``[slots, Hkv * D]``, tile
@@ -336,8 +361,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Grid: (``ws.grid_items("prefix")``, Hkv), fixed per set of buffers (CUDA-graph safe). The kernel is
     ``KernelConfig.prefix_kernel``'s: pointer loads; tensor-descriptor (TMA) loads, which need
     contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise); the sm90 Gluon kernel
-    (``prefix_wgmma``, "wgmma"; ValueError where it cannot run); or "auto": descriptor loads where
-    ``descriptor_fits`` both buffers, pointer loads otherwise.
+    (``prefix_wgmma``, "wgmma"; ValueError where it cannot run); or "auto" (``auto_prefix_kernel``).
     """
     ws = plan.buffers
     ws.check_shapes(q, k_buffer)
@@ -347,7 +371,7 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     softmax = PREFIX_SOFTMAX[cfg.prefix_softmax]
     kind = cfg.prefix_kernel
     if kind == "auto":
-        kind = "descriptor" if descriptor_fits(k_buffer) and descriptor_fits(v_buffer) else "pointer"
+        kind = auto_prefix_kernel(q, k_buffer, v_buffer, cfg)
     if kind == "wgmma":
         from granikv.kernels.prefix_wgmma import prefix_wgmma_attention
 
