@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from granikv.kernels.kernel_config import FP8_KV_DTYPES, PREFIX_SOFTMAX_MODES, KernelConfig
+from granikv.kernels.kernel_config import FP8_KV_DTYPES, PREFIX_SOFTMAX_MODES, KernelConfig, PrefixKernel
 from granikv.kernels.plan import CascadePlan
 
 __all__ = ["prefix_attention", "descriptor_fits", "kv_descriptor", "math_f16", "launch_limits"]
@@ -261,7 +261,8 @@ def descriptor_fits(buf: torch.Tensor) -> bool:
     return buf.stride() == (hkv * d, d, 1) and buf.dtype in _DESCRIBED
 
 
-def auto_prefix_kernel(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cfg: KernelConfig) -> str:
+def auto_prefix_kernel(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                       cfg: KernelConfig) -> PrefixKernel:
     """What ``prefix_kernel="auto"`` launches: "wgmma" where that kernel can run the launch (sm90,
     fp16 / bf16 throughout, head_dim 64 / 128, contiguous buffers: the fastest prefix launch
     measured on every sweep case, docs/results/kernels.md), else "descriptor" where
