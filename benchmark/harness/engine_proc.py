@@ -142,6 +142,19 @@ def engine_env(backend: str, base: Optional[Mapping[str, str]] = None) -> Dict[s
     return env
 
 
+def gpu_free_bytes() -> Optional[int]:
+    """Free memory of the GPU a single-GPU engine runs on (the first of ``CUDA_VISIBLE_DEVICES``,
+    else GPU 0), from ``nvidia-smi`` (this process creates no CUDA context, which would itself
+    hold memory beside the engines); None where it cannot tell."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", first],
+                             capture_output=True, text=True, timeout=30)
+        return int(out.stdout.strip().splitlines()[0]) << 20 if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def exit_after(main: Callable[[], int]) -> None:
     """Run a benchmark script's ``main`` and leave with its status through ``os._exit``:
     SGLang's engine leaves non-daemon threads behind, which a normal exit would wait for.

@@ -325,6 +325,13 @@ def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, A
                f"{s['rows_missing_a_target']}.")
     if png:
         out += ["", f"![speedup against floor_speedup]({png})"]
+    pools = [f"- {m}: {p['tokens']} KV tokens per engine (the grid's cap, {p['cap']}, does not fit the "
+             f"model's engines side by side with {p['free_gib']} GiB free)"
+             for m, p in (meta.get("pool_fitted") or {}).items()]
+    pools += [f"- {m}: restarted at {p['tokens']} KV tokens per engine (SGLang gave {p['profiled']})"
+              for m, p in (meta.get("pool_equalized") or {}).items()]
+    if pools:
+        out += ["", "KV pools lowered to fit this GPU (every engine of a model at the same size):", ""] + pools
     skipped = meta.get("skipped") or []
     if skipped:
         out += ["", "Not run (time budget):", ""] + [f"- {k}: {why}" for k, why in skipped]
@@ -397,5 +404,7 @@ def merge_docs(docs: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]],
     skipped = [s for s in skipped if tuple(s[0].split("/", 1)) not in done]
     meta = dict(commands=commands_of(metas), dates=list(dict.fromkeys(dates)),
                 backends=sorted({b for m in metas for b in (m.get("backends") or [m.get("backend")]) if b}),
-                skipped=skipped, engine_kwargs={k: v for m in metas for k, v in (m.get("engine_kwargs") or {}).items()})
+                skipped=skipped, engine_kwargs={k: v for m in metas for k, v in (m.get("engine_kwargs") or {}).items()},
+                pool_fitted={k: v for m in metas for k, v in (m.get("pool_fitted") or {}).items()},
+                pool_equalized={k: v for m in metas for k, v in (m.get("pool_equalized") or {}).items()})
     return records, meta

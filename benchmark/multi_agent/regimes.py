@@ -61,6 +61,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmark.harness import engine_child, engine_proc, resident_engine
 from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, apply_extra, parse_engine_args
+from benchmark.harness.model_config import kv_dtype_bytes
 from benchmark.harness.resident_engine import EngineGone, ResidentEngine
 from benchmark.multi_agent import regime_grid as grid
 from benchmark.multi_agent import regime_report as report
@@ -223,13 +224,15 @@ def graph_sizes(rows: Sequence[grid.Regime]) -> List[int]:
 def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
                   extra: Dict[str, Any]) -> Dict[str, ResidentEngine]:
     """Every engine of ``model`` as a resident child, started at once (each caps its KV pool at
-    the model's ``max_total_tokens``, so they fit one GPU side by side); returns them by config
+    the model's ``max_total_tokens``, so they fit one GPU side by side, or at ``fitted_pool``
+    where this GPU cannot hold them all at that cap: ``run.meta["pool_fitted"]``); returns them by config
     once all said INFO, with KV pools of one size: where SGLang lowered a pool below the cap
     (its profiled memory: on a GPU too small for every engine at the cap, the engine that
     profiles last gets what is left), all are restarted once with the pools they held shared out
     evenly (``equal_pool``; ``run.meta["pool_equalized"]``), since engines with unequal pools serve different
     workloads (evictions, re-prefill) and their ratio says nothing about GraniKV. Raises
     EngineGone (all killed) when one fails to start or the pools still differ."""
+    extra = fit_pools(run, model, extra)
     engines, caps = _start_engines(run, model, rows, extra)
     if not pools_differ(caps):
         return engines
@@ -248,6 +251,57 @@ def start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
 
 
 pools_differ = report.pools_differ  # engines whose KV pools differ more than POOL_TOLERANCE are not comparable
+
+#: what one engine holds on its GPU beside its weights and KV pool: CUDA context, graphs, activations
+ENGINE_RESERVE_BYTES = 2 << 30
+#: a fitted pool smaller than this serves no grid row (a 16K prefix and 64 suffixes): the model is skipped
+MIN_FITTED_POOL_TOKENS = 32768
+
+
+def fit_pools(run: Run, model: grid.Model, extra: Dict[str, Any]) -> Dict[str, Any]:
+    """``extra`` with ``max_total_tokens`` lowered to ``fitted_pool`` where this GPU (its free
+    memory now, ``engine_proc.gpu_free_bytes``) cannot hold every engine of ``model`` at its cap;
+    recorded in ``run.meta["pool_fitted"]``. A pool given with ``--engine-arg max_total_tokens``
+    is kept as given."""
+    if "max_total_tokens" in extra:
+        return extra
+    n = len(run.configs)
+    kw = engine_kwargs(model, run.args.backend, "baseline", extra, engines=n)
+    free = engine_proc.gpu_free_bytes()
+    tokens = fitted_pool(model, kw, n, free)
+    if tokens is None:
+        return extra
+    cap = int(kw["max_total_tokens"])
+    print(f"{model.name}: {n} engines at {cap} KV tokens do not fit this GPU ({free / 2**30:.1f} GiB free); "
+          f"each starts at {tokens}", flush=True)
+    run.meta.setdefault("pool_fitted", {})[model.name] = dict(tokens=tokens, cap=cap, free_gib=round(free / 2**30, 1))
+    return dict(extra, max_total_tokens=tokens)
+
+
+def fitted_pool(model: grid.Model, kw: Mapping[str, Any], engines: int, free_bytes: Optional[int]) -> Optional[int]:
+    """The KV pool (tokens) each of ``engines`` engines of ``model`` started side by side on one
+    GPU with ``free_bytes`` free can hold, where they cannot all hold the cap
+    ``kw["max_total_tokens"]`` there; None where they can (or the cap or the free memory is
+    unknown). SGLang sizes a pool as the free memory after loading its own weights less
+    ``(1 - mem_fraction_static)`` x the free memory it saw before loading them
+    (``kv_cache_configurator``); engines started at once can see another's weights and pool land
+    in between, so the pool that fits every order is ``(fraction x free - engines x (weights +
+    ENGINE_RESERVE_BYTES)) / engines`` (weights at 2 bytes a parameter: a smaller pool than fits
+    where they are fewer). Raises EngineGone where that leaves less than MIN_FITTED_POOL_TOKENS."""
+    cap = kw.get("max_total_tokens")
+    if not free_bytes or not cap:
+        return None
+    facts = grid.model_facts(model.config(), kv_dtype_bytes(model.name))
+    weights, per_token = 2 * facts["params"], facts["kv_bytes"]
+    fraction = float(kw.get("mem_fraction_static", BASE_ENGINE_KWARGS["mem_fraction_static"]))
+    tokens = int((fraction * free_bytes - engines * (weights + ENGINE_RESERVE_BYTES)) / engines / per_token)
+    if tokens >= int(cap):
+        return None
+    tokens = tokens // 1024 * 1024
+    if tokens < MIN_FITTED_POOL_TOKENS:
+        raise EngineGone(f"{model.name}: {engines} engines do not fit one GPU with {free_bytes / 2**30:.1f} GiB free "
+                         f"({weights / 2**30:.1f} GiB of weights each; a KV pool of {max(tokens, 0)} tokens each)")
+    return tokens
 
 
 def equal_pool(caps: Mapping[str, Optional[int]]) -> int:

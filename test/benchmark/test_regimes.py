@@ -330,6 +330,7 @@ class FakeResident:
 def fake_resident(regimes, monkeypatch):
     FakeResident.log, FakeResident.probes, FakeResident.starts, FakeResident.pools = [], [], [], None
     monkeypatch.setattr(regimes, "ResidentEngine", FakeResident)
+    monkeypatch.setattr(regimes.engine_proc, "gpu_free_bytes", lambda: None)  # a GPU's memory: unknown
     return FakeResident
 
 
@@ -423,6 +424,52 @@ def test_kv_pools_that_still_differ_skip_the_model_with_the_reason(regimes, fake
     assert ["llama-3.1-8b/short1k_3sharers", "an engine did not start"] in doc["meta"]["skipped"]
     assert any("KV pools still differ" in r.get("error", "") for r in doc["measurements"] if r["kind"] == "error")
     assert len(fake_resident.starts) == 4  # one restart, then given up
+
+
+def test_fitted_pool_where_the_engines_do_not_fit_at_the_cap(regimes):
+    """Two Llama-3.1-8B engines at the 288K cap need ~2 x 53 GiB: on an 80 GB GPU each gets the
+    pool that fits whatever order they profile in (SGLang's rule: free after its weights less
+    15% of the free before); on an H200 the cap stays; a model whose weights alone do not fit twice
+    is refused with the numbers."""
+    models = {m.name: m for m in regimes.grid.MODELS}
+    llama = models["llama-3.1-8b"]
+    kw = regimes.engine_kwargs(llama, "flashinfer", "baseline", {}, engines=2)
+    free = int(79.2 * 2**30)
+    tokens = regimes.fitted_pool(llama, kw, 2, free)
+    facts = regimes.grid.model_facts(llama.config())
+    w, b = 2 * facts["params"], facts["kv_bytes"]
+    assert tokens % 1024 == 0 and 100_000 < tokens < regimes.grid.LLAMA_POOL_TOKENS
+    # the worst order: the other engine's weights, pool and reserve in place before this one's
+    # weights, its slack taken on all the memory that was free at the start
+    assert free - 2 * w - tokens * b - 2 * regimes.ENGINE_RESERVE_BYTES - 0.15 * free >= tokens * b
+    assert regimes.fitted_pool(llama, kw, 2, 139 * 2**30) is None
+    assert regimes.fitted_pool(llama, kw, 2, None) is None
+    big = models["qwen3-30b-a3b"]
+    with pytest.raises(regimes.EngineGone, match="2 engines do not fit one GPU with 79.2 GiB free"):
+        regimes.fitted_pool(big, regimes.engine_kwargs(big, "flashinfer", "baseline", {}, engines=2), 2, free)
+
+
+def test_engines_start_at_the_fitted_pool_on_a_smaller_gpu(regimes, fake_resident, tmp_path, monkeypatch):
+    """Both engines start at the fitted pool (not at the cap, where the second to profile fails to
+    start on an 80 GB GPU) and the run records it; a pool given with --engine-arg is kept."""
+    fake_resident.answer = _one_row
+    monkeypatch.setattr(regimes.engine_proc, "gpu_free_bytes", lambda: int(79.2 * 2**30))
+    llama = {m.name: m for m in regimes.grid.MODELS}["llama-3.1-8b"]
+    fitted = regimes.fitted_pool(llama, regimes.engine_kwargs(llama, "flashinfer", "baseline", {}), 2,
+                                 int(79.2 * 2**30))
+    fake_resident.pools = {"baseline": [fitted], "granikv": [fitted]}
+    argv = ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
+            "--time-budget-s", "0", "--repeats", "1"]
+    assert regimes.main(argv) == 0
+    assert fake_resident.starts == [("baseline", fitted), ("granikv", fitted)]
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    assert doc["meta"]["pool_fitted"]["llama-3.1-8b"] == dict(tokens=fitted, cap=regimes.grid.LLAMA_POOL_TOKENS,
+                                                             free_gib=79.2)
+    assert f"- llama-3.1-8b: {fitted} KV tokens per engine" in (tmp_path / "regimes_flashinfer.md").read_text()
+    fake_resident.starts.clear()
+    fake_resident.pools = {"baseline": [100352], "granikv": [100352]}
+    assert regimes.main(argv + ["--engine-arg", "max_total_tokens=100352", "--out", str(tmp_path / "given")]) == 0
+    assert fake_resident.starts == [("baseline", 100352), ("granikv", 100352)]
 
 
 def test_pools_differ_and_equal_pool(regimes):
