@@ -72,8 +72,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "suite's budget; 'all': every model).")
     p.add_argument("--grid-rows", default=None, help="regimes --rows (default: every row).")
     p.add_argument("--grid-budget-s", type=float, default=None,
-                   help=f"regimes --time-budget-s per backend (default: GRID_BUDGET_S = {GRID_BUDGET_S:g} s for the "
-                        "whole grid, two thirds to the first backend, the rest shared by the others).")
+                   help=f"The grid's time budget, split into regimes --time-budget-s per backend: two thirds "
+                        f"to the first backend, the rest shared by the others (default GRID_BUDGET_S = "
+                        f"{GRID_BUDGET_S:g} s).")
     p.add_argument("--grid-repeats", type=int, default=3)
     p.add_argument("--grid-also-stock", type=csv, default=[],
                    help="regimes --also-stock: a stock engine of each of these backends beside every grid "
@@ -145,16 +146,16 @@ def python_cmd(module: str, *args: str) -> List[str]:
 
 
 def grid_budgets(args: argparse.Namespace) -> List[float]:
-    """Each grid backend's time budget: ``--grid-budget-s`` for every one, or by default
-    ``GRID_BUDGET_S`` split: two thirds to the first backend (flashinfer, the baseline that
-    counts), the rest shared by the others (all of it when there is one)."""
+    """Each grid backend's time budget: the grid's whole budget (``--grid-budget-s``, default
+    ``GRID_BUDGET_S``) split: two thirds to the first backend (flashinfer, the baseline that
+    counts), the rest shared by the others (all of it when there is one), so that the grid part
+    fits the budget it is given whatever the number of backends."""
     n = len(args.grid_backends)
-    if args.grid_budget_s is not None:
-        return [args.grid_budget_s] * n
+    total = GRID_BUDGET_S if args.grid_budget_s is None else float(args.grid_budget_s)
     if n <= 1:
-        return [GRID_BUDGET_S] * n
-    first = round(GRID_BUDGET_S * 2 / 3)
-    return [float(first)] + [round((GRID_BUDGET_S - first) / (n - 1))] * (n - 1)
+        return [total] * n
+    first = round(total * 2 / 3)
+    return [float(first)] + [float(round((total - first) / (n - 1)))] * (n - 1)
 
 
 def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[str]]]:

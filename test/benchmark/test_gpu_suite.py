@@ -34,7 +34,9 @@ def test_parts_and_their_commands(suite, tmp_path):
     assert all(c[:3] == [sys.executable, "-m", "benchmark.multi_agent.regimes"] for c in cmds["grid"])
     assert [c[c.index("--backend") + 1] for c in cmds["grid"]] == ["flashinfer", "triton"]
     g = cmds["grid"][0]
-    assert g[g.index("--time-budget-s") + 1] == "300" and g[g.index("--models") + 1] == "llama-3.1-8b"
+    assert g[g.index("--time-budget-s") + 1] == "200" and g[g.index("--models") + 1] == "llama-3.1-8b"
+    t = cmds["grid"][1]
+    assert t[t.index("--time-budget-s") + 1] == "100"  # the grid's budget, split: it fits what it is given
     assert str(tmp_path / "grid") in g and str(tmp_path / "correctness") in cmds["correctness"][0]
     with pytest.raises(SystemExit):
         suite.parse_args(["--parts", "tests,bogus"])
@@ -54,7 +56,7 @@ def test_default_budgets_split_the_suites_grid_and_correctness_runs_at_scale_2_t
     three = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "flashinfer,triton,fa3"])
     assert suite.grid_budgets(three) == [320.0, 80.0, 80.0]
     mine = suite.parse_args(["--out", str(tmp_path), "--grid-budget-s", "100", "--correctness-args", ""])
-    assert suite.grid_budgets(mine) == [100.0, 100.0]
+    assert suite.grid_budgets(mine) == [67.0, 33.0]
     assert suite.part_commands(mine, tmp_path)["correctness"][0][-1] == str(tmp_path / "correctness")
     assert all("--host-probe-steps" not in c for c in cmds["grid"])
     host = suite.parse_args(["--out", str(tmp_path), "--grid-host-probe-steps", "16"])
