@@ -444,6 +444,16 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "wgmma_qreg_bn32_s4": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32, prefix_stages=4),
     "wgmma_qreg_bn32_s4_pw3.0": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32, prefix_stages=4,
                                      prefix_waves=3.0),
+    # not measured yet: a suffix program small enough to run beside two wgmma prefix programs
+    # on one SM (the prefix at 2 waves then fills both of its slots, the suffix a third one):
+    # kv tiles of 16 x 2 heads, one stage: 89 registers and 13 KB of shared memory per program
+    # on sm90 (ptxas, Triton 3.8), against 255 and 40 KB for the default suffix tile; two
+    # prefix programs with the query in registers hold 2 x 184 x 128 registers and ~2 x 97 KB
+    "lean_sfx": dict(suffix_block_n=16, suffix_max_keys=32, suffix_stages=1),
+    "pw1.75_lean_sfx": dict(prefix_waves=1.75, suffix_block_n=16, suffix_max_keys=32, suffix_stages=1),
+    "pw2.0_lean_sfx": dict(prefix_waves=2.0, suffix_block_n=16, suffix_max_keys=32, suffix_stages=1),
+    "pw2.0_lean_sfx_swv8": dict(prefix_waves=2.0, suffix_block_n=16, suffix_max_keys=32, suffix_stages=1,
+                                suffix_waves=8.0),
     "wgmma_ws": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.0),
     "wgmma_ws_pw1.5": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=1.5),
     "wgmma_ws_pw2.0": dict(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, prefix_waves=2.0),
