@@ -96,3 +96,29 @@ def test_write_json_is_atomic(tmp_path, monkeypatch):
         results.write_json(path, {"rows": [2]})
     assert json.loads(path.read_text()) == {"rows": [1]}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_gpu_free_bytes_reads_nvidia_smi_of_the_engines_gpu(monkeypatch):
+    """The first visible GPU's free memory in bytes; None without nvidia-smi or with output it
+    cannot read (the grid then keeps its caps)."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return SimpleNamespace(returncode=0, stdout="81090\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert engine_proc.gpu_free_bytes() == 81090 << 20
+    assert seen[-1][-2:] == ["-i", "3"]
+
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=0, stdout="[N/A]\n"))
+    assert engine_proc.gpu_free_bytes() is None
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert engine_proc.gpu_free_bytes() is None
