@@ -25,6 +25,10 @@ the unique bytes (each K/V token read once, q read, out written) and the useful 
                                              # the TMA prefix kernel beside the default and FlashInfer
     python -m benchmark.kernels.bench_attention --shape qwen2.5-7b --sweep --out DIR
                                              # another model's heads (SHAPES): per-shape tile sweep
+    python -m benchmark.kernels.bench_attention --matrix --max-bs 256 --out DIR
+                                             # the prefix part at GQA 1/3/4/7/8 x head_dim 128/64 x
+                                             # 4K-32K prefixes x 16-256 sharers, beside FlashInfer's
+                                             # cascade and its fa3 prefill with packed queries
     python -m benchmark.kernels.bench_attention --kv-dtype fp8_e4m3 --sweep --variants descriptor --out DIR
                                              # over an FP8 cache ("auto" keeps pointer loads there;
                                              # "descriptor" forces tensor-descriptor loads of FP8 tiles)
@@ -62,6 +66,7 @@ SHAPES = {  # --shape: (q heads, kv heads, head_dim) per layer at TP 1
     # the grid's hybrid and MoE models (docs/results/hybrid_models.md): gpt-oss's full-attention
     # layers (GQA 8 at head_dim 64, where its decode step sits furthest from the floor) and Qwen3-MoE's
     "gpt-oss-20b": (64, 8, 64), "qwen3-30b-a3b": (32, 4, 128),
+    "gqa8": (64, 8, 128),  # GQA 8 at head_dim 128 (the prefix matrix, --matrix)
 }
 HQ, HKV, D = SHAPES["llama-3.1-8b"]
 SCALE = D**-0.5
@@ -241,8 +246,7 @@ def run_baselines(case, row, outs, ws_bytes):
         traceback.print_exc()
     try:
         import flashinfer
-        from flashinfer import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                                MultiLevelCascadeAttentionWrapper)
+        from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
         kv = (case.k.view(-1, 1, HKV, D), case.v.view(-1, 1, HKV, D))
         ones_b = torch.ones(B, dtype=torch.int32, device=DEV)
@@ -250,37 +254,48 @@ def run_baselines(case, row, outs, ws_bytes):
         w.plan(case.full_indptr, case.full_idx, ones_b, HQ, HKV, D, 1, data_type=DT, q_data_type=DT)
         outs["fi_decode_tc"] = w.run(case.q, kv)
         row["fi_decode_tc_ms"], _ = bench(lambda: w.run(case.q, kv), graph=False)
-        if case.g.group_req_idx.size == B and all(lp > 0 for lp, _ in case.groups):
-            i32 = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device=DEV)  # noqa: E731
-            G = len(case.groups)
-            qo0 = i32(case.g.group_req_indptr)
-            kv0_ptr = i32(np.cumsum([0] + [lp for lp, _ in case.groups]))
-            kv0_idx = torch.cat([torch.arange(s, s + lp, dtype=torch.int32, device=DEV)
-                                 for s, (lp, _) in zip(case.g.group_start, case.groups)])
-            qo1 = torch.arange(B + 1, dtype=torch.int32, device=DEV)
-            sfx = torch.as_tensor(case.seq_lens - case.g.prefix_len)
-            kv1_ptr = i32(np.concatenate([[0], np.cumsum(sfx.numpy())]))
-            kv1_idx = torch.cat([case.r2t[i + 1, case.g.prefix_len[i] : case.seq_lens[i]] for i in range(B)])
-            for be, name in (("fa2", "fi_cascade_fa2"), ("auto", "fi_cascade_fa3")):
-                try:
-                    c = MultiLevelCascadeAttentionWrapper(2, ws_bytes, "NHD")
-                    if be != "auto":
-                        c._batch_prefill_wrappers = [BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
-                                                     for _ in range(2)]
-                    pl = lambda: c.plan([qo0, qo1], [kv0_ptr, kv1_ptr], [kv0_idx, kv1_idx],  # noqa: E731
-                                        [torch.ones(G, dtype=torch.int32, device=DEV), ones_b], HQ, HKV, D, 1,
-                                        causal=False, q_data_type=DT, kv_data_type=DT)
-                    row[name + "_plan_ms"] = host_ms(pl, n=5)
-                    pl()
-                    outs[name] = c.run(case.q, kv)
-                    row[name + "_ms"], _ = bench(lambda: c.run(case.q, kv), graph=False)
-                except Exception as e:  # noqa: BLE001
-                    row[name + "_error"] = repr(e)[:300]
-                    traceback.print_exc()
+        run_fi_cascade(case, row, outs, ws_bytes, kv)
         del flashinfer
     except Exception as e:  # noqa: BLE001
         row["flashinfer_error"] = repr(e)[:300]
         traceback.print_exc()
+
+
+def run_fi_cascade(case, row, outs, ws_bytes, kv):
+    """FlashInfer's two-level cascade over the case's groups (level 0: each group's prefix,
+    level 1: each request's suffix) with its fa2 and its default (fa3 on sm90) prefill kernels."""
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper, MultiLevelCascadeAttentionWrapper
+
+    B = case.n_req
+    if not (case.g.group_req_idx.size == B and all(lp > 0 for lp, _ in case.groups)):
+        return
+    ones_b = torch.ones(B, dtype=torch.int32, device=DEV)
+    i32 = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device=DEV)  # noqa: E731
+    G = len(case.groups)
+    qo0 = i32(case.g.group_req_indptr)
+    kv0_ptr = i32(np.cumsum([0] + [lp for lp, _ in case.groups]))
+    kv0_idx = torch.cat([torch.arange(s, s + lp, dtype=torch.int32, device=DEV)
+                         for s, (lp, _) in zip(case.g.group_start, case.groups)])
+    qo1 = torch.arange(B + 1, dtype=torch.int32, device=DEV)
+    sfx = torch.as_tensor(case.seq_lens - case.g.prefix_len)
+    kv1_ptr = i32(np.concatenate([[0], np.cumsum(sfx.numpy())]))
+    kv1_idx = torch.cat([case.r2t[i + 1, case.g.prefix_len[i] : case.seq_lens[i]] for i in range(B)])
+    for be, name in (("fa2", "fi_cascade_fa2"), ("auto", "fi_cascade_fa3")):
+        try:
+            c = MultiLevelCascadeAttentionWrapper(2, ws_bytes, "NHD")
+            if be != "auto":
+                c._batch_prefill_wrappers = [BatchPrefillWithPagedKVCacheWrapper(ws_bytes, "NHD", backend=be)
+                                             for _ in range(2)]
+            pl = lambda: c.plan([qo0, qo1], [kv0_ptr, kv1_ptr], [kv0_idx, kv1_idx],  # noqa: E731
+                                [torch.ones(G, dtype=torch.int32, device=DEV), ones_b], HQ, HKV, D, 1,
+                                causal=False, q_data_type=DT, kv_data_type=DT)
+            row[name + "_plan_ms"] = host_ms(pl, n=5)
+            pl()
+            outs[name] = c.run(case.q, kv)
+            row[name + "_ms"], _ = bench(lambda: c.run(case.q, kv), graph=False)
+        except Exception as e:  # noqa: BLE001
+            row[name + "_error"] = repr(e)[:300]
+            traceback.print_exc()
 
 
 def run_case(groups, suffix, configs, bw, tf, ws_bytes, max_bs, n_ungrouped=0, ungrouped_len=0):
@@ -550,6 +565,126 @@ def sweep(args):
               + f" diff={r.get('maxdiff', r.get('error', '-'))}")
 
 
+# --matrix: the prefix part at every (head shape, prefix length, sharers) point, beside
+# FlashInfer's cascade (fa2 / fa3 prefill kernels) and FlashInfer's fa3 prefill over the same
+# prefix with the sharers' queries packed as one sequence's query tokens
+MATRIX_SHAPES = ("mha", "gqa3", "llama-3.1-8b", "qwen2.5-7b", "gqa8",
+                 "mha-d64", "gqa3-d64", "llama-3.1-8b-d64", "qwen2.5-7b-d64", "gpt-oss-20b")  # GQA 1/3/4/7/8 x D 128/64
+MATRIX_PREFIXES = (4096, 8192, 16384, 32768)
+MATRIX_SHARERS = (16, 32, 64, 128, 256)
+MATRIX_SUFFIX = 64  # tokens of each sharer's private suffix
+BANDWIDTH_BOUND_ROWS = 128  # query rows per kv head at or below which a prefix launch is reported in TB/s
+
+
+def matrix_points(shapes=MATRIX_SHAPES, prefixes=MATRIX_PREFIXES, sharers=MATRIX_SHARERS):
+    """(shape name, prefix length, sharers) of every --matrix point, shape by shape (one shape's
+    kernels compile once)."""
+    for name in shapes:
+        if name not in SHAPES:
+            raise ValueError(f"--matrix shape {name}: not in SHAPES ({', '.join(SHAPES)})")
+        for lp in prefixes:
+            for n in sharers:
+                yield name, lp, n
+
+
+def prefix_rate(rows_per_kv_head: int, flops: float, kv_bytes: float, us: float):
+    """How a prefix launch of ``us`` is reported: ("TB/s", its unique K/V bytes per second) where
+    it is bandwidth-bound (``BANDWIDTH_BOUND_ROWS`` query rows per kv head or fewer), else
+    ("TFLOP/s", its useful FLOPs per second)."""
+    if rows_per_kv_head <= BANDWIDTH_BOUND_ROWS:
+        return "TB/s", round(kv_bytes / (us * 1e-6) / 1e12, 2)
+    return "TFLOP/s", round(flops / (us * 1e-6) / 1e12, 1)
+
+
+def run_fa3_packed_prefill(case, row, outs):
+    """FlashInfer's fa3 prefill over the (one) group's prefix extent, the sharers' queries packed
+    as the query tokens of one non-causal sequence: a library call for the prefix part alone."""
+    import flashinfer
+
+    (lp, n), start = case.groups[0], int(case.g.group_start[0])
+    k, v = case.k[start : start + lp], case.v[start : start + lp]
+    q = case.q[:n].contiguous()
+    for be in ("fa3", "auto"):  # fa3 where FlashInfer has it (sm90), else its default kernel
+        try:
+            f = lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=False, sm_scale=SCALE,  # noqa: E731
+                                                                backend=be, return_lse=True)
+            outs["fi_prefill_packed"] = f()[0]
+            row["fi_prefill_packed_us"] = round(bench(f, graph=False)[0] * 1e3, 1)
+            row["fi_prefill_packed_backend"] = be
+            return
+        except Exception as e:  # noqa: BLE001
+            row["fi_prefill_packed_error"] = repr(e)[:300]
+
+
+def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
+    """One --matrix point: GraniKV's prefix launch alone and its cascade layer (CUDA-graph
+    replays, the config GraniKV picks for the shape), FlashInfer's cascade and packed prefill."""
+    set_shape(name)
+    case = Case([(lp, n)], MATRIX_SUFFIX)
+    cfg = base_config()
+    rows = n * (HQ // HKV)
+    row = dict(shape=name, hq=HQ, hkv=HKV, d=D, prefix=lp, sharers=n, suffix=MATRIX_SUFFIX,
+               rows_per_kv_head=rows, prefix_kernel=cfg.prefix_kernel)
+    outs = {}
+    try:
+        ws = CascadeWorkspace(ws_max_bs(n, max_bs), HQ, HKV, D, DEV, config=cfg)
+        case.fill(ws)
+        out = torch.empty_like(case.q)
+        row["gkv_prefix_us"] = round(bench(lambda: prefix_attention(case.q, case.k, case.v, ws.plan,
+                                                                    sm_scale=SCALE))[0] * 1e3, 1)
+        row["gkv_cascade_us"] = round(bench(lambda: cascade_attention(case.q, case.k, case.v, case.r2t, ws.plan,
+                                                                      sm_scale=SCALE, out=out))[0] * 1e3, 1)
+        outs["gkv_cascade"] = out.clone()
+        row["gkv_prefix_items"] = ws.work_list.num_prefix_items
+        unit, rate = prefix_rate(rows, prefix_flops([(lp, n)]), prefix_kv_bytes([(lp, n)]), row["gkv_prefix_us"])
+        row["prefix_unit"], row["gkv_prefix_rate"] = unit, rate
+    except Exception as e:  # noqa: BLE001
+        row["gkv_error"] = repr(e)[:300]
+        traceback.print_exc()
+    try:
+        kv = (case.k.view(-1, 1, HKV, D), case.v.view(-1, 1, HKV, D))
+        run_fi_cascade(case, row, outs, ws_bytes, kv)
+        for k in ("fi_cascade_fa2", "fi_cascade_fa3"):
+            if k + "_ms" in row:
+                row[k + "_us"] = round(row.pop(k + "_ms") * 1e3, 1)
+        run_fa3_packed_prefill(case, row, outs)
+        if "fi_prefill_packed_us" in row:
+            row["fi_prefill_packed_rate"] = prefix_rate(rows, prefix_flops([(lp, n)]), prefix_kv_bytes([(lp, n)]),
+                                                        row["fi_prefill_packed_us"])[1]
+    except Exception as e:  # noqa: BLE001
+        row["flashinfer_error"] = repr(e)[:300]
+        traceback.print_exc()
+    ref = outs.get("fi_cascade_fa2")
+    if ref is not None and "gkv_cascade" in outs:
+        row["maxdiff_gkv_cascade"] = round((outs["gkv_cascade"].float() - ref.float()).abs().max().item(), 4)
+    del case
+    torch.cuda.empty_cache()
+    return row
+
+
+def matrix(args) -> None:
+    """--matrix: every ``matrix_points`` point (``--matrix-shapes`` narrows the shapes), one
+    JSON row each, written after every point (kernels_matrix.json), and a table at the end."""
+    shapes = tuple(filter(None, args.matrix_shapes.split(","))) or MATRIX_SHAPES
+    ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
+    rows = []
+    path = os.path.join(args.out, "kernels_matrix.json")
+    for name, lp, n in matrix_points(shapes):
+        t = time.time()
+        row = matrix_point(name, lp, n, ws_bytes, args.max_bs)
+        row["point_s"] = round(time.time() - t, 1)
+        rows.append(row)
+        print("MATRIX", json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs,
+                           suffix=MATRIX_SUFFIX, rows=rows), f, indent=1)
+    for r in rows:
+        print(f"{r['shape']:<18}{r['prefix']:>6} x{r['sharers']:<4} M={r['rows_per_kv_head']:<5} "
+              f"prefix={r.get('gkv_prefix_us', '-')}us ({r.get('gkv_prefix_rate', '-')} {r.get('prefix_unit', '')}) "
+              f"cascade={r.get('gkv_cascade_us', '-')} fa2={r.get('fi_cascade_fa2_us', '-')} "
+              f"fa3={r.get('fi_cascade_fa3_us', '-')} packed={r.get('fi_prefill_packed_us', '-')}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="key points only (tuning variants: --sweep)")
@@ -568,6 +703,10 @@ def main():
     ap.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES),
                     help="the KV cache's dtype (fp8_*: K/V stored as SGLang stores an FP8 cache, the "
                          "kernels given its scales; with --sweep only: the baselines read bf16)")
+    ap.add_argument("--matrix", action="store_true",
+                    help="the prefix part over MATRIX_SHAPES x MATRIX_PREFIXES x MATRIX_SHARERS beside FlashInfer's "
+                         "cascade (fa2, fa3) and its fa3 prefill with packed queries (kernels_matrix.json)")
+    ap.add_argument("--matrix-shapes", default="", help="with --matrix: comma-separated SHAPES (default: all of them)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     set_shape(args.shape)
@@ -580,6 +719,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if args.sweep:
         return sweep(args)
+    if args.matrix:
+        return matrix(args)
     bw, tf = ceilings()
     print(f"ceilings: copy {bw:.2f} TB/s, bf16 matmul {tf:.0f} TFLOP/s", flush=True)
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)

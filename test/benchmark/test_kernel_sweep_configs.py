@@ -122,3 +122,64 @@ def test_sweep_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path, kv_dtype):
         assert mod.prefix_kv_bytes(r["groups"]) == sum(2 * lp * mod.HKV * mod.D * item for lp, _ in r["groups"])
         assert r["prefix_tbs"] == round(mod.prefix_kv_bytes(r["groups"]) / (r["prefix_us"] * 1e-6) / 1e12, 2)
         assert r["prefix_rows_per_kv_head"] == max(n for _, n in r["groups"]) * (mod.HQ // mod.HKV)
+
+
+def test_matrix_covers_every_gqa_shape_and_head_dim():
+    """--matrix: GQA 1 / 3 / 4 / 7 / 8 at head_dim 128 and 64, 4K-32K prefixes, 16-256 sharers
+    (200 points, one shape's points together); the prefix launch reported in TB/s at 128 query
+    rows per kv head or fewer, else in TFLOP/s; every shape's config plans its largest point."""
+    shapes = {(bench.SHAPES[n][0] // bench.SHAPES[n][1], bench.SHAPES[n][2]) for n in bench.MATRIX_SHAPES}
+    assert shapes == {(g, d) for g in (1, 3, 4, 7, 8) for d in (64, 128)}
+    points = list(bench.matrix_points())
+    assert len(points) == 200 and [p[0] for p in points[:20]] == [bench.MATRIX_SHAPES[0]] * 20
+    assert bench.prefix_rate(128, 2e9, 1e9, 1000.0) == ("TB/s", 1.0)
+    assert bench.prefix_rate(129, 2e9, 1e9, 1000.0) == ("TFLOP/s", 2.0)
+    with pytest.raises(ValueError, match="--matrix shape nope"):
+        list(bench.matrix_points(shapes=("nope",)))
+    for name in bench.MATRIX_SHAPES:
+        bench.set_shape(name)
+        try:
+            lp, n = max(bench.MATRIX_PREFIXES), max(bench.MATRIX_SHARERS)
+            ws = CascadeWorkspace(n, bench.HQ, bench.HKV, bench.D, "cpu", config=bench.base_config(), sm_count=132)
+            grouping = Grouping.of([1], [lp], [0, n], np.arange(n), np.full(n, lp))
+            ws.fill(grouping, np.full(n, lp + bench.MATRIX_SUFFIX), np.arange(n) + 1)
+            ws.check_integrity()
+        finally:
+            bench.set_shape("llama-3.1-8b")
+
+
+def test_matrix_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
+    """The matrix's GraniKV calls (prefix launch, cascade layer) run under the Triton interpreter
+    on tiny points and write one JSON row per point; a library baseline that cannot run is an
+    error field of its row, never a lost point."""
+    import json
+    import types
+
+    import torch
+
+    mod = load("kernels", "bench_attention.py")
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(mod, "DT", torch.float16)
+    monkeypatch.setattr(mod, "bench", lambda fn, graph=True: (fn(), (1e-3, "eager"))[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setitem(mod.SHAPES, "tiny-gqa3", (6, 2, 16))
+    monkeypatch.setitem(mod.SHAPES, "tiny-mha", (2, 2, 16))
+    monkeypatch.setattr(mod, "MATRIX_PREFIXES", (40,))
+    monkeypatch.setattr(mod, "MATRIX_SHARERS", (3, 50))
+    monkeypatch.setattr(mod, "MATRIX_SUFFIX", 5)
+    monkeypatch.setattr(mod, "matrix_points",
+                        lambda shapes: ((s, lp, n) for s in shapes for lp in mod.MATRIX_PREFIXES for n in mod.MATRIX_SHARERS))
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(16, dtype=torch.uint8)
+                        if a and a[0] == 512 << 20 else real_empty(*a, **kw))
+    mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-gqa3,tiny-mha", max_bs=0, out=str(tmp_path)))
+    doc = json.loads((tmp_path / "kernels_matrix.json").read_text())
+    rows = doc["rows"]
+    assert [(r["shape"], r["sharers"]) for r in rows] == [("tiny-gqa3", 3), ("tiny-gqa3", 50), ("tiny-mha", 3),
+                                                          ("tiny-mha", 50)]
+    for r in rows:
+        assert "gkv_error" not in r, r.get("gkv_error")
+        assert r["gkv_prefix_us"] == r["gkv_cascade_us"] == 1.0
+        assert r["prefix_unit"] == ("TFLOP/s" if r["rows_per_kv_head"] > 128 else "TB/s")
+        assert "flashinfer_error" in r or "fi_cascade_fa2_us" in r or "fi_cascade_fa2_error" in r
