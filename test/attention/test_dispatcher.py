@@ -198,18 +198,19 @@ def test_h200_model_at_per_rank_heads_of_the_multi_gpu_runs(hq, hkv, layers):
 
 
 def test_a_gpu_without_calibrated_coefficients_is_warned_about_once(caplog, monkeypatch):
-    """No ``--granikv-cost-model`` and no shipped file for the GPU (an H100 here): one warning
-    naming the GPU, the file it looked for and the flag; none for the H200 (its file ships),
-    none with an explicit file, none a second time."""
+    """No ``--granikv-cost-model`` and no shipped file for the GPU (an A100 here): one warning
+    naming the GPU, the file it looked for and the flag; none for the H200 or the H100 80GB
+    (their files ship), none with an explicit file, none a second time."""
     from granikv.attention import dispatcher as dmod
 
     monkeypatch.setattr(dmod, "_WARNED_GPUS", set())
     with caplog.at_level("WARNING", logger="granikv"):
-        assert dmod.warn_if_uncalibrated(None, "NVIDIA H100 80GB HBM3")
-        assert not dmod.warn_if_uncalibrated(None, "NVIDIA H100 80GB HBM3")
+        assert dmod.warn_if_uncalibrated(None, "NVIDIA A100-SXM4-80GB")
+        assert not dmod.warn_if_uncalibrated(None, "NVIDIA A100-SXM4-80GB")
         assert not dmod.warn_if_uncalibrated(None, "NVIDIA H200")
-        assert not dmod.warn_if_uncalibrated("/some/file.json", "NVIDIA A100-SXM4-80GB")
+        assert not dmod.warn_if_uncalibrated(None, "NVIDIA H100 80GB HBM3")
+        assert not dmod.warn_if_uncalibrated("/some/file.json", "NVIDIA L40S")
         assert not dmod.warn_if_uncalibrated(None, None)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "NVIDIA H100 80GB HBM3" in lines[0]
-    assert "cost_model_nvidia-h100-80gb-hbm3.json" in lines[0] and "--granikv-cost-model" in lines[0]
+    assert len(lines) == 1 and "NVIDIA A100-SXM4-80GB" in lines[0]
+    assert "cost_model_nvidia-a100-sxm4-80gb.json" in lines[0] and "--granikv-cost-model" in lines[0]
