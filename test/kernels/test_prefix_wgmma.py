@@ -56,6 +56,48 @@ def test_auto_takes_wgmma_only_where_it_can_run(monkeypatch):
     pa._wgmma_serves.cache_clear()
 
 
+def test_auto_falls_back_to_descriptors_when_the_wgmma_kernel_cannot_be_built(monkeypatch, caplog):
+    """A Triton whose Gluon cannot build the kernel: under "auto" the step runs the descriptor
+    kernel (same partial rows), one warning names the error, and later steps do not try again;
+    ``prefix_kernel="wgmma"`` named explicitly still raises."""
+    from granikv.kernels import prefix_attention as pa
+
+    b = make_batch(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("this Gluon has no warpgroup_mma")
+
+    monkeypatch.setattr(prefix_wgmma, "prefix_wgmma_attention", broken)
+    monkeypatch.setattr(pa, "_WGMMA_FAILED", [])
+    monkeypatch.setattr(pa, "auto_prefix_kernel", lambda q, k, v, cfg: "wgmma" if not pa._WGMMA_FAILED else "descriptor")
+    parts = []
+    for kind in ("auto", "descriptor", "auto"):
+        ws = CascadeWorkspace(16, 8, 2, 64, "cpu", config=replace(tile_config(4, 64), prefix_kernel=kind))
+        fill(ws, b)
+        ws.part_o.fill_(float("nan"))
+        with caplog.at_level("WARNING", logger="granikv"):
+            prefix_attention(b.q, b.k, b.v, ws.plan, sm_scale=b.sm_scale)
+        parts.append(ws.part_o.clone())
+    assert len(calls) == 1 and pa._WGMMA_FAILED and "no warpgroup_mma" in pa._WGMMA_FAILED[0]
+    assert torch.equal(parts[0].nan_to_num(7.0), parts[1].nan_to_num(7.0))
+    warnings = [r.getMessage() for r in caplog.records if "wgmma prefix kernel could not run" in r.getMessage()]
+    assert len(warnings) == 1 and "descriptor" in warnings[0]
+    ws = CascadeWorkspace(16, 8, 2, 64, "cpu", config=replace(tile_config(4, 64), prefix_kernel="wgmma"))
+    fill(ws, b)
+    with pytest.raises(RuntimeError, match="no warpgroup_mma"):
+        prefix_attention(b.q, b.k, b.v, ws.plan, sm_scale=b.sm_scale)
+    # the real "auto" check: no wgmma once it failed, whatever the device says
+    monkeypatch.setattr(prefix_wgmma, "wgmma_unfit_for", lambda *a: "")
+    pa._wgmma_serves.cache_clear()
+    assert not pa._wgmma_serves(torch.device("cpu"), torch.float16, torch.float16, torch.float16, 64, 64, 3, False)
+    monkeypatch.setattr(pa, "_WGMMA_FAILED", [])
+    pa._wgmma_serves.cache_clear()
+    assert pa._wgmma_serves(torch.device("cpu"), torch.float16, torch.float16, torch.float16, 64, 64, 3, False)
+    pa._wgmma_serves.cache_clear()
+
+
 def test_unfit_reasons_name_what_does_not_fit():
     q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(100, 8, 128, dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ partial state (o, lse) per row into the workspace's partial table (see work_list
 """
 
 import functools
+import logging
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -20,6 +21,8 @@ import triton.language as tl
 
 from granikv.kernels.kernel_config import FP8_KV_DTYPES, PREFIX_SOFTMAX_MODES, KernelConfig, PrefixKernel
 from granikv.kernels.plan import CascadePlan
+
+logger = logging.getLogger("granikv")
 
 __all__ = ["prefix_attention", "descriptor_fits", "kv_descriptor", "math_f16", "launch_limits"]
 
@@ -274,6 +277,21 @@ def auto_prefix_kernel(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     return "wgmma" if serves else "descriptor"
 
 
+def _wgmma_failed(error: Exception) -> None:
+    """The wgmma kernel failed to build or launch under "auto" (a Triton whose Gluon differs from
+    the one it is written for): logged once, and "auto" takes the descriptor kernel from then on."""
+    if _WGMMA_FAILED:
+        return
+    _WGMMA_FAILED.append(f"{type(error).__name__}: {error}")
+    _wgmma_serves.cache_clear()
+    logger.warning("GraniKV: the wgmma prefix kernel could not run with Triton %s (%s: %s); the cascade's "
+                   "prefix part uses the descriptor kernel instead (--granikv-prefix-kernel descriptor "
+                   "silences this)", triton.__version__, type(error).__name__, str(error)[:300])
+
+
+_WGMMA_FAILED: List[str] = []  # the error that turned "auto" away from the wgmma kernel, once it happened
+
+
 @functools.lru_cache(maxsize=64)
 def _wgmma_serves(device: torch.device, q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype,
                   head_dim: int, block_m: int, stages: int, warp_specialize: bool) -> bool:
@@ -281,7 +299,7 @@ def _wgmma_serves(device: torch.device, q_dtype: torch.dtype, k_dtype: torch.dty
     per device, dtypes and tile (a decode step launches the prefix once per layer)."""
     from granikv.kernels.prefix_wgmma import wgmma_unfit_for
 
-    if k_dtype != v_dtype or stages < 2 or (warp_specialize and block_m != 128):
+    if _WGMMA_FAILED or k_dtype != v_dtype or stages < 2 or (warp_specialize and block_m != 128):
         return False
     return not wgmma_unfit_for(device, q_dtype, k_dtype, head_dim, block_m)
 
@@ -371,16 +389,23 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     scale, f16 = score_math(q, k_buffer, cfg, sm_scale, k_scale)
     softmax = PREFIX_SOFTMAX[cfg.prefix_softmax]
     kind = cfg.prefix_kernel
-    if kind == "auto":
+    chosen = kind == "auto"
+    if chosen:
         kind = auto_prefix_kernel(q, k_buffer, v_buffer, cfg)
     if kind == "wgmma":
         from granikv.kernels.prefix_wgmma import prefix_wgmma_attention
 
-        prefix_wgmma_attention(q, k_buffer, v_buffer, plan, scale=scale, block_m=cfg.block_m, block_n=cfg.block_n,
-                               stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap,
-                               warp_specialize=cfg.prefix_warp_specialize, maxnreg=cfg.prefix_maxnreg,
-                               q_registers=cfg.prefix_q_registers)
-        return
+        try:
+            prefix_wgmma_attention(q, k_buffer, v_buffer, plan, scale=scale, block_m=cfg.block_m,
+                                   block_n=cfg.block_n, stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap,
+                                   warp_specialize=cfg.prefix_warp_specialize, maxnreg=cfg.prefix_maxnreg,
+                                   q_registers=cfg.prefix_q_registers)
+            return
+        except Exception as e:  # noqa: BLE001 - "auto" only: a kernel this Triton cannot build is not fatal
+            if not chosen:
+                raise
+            _wgmma_failed(e)
+            kind = "descriptor"
     if kind == "descriptor":
         _prefix_desc_kernel[grid](
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
