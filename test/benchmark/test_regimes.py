@@ -396,13 +396,18 @@ def _one_row(job, tags, k):
     return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
 
 
+def _llama_row_argv(tmp_path):
+    """One Llama-3.1-8B row, one repeat, no budget: what the KV-pool tests run."""
+    return ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
+            "--time-budget-s", "0", "--repeats", "1"]
+
+
 def test_unequal_kv_pools_restart_every_engine_at_one_size(regimes, fake_resident, tmp_path):
     """SGLang lowered the GraniKV engine's pool (a GPU too small for both at the cap): both are
     restarted with the pools they held shared out evenly, and the model's rows run on those."""
     fake_resident.answer = _one_row
     fake_resident.pools = {"baseline": [294912, 165888], "granikv": [55081, 165888]}
-    argv = ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
-            "--time-budget-s", "0", "--repeats", "1"]
+    argv = _llama_row_argv(tmp_path)
     assert regimes.main(argv) == 0
     cap = regimes.grid.LLAMA_POOL_TOKENS
     assert fake_resident.starts == [("baseline", cap), ("granikv", cap), ("baseline", 165888), ("granikv", 165888)]
@@ -417,8 +422,7 @@ def test_unequal_kv_pools_restart_every_engine_at_one_size(regimes, fake_residen
 def test_kv_pools_that_still_differ_skip_the_model_with_the_reason(regimes, fake_resident, tmp_path):
     fake_resident.answer = _one_row
     fake_resident.pools = {"baseline": [294912], "granikv": [55081]}
-    argv = ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
-            "--time-budget-s", "0", "--repeats", "1"]
+    argv = _llama_row_argv(tmp_path)
     assert regimes.main(argv) == 1
     doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
     assert ["llama-3.1-8b/short1k_3sharers", "an engine did not start"] in doc["meta"]["skipped"]
@@ -458,8 +462,7 @@ def test_engines_start_at_the_fitted_pool_on_a_smaller_gpu(regimes, fake_residen
     fitted = regimes.fitted_pool(llama, regimes.engine_kwargs(llama, "flashinfer", "baseline", {}), 2,
                                  int(79.2 * 2**30))
     fake_resident.pools = {"baseline": [fitted], "granikv": [fitted]}
-    argv = ["--models", "llama-3.1-8b", "--rows", "short1k_3sharers", "--out", str(tmp_path),
-            "--time-budget-s", "0", "--repeats", "1"]
+    argv = _llama_row_argv(tmp_path)
     assert regimes.main(argv) == 0
     assert fake_resident.starts == [("baseline", fitted), ("granikv", fitted)]
     doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())

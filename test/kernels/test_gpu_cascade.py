@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import fill, make_batch
 
+from support.graph_replay import eager_equals_replay
 from support.per_request import assert_per_request
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.graph_capture import capture_graph
@@ -101,14 +102,7 @@ def test_overlapped_suffix_eager_and_graph():
         fill(ws, b)
         out = torch.full_like(b.q, float("nan"))
         fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)  # noqa: E731
-        fn()
-        eager = out.clone()  # no synchronize: the current stream must already be ordered after the side stream
-        g = capture_graph(fn)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(eager, out)
-        outs.append(out.clone())
+        outs.append(eager_equals_replay(fn, out))  # the eager copy unsynchronized: ordered after the side stream
     assert _rel_err(outs[1], _ref(b)) < 1e-2
     assert torch.equal(outs[0], outs[1])
 
@@ -196,14 +190,7 @@ def test_descriptor_prefix_kernel_bf16_eager_and_graph(hq, hkv, warp_specialize)
         fill(ws, b)
         out = torch.full_like(b.q, float("nan"))
         fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)  # noqa: E731
-        fn()
-        eager = out.clone()
-        g = capture_graph(fn)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(eager, out)
-        outs.append(out.clone())
+        outs.append(eager_equals_replay(fn, out))
     ref = _ref(b)
     assert _rel_err(outs[1], ref) < 1e-2
     assert _rel_err(outs[1], outs[0].double()) < 1e-2

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import fill, make_batch
 
+from support.graph_replay import eager_equals_replay
 from support.per_request import assert_per_request
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.kernels.cascade import cascade_attention
-from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.kernel_config import tile_config
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.reference import decode_attention_ref
@@ -120,14 +120,7 @@ def test_wgmma_prefix_16k_eager_and_graph(kw):
     fill(ws, b)
     out = torch.full_like(b.q, float("nan"))
     fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)  # noqa: E731
-    fn()
-    eager = out.clone()
-    g = capture_graph(fn)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(eager, out)
-    _check(out, _ref(b))
+    _check(eager_equals_replay(fn, out), _ref(b))
 
 
 @needs_sm90
