@@ -409,6 +409,14 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),
     "sfx32": dict(min_suffix_chunk=32),
+    # the suffix launch's occupancy and tile (it reads at about half of the HBM bandwidth
+    # alone): 8 warps, kv tiles of 64 slots, 2 waves of larger items, 16-slot tiles with 3
+    # stages; measured at dcc1346 (H200, kernels.md "Lean suffix tiles..."): the last makes the
+    # suffix alone 7-9% faster and the layer -0.5..+2.1 us; the others slower; none kept
+    "sfx_w8": dict(suffix_warps=8),
+    "sfx_bn64": dict(suffix_block_n=64, suffix_max_keys=512),
+    "sfx_bn16_s3": dict(suffix_block_n=16, suffix_stages=3),
+    "swv2": dict(suffix_waves=2.0),
     # the prefix kernels' online softmax (KernelConfig.prefix_softmax): one fused multiply-add per
     # score; and a lazy running max that skips the accumulator's rescale on most tiles. H100
     # (kernels.md, "The prefix kernels' online softmax"): sm_fma equal, sm_lazy 3-24% slower
@@ -459,11 +467,10 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "wgmma_qreg_bn32_s4": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32, prefix_stages=4),
     "wgmma_qreg_bn32_s4_pw3.0": dict(prefix_kernel="wgmma", prefix_q_registers=True, block_n=32, prefix_stages=4,
                                      prefix_waves=3.0),
-    # not measured yet: a suffix program small enough to run beside two wgmma prefix programs
-    # on one SM (the prefix at 2 waves then fills both of its slots, the suffix a third one):
-    # kv tiles of 16 x 2 heads, one stage: 89 registers and 13 KB of shared memory per program
-    # on sm90 (ptxas, Triton 3.8), against 255 and 40 KB for the default suffix tile; two
-    # prefix programs with the query in registers hold 2 x 184 x 128 registers and ~2 x 97 KB
+    # a suffix program small enough to run beside two wgmma prefix programs on one SM (kv
+    # tiles of 16 x 2 heads, one stage: 89 registers and 13 KB of shared memory per program on
+    # sm90, against 255 and 40 KB for the default suffix tile); measured at dcc1346 (H100,
+    # kernels.md "Lean suffix tiles..."): the layer 3-16 us slower on every case, not kept
     "lean_sfx": dict(suffix_block_n=16, suffix_max_keys=32, suffix_stages=1),
     "pw1.75_lean_sfx": dict(prefix_waves=1.75, suffix_block_n=16, suffix_max_keys=32, suffix_stages=1),
     "pw2.0_lean_sfx": dict(prefix_waves=2.0, suffix_block_n=16, suffix_max_keys=32, suffix_stages=1),
@@ -683,6 +690,49 @@ def matrix(args) -> None:
               f"prefix={r.get('gkv_prefix_us', '-')}us ({r.get('gkv_prefix_rate', '-')} {r.get('prefix_unit', '')}) "
               f"cascade={r.get('gkv_cascade_us', '-')} fa2={r.get('fi_cascade_fa2_us', '-')} "
               f"fa3={r.get('fi_cascade_fa3_us', '-')} packed={r.get('fi_prefill_packed_us', '-')}")
+    try:
+        print("plot:", plot_matrix(path, args.out))
+    except Exception as e:  # noqa: BLE001 - no matplotlib (or a broken one): no plot
+        print("no plot:", repr(e)[:200])
+
+
+def plot_matrix(json_path: str, out_dir: str) -> str:
+    """kernels_matrix.png from a --matrix JSON: the prefix launch's rate per point, TFLOP/s
+    against query rows per kv head (left) and effective K/V TB/s of the bandwidth-bound points
+    against the prefix length (right), one colour per head shape; returns the PNG's path."""
+    import sys
+
+    sys.modules.pop("IPython", None)  # the offline host's IPython stub confuses matplotlib
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    rows = [r for r in data["rows"] if "gkv_prefix_rate" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    colors = plt.get_cmap("tab10")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, name in enumerate(shapes):
+        mine = [r for r in rows if r["shape"] == name]
+        style = dict(color=colors(i % 10), label=name, marker="o" if mine[0]["d"] == 128 else "^", ls="")
+        flop = [r for r in mine if r["prefix_unit"] == "TFLOP/s"]
+        left.plot([r["rows_per_kv_head"] for r in flop], [r["gkv_prefix_rate"] for r in flop], **style)
+        band = [r for r in mine if r["prefix_unit"] == "TB/s"]
+        right.plot([r["prefix"] for r in band], [r["gkv_prefix_rate"] for r in band], **style)
+    left.axhline(450, color="k", ls="--", lw=0.8)
+    left.set(xscale="log", xlabel="query rows per kv head (sharers x GQA ratio)", ylabel="prefix launch TFLOP/s",
+             title=f"compute-bound points (> {BANDWIDTH_BOUND_ROWS} rows)")
+    right.axhline(4.0, color="k", ls="--", lw=0.8)
+    right.set(xscale="log", xlabel="prefix tokens", ylabel="prefix launch K/V TB/s (each byte once)",
+              title=f"bandwidth-bound points (<= {BANDWIDTH_BOUND_ROWS} rows)")
+    right.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{data.get('gpu', '?')}: GraniKV's prefix launch alone, bf16 (dashed: the targets)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "kernels_matrix.png")
+    fig.savefig(path, dpi=100)
+    return path
 
 
 def main():
@@ -706,6 +756,8 @@ def main():
     ap.add_argument("--matrix", action="store_true",
                     help="the prefix part over MATRIX_SHAPES x MATRIX_PREFIXES x MATRIX_SHARERS beside FlashInfer's "
                          "cascade (fa2, fa3) and its fa3 prefill with packed queries (kernels_matrix.json)")
+    ap.add_argument("--plot-matrix", default="", metavar="JSON",
+                    help="draw DIR/kernels_matrix.png from a --matrix JSON (no GPU needed) and exit")
     ap.add_argument("--matrix-shapes", default="", help="with --matrix: comma-separated SHAPES (default: all of them)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -719,6 +771,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if args.sweep:
         return sweep(args)
+    if args.plot_matrix:
+        print(plot_matrix(args.plot_matrix, args.out))
+        return None
     if args.matrix:
         return matrix(args)
     bw, tf = ceilings()

@@ -183,3 +183,11 @@ def test_matrix_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
         assert r["gkv_prefix_us"] == r["gkv_cascade_us"] == 1.0
         assert r["prefix_unit"] == ("TFLOP/s" if r["rows_per_kv_head"] > 128 else "TB/s")
         assert "flashinfer_error" in r or "fi_cascade_fa2_us" in r or "fi_cascade_fa2_error" in r
+    try:  # the plot is drawn from the JSON wherever matplotlib imports (--plot-matrix alone too)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "kernels_matrix.png").stat().st_size > 0
+    (tmp_path / "kernels_matrix.png").unlink()
+    assert mod.plot_matrix(str(tmp_path / "kernels_matrix.json"), str(tmp_path)) == str(tmp_path / "kernels_matrix.png")
+    assert (tmp_path / "kernels_matrix.png").stat().st_size > 0
