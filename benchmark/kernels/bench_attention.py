@@ -404,6 +404,9 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # df30722: no change alone; merge32_rows_batch 8% faster on the agent-loop batch, 6-9% slower
     # at 64-130 requests
     "merge_rows_batch": dict(merge_rows="batch"),
+    # not measured yet: the merge inside the prefix and suffix launches (the last program to
+    # write a row's partial rows merges it; no merge launch)
+    "merge_in_kernels": dict(merge_in_kernels=True),
     "merge32_rows_batch": dict(merge_block_p=32, merge_rows="batch"),
     "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)

@@ -88,3 +88,46 @@ def test_bgemm_prefix_attention(dtype):
     # CPU path computes in fp32 from the given inputs: fp32 rounding only.
     torch.testing.assert_close(st.o.double(), ref.o[idx], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(st.lse.double(), ref.lse[idx], atol=1e-5, rtol=1e-5)
+
+
+IN_KERNELS = dataclasses.replace(SMALL_CONFIG, merge_in_kernels=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ratio,hkv", [(4, 2), (1, 2), (5, 1)])
+@pytest.mark.parametrize("extra_rows", [0, 2])
+def test_merge_in_kernels_matches_decode_and_leaves_counters_zero(dtype, ratio, hkv, extra_rows):
+    """KernelConfig.merge_in_kernels: the prefix and suffix launches merge the rows whose last
+    partial row they write (no merge launch); every request matches the float64 decode, rows
+    past the batch stay untouched, every arrival counter is zero again, and a second batch of
+    another grouping on the same workspace is right too (no count leaks from the first)."""
+    ws = CascadeWorkspace(16, ratio * hkv, hkv, 64, "cpu", config=IN_KERNELS, sm_count=32, max_splits=4)
+    for seed, kw in ((200 + ratio, {}), (300 + ratio, dict(groups=((53, 3), (21, 4)), n_ungrouped=1, suffix=9))):
+        b = make_batch(num_q_heads=ratio * hkv, num_kv_heads=hkv, dtype=dtype, seed=seed, **kw)
+        out = _run("cascade", ws, b, extra_rows=extra_rows)
+        torch.testing.assert_close(out[: b.bs].double(), _ref(b), atol=TOL[dtype], rtol=TOL[dtype])
+        assert torch.isnan(out[b.bs :]).all(), "rows past the batch were written"
+        assert (ws.counters == 0).all(), "arrival counters not reset"
+
+
+def test_merge_in_kernels_needs_zero_counters():
+    """The check above can fail: a counter left one arrival ahead (a launch that did not finish
+    its count) makes the request's row complete one arrival early, so it is merged from a
+    partial row not yet written (NaN here) or never merged at all."""
+    b = make_batch(num_q_heads=8, num_kv_heads=2, dtype=torch.float32, seed=5)
+    ws = CascadeWorkspace(b.bs, 8, 2, 64, "cpu", config=IN_KERNELS, sm_count=32, max_splits=4)
+    ws.counters[0, :].fill_(1)
+    out = _run("cascade", ws, b)
+    assert not torch.isfinite(out[0]).all() or not torch.allclose(out[0].double(), _ref(b)[0], atol=1e-3)
+    assert torch.isfinite(out[1:]).all()
+
+
+@pytest.mark.parametrize("ratio,hkv", [(4, 2), (1, 2)])
+def test_merge_in_kernels_with_the_descriptor_prefix_kernel(ratio, hkv):
+    """The descriptor (TMA) prefix kernel's arrival epilogue (the interpreter runs its loads)."""
+    cfg = dataclasses.replace(IN_KERNELS, prefix_kernel="descriptor")
+    b = make_batch(num_q_heads=ratio * hkv, num_kv_heads=hkv, dtype=torch.float32, seed=11)
+    ws = CascadeWorkspace(b.bs + 2, ratio * hkv, hkv, 64, "cpu", config=cfg, sm_count=32, max_splits=4)
+    out = _run("cascade", ws, b, extra_rows=2)
+    torch.testing.assert_close(out[: b.bs].double(), _ref(b), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert torch.isnan(out[b.bs :]).all() and (ws.counters == 0).all()

@@ -107,6 +107,33 @@ def test_overlapped_suffix_eager_and_graph():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("hq,hkv,head_dim,sinks", [(32, 8, 128, False), (28, 4, 128, False), (64, 8, 64, True)])
+def test_merge_in_kernels_bf16_eager_and_graph(hq, hkv, head_dim, sinks):
+    """KernelConfig.merge_in_kernels on the config tile_config picks (the wgmma prefix kernel on
+    sm90, its suffix on the side stream): every request against the float64 reference, eager
+    and as back-to-back CUDA-graph replays bit-identical, every arrival counter zero after each;
+    and the same outputs as the merge launch within rounding (the same partial rows, merged in
+    another order of programs)."""
+    b = make_batch(groups=((16384, 48), (4096, 16), (1000, 3)), n_ungrouped=5, suffix=256, ungrouped_len=3000,
+                   num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=3)
+    b.q *= 4  # peaky softmax, so that wrong keys would show
+    sink = (torch.randn(hq, device="cuda") + 3.0).float() if sinks else None
+    ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale, sink).o
+    outs = []
+    for in_kernels in (False, True):
+        cfg = replace(tile_config(hq // hkv, head_dim, tma=True), merge_in_kernels=in_kernels)
+        ws = CascadeWorkspace(128, hq, hkv, head_dim, "cuda", config=cfg)
+        fill(ws, b)
+        out = torch.full_like(b.q, float("nan"))
+        fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale,  # noqa: E731
+                                       out=out, sinks=sink)
+        outs.append(eager_equals_replay(fn, out))
+        torch.cuda.synchronize()
+        assert (ws.counters == 0).all(), "arrival counters not reset"
+        _assert_per_request(outs[-1], ref)
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("path", ["cascade", "fused"])
 def test_cuda_graph_replay_after_refill(path):
     """Capture once with grouping A; refill with a DIFFERENT grouping B (same bs); replay."""

@@ -156,6 +156,25 @@ def test_query_in_registers_compiles_for_sm90(block_n, stages):
 
 
 @needs_gluon
+@pytest.mark.parametrize("head_dim,ratio,sinks", [(128, 4, False), (64, 8, True)])
+def test_arrival_epilogue_compiles_for_sm90(head_dim, ratio, sinks):
+    """``KernelConfig.merge_in_kernels``: the kernel counts its rows' arrivals with acquire-release
+    atomics at GPU scope (and only with it), keeps its TMA loads and overlapped MMAs, no spills."""
+    with_arrival, without = _compile_sm90([[64, 64, head_dim, 3, True, ratio, False, True, True, sinks],
+                                           [64, 64, head_dim, 3, True, ratio, False, True, False, False]])
+    assert with_arrival["atomics"] == ["atom.global.gpu.acq_rel.add.u32"] and without["atomics"] == []
+    assert with_arrival["tma_loads"] and with_arrival["waits_leaving_one"]
+    assert with_arrival["wgmma_shapes"] == without["wgmma_shapes"]
+    assert with_arrival["spills"] == 0
+
+
+def test_arrival_merge_refuses_the_warp_specialized_kernel():
+    with pytest.raises(ValueError, match="merge_in_kernels needs a prefix kernel with the arrival epilogue"):
+        KernelConfig(prefix_kernel="wgmma", prefix_warp_specialize=True, block_m=128, merge_in_kernels=True)
+    KernelConfig(prefix_kernel="descriptor", prefix_warp_specialize=True, merge_in_kernels=True)  # has it
+
+
+@needs_gluon
 @pytest.mark.parametrize("block_n,head_dim,stages", [(64, 128, 3), (64, 64, 4), (64, 128, 2)])
 def test_warp_specialized_kernel_compiles_for_sm90(block_n, head_dim, stages):
     """The producer / two-consumer kernel: TMA loads, both MMA shapes with one left in flight,

@@ -8,6 +8,8 @@ kernel gpt-oss runs on); planted faults: a sink applied once per partial row, an
 scaled like a score, both fail the same check.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,8 @@ from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, 
 from granikv.kernels.merge_state import merge_rows
 from granikv.kernels.reference import decode_attention_ref, merge_state_ref, with_sinks_ref
 
-PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention}
+PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention, "bgemm": bgemm_cascade_attention,
+         "cascade_merge_in_kernels": cascade_attention}  # the last: KernelConfig.merge_in_kernels
 SHAPES = [(8, 8), (12, 4), (16, 2)]  # (Hq, Hkv): GQA 1, 3, 8
 
 
@@ -35,8 +38,8 @@ def _sinks(hq, seed):
 
 
 def _run(path, b, sinks):
-    ws = CascadeWorkspace(b.bs + 1, b.q.shape[1], b.k.shape[1], 64, "cpu", config=SMALL_CONFIG, sm_count=32,
-                          max_splits=4)
+    cfg = dataclasses.replace(SMALL_CONFIG, merge_in_kernels=path.endswith("merge_in_kernels"))
+    ws = CascadeWorkspace(b.bs + 1, b.q.shape[1], b.k.shape[1], 64, "cpu", config=cfg, sm_count=32, max_splits=4)
     fill(ws, b, single_prefix_chunk=path == "bgemm")
     out = torch.full_like(b.q, float("nan"))
     return PATHS[path](b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out, sinks=sinks)

@@ -4,7 +4,7 @@ shapes, whether a wait leaves one MMA in flight, and ptxas's spill bytes (None w
 not found). Run in a process without ``TRITON_INTERPRET`` (test_prefix_wgmma.py does).
 
     python -m support.compile_sm90 '[[block_m, block_n, head_dim, stages, overlap, ratio, warp_specialize,
-                                      q_registers], ...]'
+                                      q_registers, arrive, sinks], ...]'
 """
 
 import json
@@ -24,12 +24,14 @@ from granikv.kernels import prefix_wgmma, prefix_wgmma_ws
 
 
 def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap: bool, ratio: int = 3,
-                warp_specialize: bool = False, q_registers: bool = False) -> str:
+                warp_specialize: bool = False, q_registers: bool = False, arrive: bool = False,
+                sinks: bool = False) -> str:
     """The launch ``prefix_wgmma_attention`` makes with these settings, compiled for sm90."""
     buf = torch.zeros(1024, 8, head_dim, dtype=torch.bfloat16)
     desc = mangle_type(prefix_wgmma._descriptor(buf, block_n))
     types = dict(Q="*bf16", K="*bf16", V="*bf16", k_desc=desc, v_desc=desc, PartO="*fp32", PartLse="*fp32",
-                 Counts="*i32", PfxItems="*i32", GroupReqIdx="*i32", PartIndptr="*i32", qk_scale="fp32")
+                 Counts="*i32", PfxItems="*i32", GroupReqIdx="*i32", PartIndptr="*i32", qk_scale="fp32",
+                 Out="*bf16", Counter="*i32", Sinks="*fp32", v_scale="fp32")
     if warp_specialize:
         kernel = prefix_wgmma_ws._prefix_wgmma_ws_kernel
         consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
@@ -39,7 +41,7 @@ def compile_ptx(block_m: int, block_n: int, head_dim: int, stages: int, overlap:
     else:
         kernel = prefix_wgmma._prefix_wgmma_kernel
         consts = dict(RATIO=ratio, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                      OVERLAP=overlap, Q_REGS=q_registers, num_warps=block_m // 16)
+                      OVERLAP=overlap, Q_REGS=q_registers, ARRIVE=arrive, HAS_SINKS=sinks, num_warps=block_m // 16)
         options = dict(num_warps=block_m // 16)
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
@@ -73,6 +75,7 @@ def features(ptx: str) -> dict:
             "waits_leaving_one": "wgmma.wait_group.sync.aligned 1;" in ptx,
             "register_splits": sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)),
                                       key=int),
+            "atomics": sorted(set(re.findall(r"atom\.[\w.]*add[\w.]*", ptx))),
             "spills": spill_bytes(ptx)}
 
 

@@ -4,7 +4,8 @@ Plan once per step (the decode planner fills its workspace and hands over the st
 ``CascadePlan``, kernels/plan.py), then per layer:
 
     cascade_attention        prefix launch + suffix launch + merge launch   (memory-optimal;
-                             with KernelConfig.overlap_suffix the first two run concurrently)
+                             with KernelConfig.overlap_suffix the first two run concurrently;
+                             with KernelConfig.merge_in_kernels they merge, no third launch)
     fused_cascade_attention  the same work in one launch                     (small fan-out)
     bgemm_cascade_attention  torch flash attention per group for the prefix  (large fan-out, eager)
                              + suffix launch + merge launch
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from granikv.kernels.fused_cascade import fused_cascade
-from granikv.kernels.merge_state import merge_state
+from granikv.kernels.merge_state import MergeTarget, merge_state
 from granikv.kernels.plan import CascadePlan, Grouping
 from granikv.kernels.prefix_attention import prefix_attention
 from granikv.kernels.suffix_attention import suffix_attention
@@ -60,17 +61,23 @@ def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
     as SGLang's backends dequantize the same cache). Returns out.
     """
     out = _out(q, out)
-    side = plan.buffers.side_stream
+    ws = plan.buffers
+    # KernelConfig.merge_in_kernels: the two launches merge the rows they complete themselves
+    target = MergeTarget(out, sinks, v_scale) if ws.config.merge_in_kernels else None
+    side = ws.side_stream
     if side is None:
-        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale)
-        suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale)
+        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale, merge=target)
+        suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale, merge=target)
     else:  # fork: suffix on the side stream while the prefix runs here; join before the merge
         cur = torch.cuda.current_stream(q.device)
         side.wait_stream(cur)
-        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale)
+        prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale, merge=target)
         with torch.cuda.stream(side):
-            suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale)
+            suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale,
+                             merge=target)
         cur.wait_stream(side)  # also orders any later reuse of q's memory after the side work
+    if target is not None:
+        return out
     return merge_state(plan, out, sinks, v_scale)
 
 

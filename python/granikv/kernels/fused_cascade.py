@@ -21,58 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from granikv.kernels.merge_state import check_sinks
+from granikv.kernels.merge_state import _arrive_and_merge, check_sinks
 from granikv.kernels.plan import CascadePlan
 from granikv.kernels.prefix_attention import PREFIX_SOFTMAX, _prefix_item, input_precision, launch_limits, score_math
 from granikv.kernels.suffix_attention import _suffix_item, slot_copy_args
 
 __all__ = ["fused_cascade"]
-
-
-@triton.jit
-def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
-                      stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                      HAS_SINKS: tl.constexpr):
-    """Count this item's arrival on every row's (b, q-head) counter; merge the rows it completes.
-
-    Rows are merged together as one tile (per-row partial ranges, masked), so a prefix item that
-    completes many requests merges them in parallel, not one after another.
-    """
-    tl.debug_barrier()  # every thread's partial stores precede the release below
-    cnt = Counter + b * num_q_heads + qh
-    old = tl.atomic_add(cnt, 1, mask=row_ok, sem="acq_rel")
-    p_lo = tl.load(PartIndptr + b, mask=row_ok, other=0)
-    n = tl.load(PartIndptr + b + 1, mask=row_ok, other=0) - p_lo
-    last = row_ok & (old == n - 1)
-    tl.debug_barrier()  # the acquiring threads' view reaches every thread that loads below
-    n_max = tl.max(tl.where(last, n, 0), 0)
-    if n_max > 0:
-        d = tl.arange(0, HEAD_DIM)
-        m = tl.where(last, float("-inf"), 0.0)
-        for j in range(0, n_max):
-            ok = last & (j < n)
-            lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, lse)
-        if HAS_SINKS:  # merge_state.py: the sink joins the denominator once per head
-            sink = tl.load(Sinks + qh, mask=last, other=float("-inf")).to(tl.float32)
-            m = tl.maximum(m, sink)
-        m = tl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
-        acc = tl.zeros([b.shape[0], HEAD_DIM], tl.float32)
-        s = tl.zeros([b.shape[0]], tl.float32)
-        if HAS_SINKS:
-            s += tl.where(last, tl.exp2(sink * 1.4426950408889634 - m), 0.0)
-        for j in range(0, n_max):
-            ok = last & (j < n)
-            lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            wgt = tl.exp2(lse * 1.4426950408889634 - m)
-            o = tl.load(PartO + (p_lo + j)[:, None] * stride_pr + qh[:, None] * stride_ph + d[None, :],
-                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            acc += wgt[:, None] * o
-            s += wgt
-        out = acc / tl.where(s == 0.0, 1.0, s)[:, None] * v_scale
-        tl.store(Out + b[:, None] * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=last[:, None])
-        tl.store(cnt, 0, mask=last)
 
 
 @triton.jit

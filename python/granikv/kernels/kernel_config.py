@@ -123,6 +123,15 @@ class KernelConfig:
     requests carry many partial rows (8 requests on 4K, 24 on 10K), 1-9% slower at 64-128
     requests (the programs past the live batch are 4x as many); docs/results/kernels.md."""
 
+    merge_in_kernels: bool = False
+    """The cascade path's merge done inside its prefix and suffix launches instead of a third
+    launch: each program, after writing its partial rows, counts one arrival per row (request,
+    q-head) on the workspace's ``counters``, and the program whose arrival completes a row's
+    partial rows merges it into the output (``merge_state.MergeTarget``; the fused kernel's
+    scheme over two launches). Nobody waits on anyone, so the merge's work overlaps the
+    launches' tails instead of following both. Every prefix kernel but the warp-specialized
+    wgmma one. Not measured on a GPU yet (sweep variant ``merge_in_kernels``)."""
+
     merge_rows: Literal["workspace", "batch"] = "workspace"
     """Program rows of the merge launch: one per request slot of the workspace ("workspace", its
     ``max_bs``; a graph sized for 256 requests launches 256 rows whatever its batch), or one per
@@ -168,6 +177,10 @@ class KernelConfig:
             raise ValueError(f"merge_rows={self.merge_rows!r} must be 'workspace' or 'batch'")
         if self.prefix_kernel not in PREFIX_KERNELS:
             raise ValueError(f"prefix_kernel={self.prefix_kernel!r} must be one of {', '.join(PREFIX_KERNELS)}")
+        if self.merge_in_kernels and self.prefix_warp_specialize and self.prefix_kernel in ("wgmma", "auto"):
+            raise ValueError("merge_in_kernels needs a prefix kernel with the arrival epilogue: not the "
+                             "warp-specialized wgmma kernel (prefix_warp_specialize with prefix_kernel "
+                             f"{self.prefix_kernel!r})")
         if self.merge_block_p < 1 or self.merge_block_p & (self.merge_block_p - 1):
             raise ValueError(f"merge_block_p={self.merge_block_p} must be a power of two >= 1")
         for name in ("block_m", "block_n", "suffix_block_n"):

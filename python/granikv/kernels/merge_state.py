@@ -8,6 +8,12 @@ For request i and q-head j, with partial rows p in [part_indptr[i], part_indptr[
 
 A request with no partial rows (or only empty ones, lse = -inf) gets zeros.
 
+The same merge also runs inside the launches that write the partial rows
+(``_arrive_and_merge``, ``MergeTarget``): the fused kernel's single launch, and the prefix and
+suffix launches of the cascade path with ``KernelConfig.merge_in_kernels``. Every program, after
+writing its rows, counts one arrival on each row's (request, q-head) counter; the arrival that
+completes a row's count merges it and resets the counter. Nobody waits on anyone.
+
 Attention sinks (``sinks`` [Hq], natural-log logits, as gpt-oss learns them): the sink's logit
 joins the softmax denominator once per head, and contributes no value:
 
@@ -25,7 +31,7 @@ in with a running max (one round trip per ``BLOCK_P`` rows), the sink starting t
 as a row of weight ``exp(sink)`` and no value.
 """
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -33,7 +39,63 @@ import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["check_sinks", "merge_state", "merge_rows"]
+__all__ = ["MergeTarget", "arrival_args", "check_sinks", "merge_state", "merge_rows"]
+
+
+class MergeTarget(NamedTuple):
+    """Where the launches that write a step's partial rows merge them themselves
+    (``KernelConfig.merge_in_kernels``): each (request, q-head) by the program that writes its
+    last partial row (``_arrive_and_merge``), so no merge launch runs."""
+
+    out: torch.Tensor  # [>= bs, Hq, D] in the query dtype (merge_state's ``out``)
+    sinks: Optional[torch.Tensor]  # fp32 [Hq] attention-sink logits, or None
+    v_scale: float  # the layer's V scale (merge_state's ``v_scale``)
+
+
+@triton.jit
+def _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
+                      stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                      HAS_SINKS: tl.constexpr):
+    """Count this item's arrival on every row's (b, q-head) counter; merge the rows it completes.
+
+    Rows are merged together as one tile (per-row partial ranges, masked), so a prefix item that
+    completes many requests merges them in parallel, not one after another.
+    """
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    cnt = Counter + b * num_q_heads + qh
+    old = tl.atomic_add(cnt, 1, mask=row_ok, sem="acq_rel")
+    p_lo = tl.load(PartIndptr + b, mask=row_ok, other=0)
+    n = tl.load(PartIndptr + b + 1, mask=row_ok, other=0) - p_lo
+    last = row_ok & (old == n - 1)
+    tl.debug_barrier()  # the acquiring threads' view reaches every thread that loads below
+    n_max = tl.max(tl.where(last, n, 0), 0)
+    if n_max > 0:
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.where(last, float("-inf"), 0.0)
+        for j in range(0, n_max):
+            ok = last & (j < n)
+            lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, lse)
+        if HAS_SINKS:  # merge_state.py: the sink joins the denominator once per head
+            sink = tl.load(Sinks + qh, mask=last, other=float("-inf")).to(tl.float32)
+            m = tl.maximum(m, sink)
+        m = tl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
+        acc = tl.zeros([b.shape[0], HEAD_DIM], tl.float32)
+        s = tl.zeros([b.shape[0]], tl.float32)
+        if HAS_SINKS:
+            s += tl.where(last, tl.exp2(sink * 1.4426950408889634 - m), 0.0)
+        for j in range(0, n_max):
+            ok = last & (j < n)
+            lse = tl.load(PartLse + (p_lo + j) * stride_lr + qh, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            wgt = tl.exp2(lse * 1.4426950408889634 - m)
+            o = tl.load(PartO + (p_lo + j)[:, None] * stride_pr + qh[:, None] * stride_ph + d[None, :],
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            acc += wgt[:, None] * o
+            s += wgt
+        out = acc / tl.where(s == 0.0, 1.0, s)[:, None] * v_scale
+        tl.store(Out + b[:, None] * stride_ob + qh[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=last[:, None])
+        tl.store(cnt, 0, mask=last)
 
 
 @triton.jit
@@ -136,6 +198,22 @@ def _launch(rows: int, num_kv_heads: int, part_o, part_lse, out, sinks, v_scale,
     else:
         _merge_head_kernel[(rows, hq)](*args, HEAD_DIM=out.shape[2], HAS_SINKS=sinks is not None,
                                        BLOCK_P=block_p, num_warps=4)
+
+
+def arrival_args(plan: CascadePlan, target: Optional[MergeTarget]) -> Tuple[Tuple[Any, ...], bool, bool]:
+    """The arrival arguments of a partial-row launch (``Out, Counter, Sinks, v_scale,
+    num_q_heads, stride_ob, stride_oh``), ARRIVE and HAS_SINKS: placeholders and False where
+    ``target`` is None (the launch only writes partial rows; a merge launch follows)."""
+    ws = plan.buffers
+    if target is None:
+        return (ws.part_lse, ws.counters, ws.part_lse, 1.0, ws.num_q_heads, 0, 0), False, False
+    out, sinks = target.out, target.sinks
+    if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
+                         f"{ws.head_dim}] with a contiguous last dim")
+    check_sinks(sinks, ws.num_q_heads)
+    return ((out, ws.counters, ws.part_lse if sinks is None else sinks, float(target.v_scale), ws.num_q_heads,
+             out.stride(0), out.stride(1)), True, sinks is not None)
 
 
 def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:

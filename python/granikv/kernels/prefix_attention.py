@@ -13,13 +13,14 @@ partial state (o, lse) per row into the workspace's partial table (see work_list
 
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from granikv.kernels.kernel_config import FP8_KV_DTYPES, PREFIX_SOFTMAX_MODES, KernelConfig, PrefixKernel
+from granikv.kernels.merge_state import MergeTarget, _arrive_and_merge, arrival_args
 from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
@@ -185,28 +186,35 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
 
 @triton.jit
 def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
+                   Out, Counter, Sinks, v_scale, num_q_heads,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                   stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr,
-                   SOFTMAX: tl.constexpr):
+                   SOFTMAX: tl.constexpr, ARRIVE: tl.constexpr, HAS_SINKS: tl.constexpr):
     h = tl.program_id(1)
     n_items = tl.load(Counts + 1)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
     if w < n_items:
-        _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
-                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                     stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
-                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16, SOFTMAX)
+        b, qh, row_ok = _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndptr,
+                                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                                     stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                                     RATIO, HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION, EVEN_SPLIT, MATH_F16,
+                                     SOFTMAX)
+        if ARRIVE:  # merge_state.MergeTarget: the rows this program completes are merged here
+            _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
+                              stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
 
 @triton.jit
 def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
+                        Out, Counter, Sinks, v_scale, num_q_heads,
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                        stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                        stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, qk_scale,
                         RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                        MATH_F16: tl.constexpr, SOFTMAX: tl.constexpr):
+                        MATH_F16: tl.constexpr, SOFTMAX: tl.constexpr, ARRIVE: tl.constexpr,
+                        HAS_SINKS: tl.constexpr):
     """``_prefix_kernel`` with the full K/V tiles loaded through tensor descriptors over the
     layer's buffers viewed ``[slots, Hkv * D]`` (TMA on sm90+): tile j of item w is the block
     at ``(slot_lo + j * BLOCK_N, h * D)``. The masked tail (< BLOCK_N keys) is a pointer load,
@@ -248,6 +256,9 @@ def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItem
         rows_part = tl.load(PartIndptr + b, mask=row_ok, other=0).to(tl.int64) + split
         _store_partial(PartO, PartLse, rows_part, qh, row_ok, m_i, l_i, acc, stride_pr, stride_ph, stride_lr,
                        HEAD_DIM)
+        if ARRIVE:  # merge_state.MergeTarget: the rows this program completes are merged here
+            _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
+                              stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
 
 _DESCRIBED = (torch.float16, torch.bfloat16, torch.float32)
@@ -366,7 +377,7 @@ def input_precision(dtype: torch.dtype) -> str:
 
 
 def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,
-                     sm_scale: float, k_scale: float = 1.0) -> None:
+                     sm_scale: float, k_scale: float = 1.0, merge: Optional[MergeTarget] = None) -> None:
     """Grouped prefix attention of a step's ``CascadePlan`` (its buffers filled), prefix items (one launch).
 
     q:         [bs, Hq, D] fp16/bf16/fp32, batch order (rows read through group_req_idx)
@@ -377,6 +388,8 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                the merge's (partial rows hold the unscaled V average)
     plan:      the step's CascadePlan (buffers filled); writes ``part_o`` [rows, Hq, D] fp32 and
                ``part_lse`` [rows, Hq] fp32 (natural log) at each member's prefix partial rows.
+    merge:     where the rows this launch completes are merged (``merge_state.MergeTarget``, as
+               ``suffix_attention`` takes it), or None (a merge launch follows).
     Grid: (``ws.grid_items("prefix")``, Hkv), fixed per set of buffers (CUDA-graph safe). The kernel is
     ``KernelConfig.prefix_kernel``'s: pointer loads; tensor-descriptor (TMA) loads, which need
     contiguous ``[slots, Hkv, D]`` buffers (ValueError otherwise); the sm90 Gluon kernel
@@ -399,33 +412,35 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             prefix_wgmma_attention(q, k_buffer, v_buffer, plan, scale=scale, block_m=cfg.block_m,
                                    block_n=cfg.block_n, stages=cfg.prefix_stages, overlap=cfg.prefix_mma_overlap,
                                    warp_specialize=cfg.prefix_warp_specialize, maxnreg=cfg.prefix_maxnreg,
-                                   q_registers=cfg.prefix_q_registers)
+                                   q_registers=cfg.prefix_q_registers, merge=merge)
             return
         except Exception as e:  # noqa: BLE001 - "auto" only: a kernel this Triton cannot build is not fatal
             if not chosen:
                 raise
             _wgmma_failed(e)
             kind = "descriptor"
+    arrive, on, sinks = arrival_args(plan, merge)
     if kind == "descriptor":
         _prefix_desc_kernel[grid](
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
-            ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
+            ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr, *arrive[:5],
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
+            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), *arrive[5:], ws.prefix_cap,
             scale,
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
-            WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16, SOFTMAX=softmax,
+            WARP_SPECIALIZE=cfg.prefix_warp_specialize, MATH_F16=f16, SOFTMAX=softmax, ARRIVE=on, HAS_SINKS=sinks,
             num_warps=cfg.prefix_warps, **launch_limits(cfg),
         )  # fmt: skip
         return
     _prefix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
+        *arrive[:5],
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), *arrive[5:], ws.prefix_cap,
         scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,
-        MATH_F16=f16, SOFTMAX=softmax, num_warps=cfg.prefix_warps, num_stages=cfg.prefix_stages,
-        **launch_limits(cfg),
+        MATH_F16=f16, SOFTMAX=softmax, ARRIVE=on, HAS_SINKS=sinks, num_warps=cfg.prefix_warps,
+        num_stages=cfg.prefix_stages, **launch_limits(cfg),
     )  # fmt: skip

@@ -27,10 +27,11 @@ reference and with the Triton prefix kernels on the same work lists.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
+from granikv.kernels.merge_state import MergeTarget, arrival_args
 from granikv.kernels.plan import CascadePlan
 from granikv.kernels.prefix_attention import descriptor_fits, kv_descriptor
 
@@ -108,6 +109,57 @@ if gluon is not None:
         gl.store(PartLse + part * stride_lr + qh_o, lse, mask=ok_o)
 
     @gluon.jit
+    def _arrive_and_merge(row_lo, row_hi, h, GroupReqIdx, PartIndptr, PartO, PartLse, Out, Counter, Sinks, v_scale,
+                          num_q_heads, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, RATIO: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, HAS_SINKS: gl.constexpr,
+                          layout: gl.constexpr):
+        """``merge_state._arrive_and_merge`` for an item's rows [row_lo, row_hi): one arrival on
+        each row's (request, q-head) counter; the rows whose arrival completes their request's
+        partial rows are merged into ``Out`` together (masked), and their counters reset."""
+        _cta_barrier()  # every thread's partial stores precede the releases below
+        row_l: gl.constexpr = gl.SliceLayout(1, layout)
+        rows = row_lo + gl.arange(0, ROWS, layout=row_l)
+        ok = rows < row_hi
+        b = gl.load(GroupReqIdx + rows // RATIO, mask=ok, other=0).to(gl.int64)
+        qh = h * RATIO + rows % RATIO
+        cnt = Counter + b * num_q_heads + qh
+        old = gl.atomic_add(cnt, gl.full([ROWS], 1, gl.int32, layout=row_l), mask=ok, sem="acq_rel")
+        p_lo = gl.load(PartIndptr + b, mask=ok, other=0)
+        n = gl.load(PartIndptr + b + 1, mask=ok, other=0) - p_lo
+        last = ok & (old == n - 1)
+        _cta_barrier()  # the acquiring threads' view reaches every thread that loads below
+        n_max = gl.max(gl.where(last, n, 0), axis=0)
+        if n_max > 0:
+            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+            m = gl.where(last, float("-inf"), 0.0)
+            for j in range(0, n_max):
+                okj = last & (j < n)
+                lse = gl.load(PartLse + (p_lo + j).to(gl.int64) * stride_lr + qh, mask=okj, other=float("-inf"),
+                              cache_modifier=".cg")  # other programs' rows: past this SM's L1
+                m = gl.maximum(m, lse)
+            if HAS_SINKS:  # merge_state.py: the sink joins the denominator once per head
+                sink = gl.load(Sinks + qh, mask=last, other=float("-inf")).to(gl.float32)
+                m = gl.maximum(m, sink)
+            m = gl.where(m == float("-inf"), 0.0, m) * 1.4426950408889634
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=layout)
+            s = gl.zeros([ROWS], gl.float32, layout=row_l)
+            if HAS_SINKS:
+                s += gl.where(last, gl.exp2(sink * 1.4426950408889634 - m), 0.0)
+            for j in range(0, n_max):
+                okj = last & (j < n)
+                p = (p_lo + j).to(gl.int64)
+                lse = gl.load(PartLse + p * stride_lr + qh, mask=okj, other=float("-inf"), cache_modifier=".cg")
+                wgt = gl.exp2(lse * 1.4426950408889634 - m)
+                o = gl.load(PartO + p[:, None] * stride_pr + qh[:, None] * stride_ph + d[None, :],
+                            mask=okj[:, None], other=0.0, cache_modifier=".cg")
+                acc += wgt[:, None] * o
+                s += wgt
+            out = acc / gl.where(s == 0.0, 1.0, s)[:, None] * v_scale
+            gl.store(Out + b[:, None] * stride_ob + qh[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=last[:, None])
+            gl.store(cnt, gl.zeros([ROWS], gl.int32, layout=row_l), mask=last)
+
+    @gluon.jit
     def _load_tile(k_desc, v_desc, k_bufs, v_bufs, bars, t, slot_lo, col, ok,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """TMA loads of full tile ``t`` (keys [slot_lo + t * BLOCK_N, +BLOCK_N)) into stage t % STAGES."""
@@ -120,11 +172,13 @@ if gluon is not None:
 
     @gluon.jit
     def _prefix_wgmma_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
+                             Out, Counter, Sinks, v_scale, num_q_heads,
                              stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                             stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
+                             stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, qk_scale,
                              RATIO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                             Q_REGS: gl.constexpr, num_warps: gl.constexpr):
+                             Q_REGS: gl.constexpr, ARRIVE: gl.constexpr, HAS_SINKS: gl.constexpr,
+                             num_warps: gl.constexpr):
         h = gl.program_id(1)
         w = gl.program_id(0)
         if w < gl.load(Counts + 1):  # the live item count (the grid is the capacity: graph-safe)
@@ -233,6 +287,10 @@ if gluon is not None:
 
             _store_partials(acc, m_i, l_i, row_lo, row_hi, h, split, GroupReqIdx, PartIndptr, PartO, PartLse,
                             stride_pr, stride_ph, stride_lr, RATIO, HEAD_DIM, BLOCK_M, o_layout)
+            if ARRIVE:  # merge_state.MergeTarget: the rows this program completes are merged here
+                _arrive_and_merge(row_lo, row_hi, h, GroupReqIdx, PartIndptr, PartO, PartLse, Out, Counter, Sinks,
+                                  v_scale, num_q_heads, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh,
+                                  RATIO, HEAD_DIM, BLOCK_M, HAS_SINKS, ld)
 
 
 def wgmma_unfit_for(device: Any, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
@@ -286,19 +344,23 @@ def _descriptor(buf: torch.Tensor, block_n: int) -> Any:
 
 def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: CascadePlan, *,
                            scale: float, block_m: int, block_n: int, stages: int, overlap: bool,
-                           warp_specialize: bool = False, maxnreg: int = 0, q_registers: bool = False) -> None:
+                           warp_specialize: bool = False, maxnreg: int = 0, q_registers: bool = False,
+                           merge: Optional[MergeTarget] = None) -> None:
     """``prefix_attention``'s launch on the wgmma kernel (``KernelConfig.prefix_kernel`` "wgmma");
     ``scale``: the base-2 score scale (``prefix_attention.qk_scale``); ``warp_specialize``: the
     kernel with a producer warp and two consumer warpgroups (``prefix_wgmma_ws``; ``block_m``
     128; the consumers always overlap scores with P @ V); ``maxnreg``: a cap on
     the other kernel's registers per thread (``KernelConfig.prefix_maxnreg``, 0: none);
-    ``q_registers``: the query tile held in registers (``KernelConfig.prefix_q_registers``). ValueError
-    where it cannot run (``wgmma_unfit_reason``)."""
+    ``q_registers``: the query tile held in registers (``KernelConfig.prefix_q_registers``);
+    ``merge``: as ``prefix_attention``'s (the warp-specialized kernel has no such epilogue:
+    ValueError). ValueError where it cannot run (``wgmma_unfit_reason``)."""
     why = wgmma_unfit_reason(q, k_buffer, v_buffer, block_m)
     if not why and warp_specialize and block_m != 128:
         why = f"block_m {block_m} (the warp-specialized kernel's items are two warpgroups of 64 rows: 128)"
     if not why and stages < 2:
         why = f"prefix_stages {stages} (needs 2 or more: a tile loads while the last one is computed)"
+    if not why and warp_specialize and merge is not None:
+        why = "merge_in_kernels with the warp-specialized kernel (its epilogue writes partial rows only)"
     if why:
         raise ValueError(f"prefix_kernel='wgmma' cannot run here: {why}")
     ws = plan.buffers
@@ -320,11 +382,13 @@ def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
             CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=4, maxnreg=WS_MAXNREG,
         )  # fmt: skip
         return
+    arrive, on, sinks = arrival_args(plan, merge)
     _prefix_wgmma_kernel[grid](
         q, k_buffer, v_buffer, _descriptor(k_buffer, block_n), _descriptor(v_buffer, block_n),
-        ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
+        ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr, *arrive[:5],
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, scale,
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), *arrive[5:], ws.prefix_cap, scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap,
-        Q_REGS=q_registers, num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        Q_REGS=q_registers, ARRIVE=on, HAS_SINKS=sinks, num_warps=block_m // 16,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

@@ -19,12 +19,13 @@ end past what the work list was planned for is cut at ``t_lo + sfx_max`` (the wo
 device length never reads further than the host plan allows.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from granikv.kernels.merge_state import MergeTarget, _arrive_and_merge, arrival_args
 from granikv.kernels.plan import CascadePlan
 from granikv.kernels.prefix_attention import (
     _math_query,
@@ -100,19 +101,24 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
 
 @triton.jit
 def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax,
-                   SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                   stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
+                   SlotCopy, SlotCopyOn, PartIndptr, Out, Counter, Sinks, v_scale, num_q_heads,
+                   stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
+                   stride_sc, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr,
-                   SLOT_COPY: tl.constexpr, MATH_F16: tl.constexpr):
+                   SLOT_COPY: tl.constexpr, MATH_F16: tl.constexpr, ARRIVE: tl.constexpr, HAS_SINKS: tl.constexpr):
     hg = tl.program_id(1)
     n_items = tl.load(Counts + 2)  # the live count, from device memory (the grid is fixed)
     w = tl.program_id(0)  # one program per item of the capacity; those past the live count exit
     if w < n_items:
-        _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax, n_items,
-                     SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                     stride_rt, stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
-                     RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N, INPUT_PRECISION, DEVICE_ENDS, SLOT_COPY, MATH_F16)
+        b, qh, row_ok = _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToken, SeqLens,
+                                     SfxMax, n_items, SlotCopy, SlotCopyOn, stride_qb, stride_qh, stride_kb,
+                                     stride_kh, stride_vb, stride_vh, stride_rt, stride_sc, stride_pr, stride_ph,
+                                     stride_lr, sfx_cap, qk_scale, RATIO, HEADS, HEAD_DIM, BLOCK_H, BLOCK_N,
+                                     INPUT_PRECISION, DEVICE_ENDS, SLOT_COPY, MATH_F16)
+        if ARRIVE:  # merge_state.MergeTarget: the rows this program completes are merged here
+            _arrive_and_merge(b, qh, row_ok, Counter, PartIndptr, PartO, PartLse, Out, Sinks, v_scale, num_q_heads,
+                              stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, HEAD_DIM, HAS_SINKS)
 
 
 def slot_copy_args(plan: CascadePlan) -> Tuple[torch.Tensor, int]:
@@ -127,7 +133,8 @@ def slot_copy_args(plan: CascadePlan) -> Tuple[torch.Tensor, int]:
 
 
 def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                     plan: CascadePlan, *, sm_scale: float, k_scale: float = 1.0) -> None:
+                     plan: CascadePlan, *, sm_scale: float, k_scale: float = 1.0,
+                     merge: Optional[MergeTarget] = None) -> None:
     """Paged suffix attention of a step's ``CascadePlan`` (its buffers filled), suffix items (one launch).
 
     q:            [bs, Hq, D] fp16/bf16/fp32
@@ -139,6 +146,9 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                   ``t_lo + sfx_max``; with ``slot_copy`` the slots come from the buffers'
                   ``slot_copy`` table wherever ``slot_copy_on`` is set: ``suffix_slots``);
                   writes ``part_o`` / ``part_lse`` at each suffix item's partial row.
+    merge:        where the rows this launch completes are merged (``merge_state.MergeTarget``:
+                  the prefix launch of the same step takes the same one), or None (a merge
+                  launch follows). The buffers' ``counters`` must be zero on entry to the pair.
     Grid: (``ws.grid_items("suffix")``, Hkv / suffix_heads), fixed per set of buffers (CUDA-graph safe).
     """
     ws = plan.buffers
@@ -151,14 +161,15 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ends = plan.ends
     slots, slots_stride = slot_copy_args(plan)
     scale, f16 = score_math(q, k_buffer, cfg, sm_scale, k_scale)
+    arrive, on, sinks = arrival_args(plan, merge)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
-        ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on,
+        ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on, ws.part_indptr, *arrive[:5],
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        ws.suffix_cap, scale,
+        *arrive[5:], ws.suffix_cap, scale,
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
-        SLOT_COPY=plan.slot_copy, MATH_F16=f16,
+        SLOT_COPY=plan.slot_copy, MATH_F16=f16, ARRIVE=on, HAS_SINKS=sinks,
         num_warps=cfg.suffix_warps, num_stages=cfg.suffix_stages,
     )  # fmt: skip
