@@ -108,6 +108,7 @@ def test_merge_in_kernels_matches_decode_and_leaves_counters_zero(dtype, ratio, 
         torch.testing.assert_close(out[: b.bs].double(), _ref(b), atol=TOL[dtype], rtol=TOL[dtype])
         assert torch.isnan(out[b.bs :]).all(), "rows past the batch were written"
         assert (ws.counters == 0).all(), "arrival counters not reset"
+        ws.check_integrity()
 
 
 def test_merge_in_kernels_needs_zero_counters():
@@ -120,6 +121,8 @@ def test_merge_in_kernels_needs_zero_counters():
     out = _run("cascade", ws, b)
     assert not torch.isfinite(out[0]).all() or not torch.allclose(out[0].double(), _ref(b)[0], atol=1e-3)
     assert torch.isfinite(out[1:]).all()
+    with pytest.raises(AssertionError, match="arrival counters non-zero between launches"):
+        ws.check_integrity()  # the request's count ended one past its rows: not reset
 
 
 @pytest.mark.parametrize("ratio,hkv", [(4, 2), (1, 2)])

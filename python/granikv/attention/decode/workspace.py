@@ -399,12 +399,16 @@ class CascadeWorkspace(StagingRing):
         return self.slot_copy is not None and sfx_max <= self.slot_copy.shape[1]
 
     def check_integrity(self) -> None:
-        """Assert the last work list is self-consistent, and that the device's ``slot_copy_on``
+        """Assert the last work list is self-consistent, that the device's ``slot_copy_on``
         is what the host believes of the build (``slot_copy_ready``: the planner copies the
-        slots before a replay exactly then). Debug aid: reads the device (a sync)."""
+        slots before a replay exactly then), and that no arrival counter was left non-zero.
+        Debug aid: reads the device (a sync)."""
         wl = self.work_list
         assert wl is not None, "workspace was never filled"
         assert wl.num_partials <= self.partial_cap, f"{wl.num_partials} partial rows > cap {self.partial_cap}"
         wl.check(self.ratio)
         on = bool(int(self.slot_copy_on[0]))
         assert on == self.slot_copy_ready, f"device slot_copy_on={on}, host slot_copy_ready={self.slot_copy_ready}"
+        # the fused kernel and KernelConfig.merge_in_kernels reset every counter they count on
+        stale = int(torch.count_nonzero(self.counters))
+        assert stale == 0, f"{stale} arrival counters non-zero between launches (a launch did not finish its count)"
