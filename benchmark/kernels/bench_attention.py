@@ -505,6 +505,11 @@ def prefix_flops(groups) -> float:
     return float(sum(4 * HQ * n * lp * D for lp, n in groups))
 
 
+def tera_per_s(amount: float, us: float, digits: int) -> float:
+    """``amount`` (FLOPs or bytes) done in ``us`` microseconds, in units of 1e12 per second."""
+    return round(amount / (us * 1e-6) / 1e12, digits)
+
+
 def prefix_kv_bytes(groups) -> float:
     """Unique K/V bytes of the prefix part: every group's extent read once, per layer (what a
     bandwidth-bound prefix launch, 128 query rows per kv head or fewer, is measured against)."""
@@ -550,8 +555,8 @@ def sweep(args):
                     ("merge", lambda: merge_state(ws.plan, out, v_scale=vs)),
                 ):
                     row[part + "_us"] = round(bench(f)[0] * 1e3, 1)
-                row["prefix_tflops"] = round(prefix_flops(groups) / (row["prefix_us"] * 1e-6) / 1e12, 1)
-                row["prefix_tbs"] = round(prefix_kv_bytes(groups) / (row["prefix_us"] * 1e-6) / 1e12, 2)
+                row["prefix_tflops"] = tera_per_s(prefix_flops(groups), row["prefix_us"], 1)
+                row["prefix_tbs"] = tera_per_s(prefix_kv_bytes(groups), row["prefix_us"], 2)
                 row["prefix_rows_per_kv_head"] = max(n for _, n in groups) * (HQ // HKV)
                 wl = ws.work_list
                 row.update(prefix_chunk=wl.prefix_chunk, prefix_items=wl.num_prefix_items,
@@ -602,8 +607,8 @@ def prefix_rate(rows_per_kv_head: int, flops: float, kv_bytes: float, us: float)
     it is bandwidth-bound (``BANDWIDTH_BOUND_ROWS`` query rows per kv head or fewer), else
     ("TFLOP/s", its useful FLOPs per second)."""
     if rows_per_kv_head <= BANDWIDTH_BOUND_ROWS:
-        return "TB/s", round(kv_bytes / (us * 1e-6) / 1e12, 2)
-    return "TFLOP/s", round(flops / (us * 1e-6) / 1e12, 1)
+        return "TB/s", tera_per_s(kv_bytes, us, 2)
+    return "TFLOP/s", tera_per_s(flops, us, 1)
 
 
 def run_fa3_packed_prefill(case, row, outs):
@@ -633,6 +638,7 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
     case = Case([(lp, n)], MATRIX_SUFFIX)
     cfg = base_config()
     rows = n * (HQ // HKV)
+    flops, kv_bytes = prefix_flops([(lp, n)]), prefix_kv_bytes([(lp, n)])
     row = dict(shape=name, hq=HQ, hkv=HKV, d=D, prefix=lp, sharers=n, suffix=MATRIX_SUFFIX,
                rows_per_kv_head=rows, prefix_kernel=cfg.prefix_kernel)
     outs = {}
@@ -646,7 +652,7 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
                                                                       sm_scale=SCALE, out=out))[0] * 1e3, 1)
         outs["gkv_cascade"] = out.clone()
         row["gkv_prefix_items"] = ws.work_list.num_prefix_items
-        unit, rate = prefix_rate(rows, prefix_flops([(lp, n)]), prefix_kv_bytes([(lp, n)]), row["gkv_prefix_us"])
+        unit, rate = prefix_rate(rows, flops, kv_bytes, row["gkv_prefix_us"])
         row["prefix_unit"], row["gkv_prefix_rate"] = unit, rate
     except Exception as e:  # noqa: BLE001
         row["gkv_error"] = repr(e)[:300]
@@ -659,8 +665,7 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
                 row[k + "_us"] = round(row.pop(k + "_ms") * 1e3, 1)
         run_fa3_packed_prefill(case, row, outs)
         if "fi_prefill_packed_us" in row:
-            row["fi_prefill_packed_rate"] = prefix_rate(rows, prefix_flops([(lp, n)]), prefix_kv_bytes([(lp, n)]),
-                                                        row["fi_prefill_packed_us"])[1]
+            row["fi_prefill_packed_rate"] = prefix_rate(rows, flops, kv_bytes, row["fi_prefill_packed_us"])[1]
     except Exception as e:  # noqa: BLE001
         row["flashinfer_error"] = repr(e)[:300]
         traceback.print_exc()

@@ -404,7 +404,6 @@ def merge_docs(docs: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]],
     skipped = [s for s in skipped if tuple(s[0].split("/", 1)) not in done]
     meta = dict(commands=commands_of(metas), dates=list(dict.fromkeys(dates)),
                 backends=sorted({b for m in metas for b in (m.get("backends") or [m.get("backend")]) if b}),
-                skipped=skipped, engine_kwargs={k: v for m in metas for k, v in (m.get("engine_kwargs") or {}).items()},
-                pool_fitted={k: v for m in metas for k, v in (m.get("pool_fitted") or {}).items()},
-                pool_equalized={k: v for m in metas for k, v in (m.get("pool_equalized") or {}).items()})
+                skipped=skipped, **{key: {k: v for m in metas for k, v in (m.get(key) or {}).items()}
+                                    for key in ("engine_kwargs", "pool_fitted", "pool_equalized")})
     return records, meta

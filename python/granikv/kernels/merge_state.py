@@ -39,7 +39,7 @@ import triton.language as tl
 
 from granikv.kernels.plan import CascadePlan
 
-__all__ = ["MergeTarget", "arrival_args", "check_sinks", "merge_state", "merge_rows"]
+__all__ = ["MergeTarget", "arrival_args", "check_out", "check_sinks", "merge_state", "merge_rows"]
 
 
 class MergeTarget(NamedTuple):
@@ -208,12 +208,17 @@ def arrival_args(plan: CascadePlan, target: Optional[MergeTarget]) -> Tuple[Tupl
     if target is None:
         return (ws.part_lse, ws.counters, ws.part_lse, 1.0, ws.num_q_heads, 0, 0), False, False
     out, sinks = target.out, target.sinks
-    if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
-                         f"{ws.head_dim}] with a contiguous last dim")
+    check_out(out, ws.num_q_heads, ws.head_dim)
     check_sinks(sinks, ws.num_q_heads)
     return ((out, ws.counters, ws.part_lse if sinks is None else sinks, float(target.v_scale), ws.num_q_heads,
              out.stride(0), out.stride(1)), True, sinks is not None)
+
+
+def check_out(out: torch.Tensor, num_q_heads: int, head_dim: int) -> None:
+    """``out``: [bs, Hq, D] with a contiguous last dim (what a merge writes)."""
+    if out.shape[1:] != (num_q_heads, head_dim) or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {num_q_heads}, "
+                         f"{head_dim}] with a contiguous last dim")
 
 
 def check_sinks(sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
@@ -238,9 +243,7 @@ def merge_state(plan: CascadePlan, out: torch.Tensor, sinks: Optional[torch.Tens
     padded batch). Programs past the live batch exit.
     """
     ws = plan.buffers
-    if out.shape[1:] != (ws.num_q_heads, ws.head_dim) or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} strides {out.stride()} must be [bs, {ws.num_q_heads}, "
-                         f"{ws.head_dim}] with a contiguous last dim")
+    check_out(out, ws.num_q_heads, ws.head_dim)
     check_sinks(sinks, ws.num_q_heads)
     rows = ws.max_bs if ws.config.merge_rows == "workspace" else min(out.shape[0], ws.max_bs)
     _launch(rows, ws.num_kv_heads, ws.part_o, ws.part_lse, out, sinks, v_scale, ws.counts, ws.part_indptr,

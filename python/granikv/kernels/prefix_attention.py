@@ -186,9 +186,9 @@ def _prefix_item(w, h, Q, K, V, PartO, PartLse, PfxItems, GroupReqIdx, PartIndpt
 
 @triton.jit
 def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
-                   Out, Counter, Sinks, v_scale, num_q_heads,
+                   Out, Counter, Sinks, v_scale, num_q_heads, stride_ob, stride_oh,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                   stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, qk_scale,
+                   stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, EVEN_SPLIT: tl.constexpr, MATH_F16: tl.constexpr,
                    SOFTMAX: tl.constexpr, ARRIVE: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -208,9 +208,9 @@ def _prefix_kernel(Q, K, V, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartI
 
 @triton.jit
 def _prefix_desc_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
-                        Out, Counter, Sinks, v_scale, num_q_heads,
+                        Out, Counter, Sinks, v_scale, num_q_heads, stride_ob, stride_oh,
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                        stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, qk_scale,
+                        stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                         RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                         MATH_F16: tl.constexpr, SOFTMAX: tl.constexpr, ARRIVE: tl.constexpr,
@@ -423,9 +423,9 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if kind == "descriptor":
         _prefix_desc_kernel[grid](
             q, k_buffer, v_buffer, _kv_descriptor(k_buffer, cfg.block_n), _kv_descriptor(v_buffer, cfg.block_n),
-            ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr, *arrive[:5],
+            ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr, *arrive,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), *arrive[5:], ws.prefix_cap,
+            ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
             scale,
             RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.prefix_stages,
@@ -435,9 +435,9 @@ def prefix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         return
     _prefix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr,
-        *arrive[:5],
+        *arrive,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), *arrive[5:], ws.prefix_cap,
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap,
         scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         INPUT_PRECISION=input_precision(q.dtype), EVEN_SPLIT=cfg.even_split,

@@ -172,9 +172,9 @@ if gluon is not None:
 
     @gluon.jit
     def _prefix_wgmma_kernel(Q, K, V, k_desc, v_desc, PartO, PartLse, Counts, PfxItems, GroupReqIdx, PartIndptr,
-                             Out, Counter, Sinks, v_scale, num_q_heads,
+                             Out, Counter, Sinks, v_scale, num_q_heads, stride_ob, stride_oh,
                              stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                             stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, pfx_cap, qk_scale,
+                             stride_pr, stride_ph, stride_lr, pfx_cap, qk_scale,
                              RATIO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                              Q_REGS: gl.constexpr, ARRIVE: gl.constexpr, HAS_SINKS: gl.constexpr,
@@ -385,9 +385,9 @@ def prefix_wgmma_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     arrive, on, sinks = arrival_args(plan, merge)
     _prefix_wgmma_kernel[grid](
         q, k_buffer, v_buffer, _descriptor(k_buffer, block_n), _descriptor(v_buffer, block_n),
-        ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr, *arrive[:5],
+        ws.part_o, ws.part_lse, ws.counts, ws.pfx_items, ws.group_req_idx, ws.part_indptr, *arrive,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), *arrive[5:], ws.prefix_cap, scale,
+        ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0), ws.prefix_cap, scale,
         RATIO=ws.ratio, HEAD_DIM=ws.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap,
         Q_REGS=q_registers, ARRIVE=on, HAS_SINKS=sinks, num_warps=block_m // 16,
         **({"maxnreg": maxnreg} if maxnreg else {}),

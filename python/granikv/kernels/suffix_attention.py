@@ -101,9 +101,9 @@ def _suffix_item(w, hg, Q, K, V, PartO, PartLse, SfxItems, ReqPoolIdx, ReqToToke
 
 @triton.jit
 def _suffix_kernel(Q, K, V, PartO, PartLse, Counts, SfxItems, ReqPoolIdx, ReqToToken, SeqLens, SfxMax,
-                   SlotCopy, SlotCopyOn, PartIndptr, Out, Counter, Sinks, v_scale, num_q_heads,
+                   SlotCopy, SlotCopyOn, PartIndptr, Out, Counter, Sinks, v_scale, num_q_heads, stride_ob, stride_oh,
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rt,
-                   stride_sc, stride_pr, stride_ph, stride_lr, stride_ob, stride_oh, sfx_cap, qk_scale,
+                   stride_sc, stride_pr, stride_ph, stride_lr, sfx_cap, qk_scale,
                    RATIO: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEVICE_ENDS: tl.constexpr,
                    SLOT_COPY: tl.constexpr, MATH_F16: tl.constexpr, ARRIVE: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -164,10 +164,10 @@ def suffix_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     arrive, on, sinks = arrival_args(plan, merge)
     _suffix_kernel[grid](
         q, k_buffer, v_buffer, ws.part_o, ws.part_lse, ws.counts, ws.sfx_items, ws.req_pool_indices, req_to_token,
-        ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on, ws.part_indptr, *arrive[:5],
+        ws.counts if ends is None else ends, ws.sfx_max, slots, ws.slot_copy_on, ws.part_indptr, *arrive,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), slots_stride, ws.part_o.stride(0), ws.part_o.stride(1), ws.part_lse.stride(0),
-        *arrive[5:], ws.suffix_cap, scale,
+        ws.suffix_cap, scale,
         RATIO=ws.ratio, HEADS=ws.suffix_heads, HEAD_DIM=ws.head_dim, BLOCK_H=ws.suffix_block_h,
         BLOCK_N=cfg.suffix_block_n, INPUT_PRECISION=input_precision(q.dtype), DEVICE_ENDS=ends is not None,
         SLOT_COPY=plan.slot_copy, MATH_F16=f16, ARRIVE=on, HAS_SINKS=sinks,
