@@ -49,6 +49,7 @@ import triton
 
 from benchmark.harness.timing import gpu_ms as bench  # (ms, "graph" | "eager")
 from benchmark.harness.timing import host_ms
+from benchmark.kernels.read_bound import best_read_us
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.merge_state import merge_state
 from granikv.kernels.prefix_attention import prefix_attention
@@ -654,6 +655,11 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
         row["gkv_prefix_items"] = ws.work_list.num_prefix_items
         unit, rate = prefix_rate(rows, flops, kv_bytes, row["gkv_prefix_us"])
         row["prefix_unit"], row["gkv_prefix_rate"] = unit, rate
+        # the yardstick: one launch that only reads the extent's K / V bytes (read_bound.py)
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        row["read_bound_us"], row["read_bound_widths"] = best_read_us(case.k, case.v, int(case.g.group_start[0]),
+                                                                      lp, sms)
+        row["read_bound_TBps"] = tera_per_s(kv_bytes, row["read_bound_us"], 2)
     except Exception as e:  # noqa: BLE001
         row["gkv_error"] = repr(e)[:300]
         traceback.print_exc()
@@ -696,6 +702,7 @@ def matrix(args) -> None:
     for r in rows:
         print(f"{r['shape']:<18}{r['prefix']:>6} x{r['sharers']:<4} M={r['rows_per_kv_head']:<5} "
               f"prefix={r.get('gkv_prefix_us', '-')}us ({r.get('gkv_prefix_rate', '-')} {r.get('prefix_unit', '')}) "
+              f"read={r.get('read_bound_us', '-')}us ({r.get('read_bound_TBps', '-')} TB/s) "
               f"cascade={r.get('gkv_cascade_us', '-')} fa2={r.get('fi_cascade_fa2_us', '-')} "
               f"fa3={r.get('fi_cascade_fa3_us', '-')} packed={r.get('fi_prefill_packed_us', '-')}")
     try:
