@@ -408,6 +408,11 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # not measured yet: the merge inside the prefix and suffix launches (the last program to
     # write a row's partial rows merges it; no merge launch)
     "merge_in_kernels": dict(merge_in_kernels=True),
+    # with no merge launch after them, the prefix / suffix split of the SMs again
+    "mik_pw1.25": dict(merge_in_kernels=True, prefix_waves=1.25),
+    "mik_pw1.75": dict(merge_in_kernels=True, prefix_waves=1.75),
+    "mik_pw2.0": dict(merge_in_kernels=True, prefix_waves=2.0),
+    "mik_swv2": dict(merge_in_kernels=True, suffix_waves=2.0),
     "merge32_rows_batch": dict(merge_block_p=32, merge_rows="batch"),
     "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)

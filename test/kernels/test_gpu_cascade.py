@@ -326,3 +326,33 @@ def test_device_ends_under_graph_replay_bf16(path, wrong):
             _assert_per_request(outs[s, others], ref[others])
         else:
             _assert_per_request(outs[s, :n], ref)
+
+
+@pytest.mark.parametrize("tokens", [2, 4, 8])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(32, 8, 128), (28, 4, 128), (64, 8, 64)])
+def test_query_tokens_bf16_eager_and_graph(tokens, hq, hkv, head_dim):
+    """A verify step's shape (``query_tokens.expand_query_tokens``: T query tokens per request
+    as T decode rows each) through the cascade on the config tile_config picks: every query row
+    against float64 attention over its request's keys up to its own position, and back-to-back
+    CUDA-graph replays bit-identical to the eager launch."""
+    from granikv.attention.decode.query_tokens import expand_query_tokens
+    from granikv.kernels.reference import attend_ref
+
+    b = make_batch(groups=((16384, 24), (4096, 8)), n_ungrouped=3, suffix=256, ungrouped_len=3000,
+                   num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=5)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = 4 * torch.randn(b.bs * tokens, hq, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+    rows = expand_query_tokens(Grouping.of(b.group_start, b.group_len, b.group_req_indptr, b.group_req_idx,
+                                           b.prefix_len), b.seq_lens, b.req_pool_indices, tokens)
+    ws = CascadeWorkspace(b.bs * tokens, hq, hkv, head_dim, "cuda", config=tile_config(hq // hkv, head_dim, tma=True))
+    ws.fill(rows.grouping, rows.seq_lens, rows.req_pool_indices)
+    out = torch.full_like(q, float("nan"))
+    out = eager_equals_replay(lambda: cascade_attention(q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale,
+                                                        out=out), out)
+    ref = []
+    for i in range(b.bs):
+        slots = b.req_to_token[int(b.req_pool_indices[i])].long()
+        for t in range(tokens):
+            end = int(b.seq_lens[i]) - tokens + 1 + t
+            ref.append(attend_ref(q[i * tokens + t], b.k[slots[:end]], b.v[slots[:end]], b.sm_scale).o)
+    _assert_per_request(out, torch.stack(ref))
