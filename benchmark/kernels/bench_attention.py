@@ -348,6 +348,7 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # serving capacity (slower at 16K, removed): see docs/results/kernels.md)
     "default": {},  # overlap_suffix, prefix_waves 1.5 (sweep 5)
     "serial": dict(overlap_suffix=False, prefix_waves=2.0),  # the defaults before sweep 5
+    "pw1.0": dict(prefix_waves=1.0),
     "pw1.25": dict(prefix_waves=1.25),
     "pw1.75": dict(prefix_waves=1.75),
     "pw1.5_swv3": dict(suffix_waves=3.0),
@@ -637,9 +638,11 @@ def run_fa3_packed_prefill(case, row, outs):
             row["fi_prefill_packed_error"] = repr(e)[:300]
 
 
-def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
+def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=()) -> dict:
     """One --matrix point: GraniKV's prefix launch alone and its cascade layer (CUDA-graph
-    replays, the config GraniKV picks for the shape), FlashInfer's cascade and packed prefill."""
+    replays, the config GraniKV picks for the shape), FlashInfer's cascade and packed prefill;
+    ``variants`` (SWEEP names): the cascade layer again with each (``variant_cascade_us``, what
+    launch_table_fit.py fits the prefix wave table from)."""
     set_shape(name)
     case = Case([(lp, n)], MATRIX_SUFFIX)
     cfg = base_config()
@@ -661,10 +664,22 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int) -> dict:
         unit, rate = prefix_rate(rows, flops, kv_bytes, row["gkv_prefix_us"])
         row["prefix_unit"], row["gkv_prefix_rate"] = unit, rate
         # the yardstick: one launch that only reads the extent's K / V bytes (read_bound.py)
-        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV == "cuda" else 4
         row["read_bound_us"], row["read_bound_widths"] = best_read_us(case.k, case.v, int(case.g.group_start[0]),
-                                                                      lp, sms)
+                                                                      lp, sms, bench)
         row["read_bound_TBps"] = tera_per_s(kv_bytes, row["read_bound_us"], 2)
+        row["prefix_waves"] = cfg.prefix_waves
+        if variants:
+            row["variant_cascade_us"], row["variant_prefix_waves"] = {}, {}
+        for v in variants:
+            vcfg = dataclasses.replace(cfg, **SWEEP[v])
+            vws = CascadeWorkspace(ws_max_bs(n, max_bs), HQ, HKV, D, DEV, config=vcfg)
+            case.fill(vws)
+            vout = torch.empty_like(case.q)
+            row["variant_cascade_us"][v] = round(bench(lambda: cascade_attention(  # noqa: B023 - called here
+                case.q, case.k, case.v, case.r2t, vws.plan, sm_scale=SCALE, out=vout))[0] * 1e3, 1)
+            row["variant_prefix_waves"][v] = vcfg.prefix_waves
+            del vws
     except Exception as e:  # noqa: BLE001
         row["gkv_error"] = repr(e)[:300]
         traceback.print_exc()
@@ -692,12 +707,16 @@ def matrix(args) -> None:
     """--matrix: every ``matrix_points`` point (``--matrix-shapes`` narrows the shapes), one
     JSON row each, written after every point (kernels_matrix.json), and a table at the end."""
     shapes = tuple(filter(None, args.matrix_shapes.split(","))) or MATRIX_SHAPES
+    variants = tuple(filter(None, args.matrix_variants.split(",")))
+    unknown = [v for v in variants if v not in SWEEP]
+    if unknown:
+        raise SystemExit(f"--matrix-variants: {', '.join(unknown)} not in SWEEP")
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
     rows = []
     path = os.path.join(args.out, "kernels_matrix.json")
     for name, lp, n in matrix_points(shapes):
         t = time.time()
-        row = matrix_point(name, lp, n, ws_bytes, args.max_bs)
+        row = matrix_point(name, lp, n, ws_bytes, args.max_bs, variants)
         row["point_s"] = round(time.time() - t, 1)
         rows.append(row)
         print("MATRIX", json.dumps(row), flush=True)
@@ -779,6 +798,9 @@ def main():
     ap.add_argument("--plot-matrix", default="", metavar="JSON",
                     help="draw DIR/kernels_matrix.png from a --matrix JSON (no GPU needed) and exit")
     ap.add_argument("--matrix-shapes", default="", help="with --matrix: comma-separated SHAPES (default: all of them)")
+    ap.add_argument("--matrix-variants", default="",
+                    help="with --matrix: SWEEP variants whose cascade layer is timed at every point too "
+                         "(e.g. pw1.25,pw2.0: the runs benchmark/kernels/launch_table_fit.py fits a table from)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     set_shape(args.shape)

@@ -173,14 +173,19 @@ def test_matrix_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(16, dtype=torch.uint8)
                         if a and a[0] == 512 << 20 else real_empty(*a, **kw))
-    mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-gqa3,tiny-mha", max_bs=0, out=str(tmp_path)))
+    with pytest.raises(SystemExit, match="not in SWEEP"):
+        mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-mha", matrix_variants="pw9", max_bs=0, out=str(tmp_path)))
+    mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-gqa3,tiny-mha", matrix_variants="pw1.0,pw2.0", max_bs=0,
+                                     out=str(tmp_path)))
     doc = json.loads((tmp_path / "kernels_matrix.json").read_text())
     rows = doc["rows"]
     assert [(r["shape"], r["sharers"]) for r in rows] == [("tiny-gqa3", 3), ("tiny-gqa3", 50), ("tiny-mha", 3),
                                                           ("tiny-mha", 50)]
     for r in rows:
         assert "gkv_error" not in r, r.get("gkv_error")
-        assert r["gkv_prefix_us"] == r["gkv_cascade_us"] == 1.0
+        assert r["gkv_prefix_us"] == r["gkv_cascade_us"] == r["read_bound_us"] == 1.0
+        assert r["variant_cascade_us"] == {"pw1.0": 1.0, "pw2.0": 1.0}
+        assert r["variant_prefix_waves"] == {"pw1.0": 1.0, "pw2.0": 2.0}
         assert r["prefix_unit"] == ("TFLOP/s" if r["rows_per_kv_head"] > 128 else "TB/s")
         assert "flashinfer_error" in r or "fi_cascade_fa2_us" in r or "fi_cascade_fa2_error" in r
     try:  # the plot is drawn from the JSON wherever matplotlib imports (--plot-matrix alone too)

@@ -32,6 +32,7 @@ from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
 from granikv.attention.decode.batch_view import OneTokenView, SeqLensView, device_ends, pad_rows, same_rows, seq_total
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
+from granikv.attention.decode.launch_table import LaunchTable
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
 from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
@@ -73,6 +74,8 @@ class DecodePlanner:
         self._pad_fill: Optional[int] = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends: Optional[torch.Tensor] = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._ends_copy = True  # the step copies its ends before the replay (False: its graph copies them)
+        self._launch_table: Optional[LaunchTable] = None  # this GPU's prefix wave table (launch_table())
+        self._launch_table_loaded = False
         self.ends_in_graph_steps = 0  # planned graph steps whose graph copied the suffix ends itself
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
@@ -131,7 +134,20 @@ class DecodePlanner:
     def _new_workspace(self, max_bs: int, slot_copy_tokens: int = 0) -> CascadeWorkspace:
         geo = self.ctx.dispatcher.geometry
         return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.ctx.device,
-                                slot_copy_tokens=slot_copy_tokens, config=self.kernel_config())
+                                slot_copy_tokens=slot_copy_tokens, config=self.kernel_config(),
+                                launch_table=self.launch_table())
+
+    def launch_table(self) -> Optional[LaunchTable]:
+        """This GPU's checked-in prefix wave table (``launch_table.py``), or None; loaded once."""
+        if not self._launch_table_loaded:
+            self._launch_table_loaded = True
+            device = torch.device(self.ctx.device)
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else None
+            self._launch_table = LaunchTable.for_gpu(gpu)
+            if self._launch_table is not None:
+                logger.info("GraniKV: prefix wave targets from %s (%d rules)", self._launch_table.source,
+                            len(self._launch_table.rules))
+        return self._launch_table
 
     def kernel_config(self) -> KernelConfig:
         """The kernels' tiles for this model (``tile_config``), with ``--granikv-prefix-kernel``

@@ -66,9 +66,10 @@ def suffix_heads(ratio: int, num_kv_heads: int, config: KernelConfig) -> int:
     return h
 
 
-def prefix_target(config: KernelConfig, sm_count: int, num_kv_heads: int) -> int:
-    """Prefix items a launch aims at: ``prefix_waves * sm_count`` programs over Hkv grid rows."""
-    return max(1, int(config.prefix_waves * sm_count) // num_kv_heads)
+def prefix_target(config: KernelConfig, sm_count: int, num_kv_heads: int, waves: Optional[float] = None) -> int:
+    """Prefix items a launch aims at: ``waves * sm_count`` programs over Hkv grid rows
+    (``waves``: the step's choice, ``launch_table``; None: ``config.prefix_waves``)."""
+    return max(1, int((config.prefix_waves if waves is None else waves) * sm_count) // num_kv_heads)
 
 
 def suffix_target(config: KernelConfig, sm_count: int, num_kv_heads: int, ratio: int) -> int:
@@ -181,9 +182,12 @@ class PrefixItems(NamedTuple):
 
 
 def build_prefix_items(grouping: Grouping, bs: int, *, ratio: int, num_kv_heads: int, config: KernelConfig,
-                       sm_count: int, max_splits: int, single_prefix_chunk: bool = False) -> PrefixItems:
+                       sm_count: int, max_splits: int, single_prefix_chunk: bool = False,
+                       prefix_waves: Optional[float] = None) -> PrefixItems:
     """Prefix items (group, chunk, tile), tile fastest so a chunk's tiles run together (L2);
-    tiles of ``block_m`` flat rows, chunks equal within a group (module docstring)."""
+    tiles of ``block_m`` flat rows, chunks equal within a group (module docstring).
+    ``prefix_waves``: the launch's wave target for this step (``launch_table``), within the
+    workspace's capacity; None: ``config.prefix_waves``."""
     g_start, g_len = grouping.group_start, grouping.group_len
     g_ptr, g_idx = grouping.group_req_indptr, grouping.group_req_idx
     n_mem = np.diff(g_ptr)
@@ -192,7 +196,7 @@ def build_prefix_items(grouping: Grouping, bs: int, *, ratio: int, num_kv_heads:
         if single_prefix_chunk:
             chunk = int(g_len.max())
         else:
-            target = max(prefix_target(config, sm_count, num_kv_heads),
+            target = max(prefix_target(config, sm_count, num_kv_heads, prefix_waves),
                          int(config.forest_items_per_tile * int(tiles.sum())))
             work = int((tiles * g_len).sum())
             chunk = max(cdiv(work, target), config.min_prefix_chunk, cdiv(int(g_len.max()), max_splits))

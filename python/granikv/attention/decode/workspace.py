@@ -10,11 +10,13 @@ correctly: grids are fixed at capacity and programs read the live item counts fr
 Work items and their layout: ``work_list``; what a steady step reuses: ``reuse_base``.
 """
 
+from dataclasses import replace
 from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
 
+from granikv.attention.decode.launch_table import LaunchTable
 from granikv.attention.decode.reuse_base import ReuseBase, last_item_bound
 from granikv.attention.decode.staging_ring import StagingRing
 from granikv.attention.decode.suffix_ends import SuffixEnds
@@ -44,7 +46,9 @@ class CascadeWorkspace(StagingRing):
     Allocate once per (max batch size, head shape); call ``fill`` once per decode step (before
     the layers run, outside any CUDA graph), then run the kernels of every layer against it.
 
-    Capacities: ``work_list.capacity`` (from the constructor arguments, never from a batch).
+    Capacities: ``work_list.capacity`` (from the constructor arguments, never from a batch;
+    the prefix wave target at its widest: ``config.prefix_waves`` or the ``launch_table``'s
+    largest, which then picks each step's target from its dominant group).
     Host staging: ``StagingRing``; suffix ends once bound: ``SuffixEnds``.
 
     Device buffers (int32 unless noted):
@@ -74,6 +78,7 @@ class CascadeWorkspace(StagingRing):
         config: Optional[KernelConfig] = None,
         staging_buffers: int = 8,
         slot_copy_tokens: int = 0,
+        launch_table: Optional[LaunchTable] = None,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -95,8 +100,12 @@ class CascadeWorkspace(StagingRing):
         self.suffix_heads = suffix_heads(self.ratio, num_kv_heads, cfg)
         self.suffix_groups = num_kv_heads // self.suffix_heads  # suffix grid axis 1
         self.suffix_block_h = suffix_tile_rows(self.ratio)
+        # the step's prefix wave target comes from the table where it has a rule (_prefix_items):
+        # the capacity covers the largest it may ask for
+        self.launch_table = launch_table
+        widest = max(cfg.prefix_waves, launch_table.max_prefix_waves if launch_table else 0.0)
         self.prefix_cap, self.suffix_cap, self.partial_cap = capacity(
-            cfg, max_bs, self.max_groups, self.ratio, num_kv_heads, sm_count)
+            replace(cfg, prefix_waves=widest), max_bs, self.max_groups, self.ratio, num_kv_heads, sm_count)
 
         # meta layout
         P, S = self.prefix_cap, self.suffix_cap
@@ -364,9 +373,11 @@ class CascadeWorkspace(StagingRing):
         key: PrefixKey = (bs, single_prefix_chunk) + tuple(
             a.tobytes() for a in (g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx))
         if memo_key != key or items is None:
+            table = self.launch_table
+            waves = table.waves_for_grouping(grouping, self.ratio, self.head_dim) if table else None
             items = build_prefix_items(grouping, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
                                        config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
-                                       single_prefix_chunk=single_prefix_chunk)  # fmt: skip
+                                       single_prefix_chunk=single_prefix_chunk, prefix_waves=waves)  # fmt: skip
             self._prefix_memo = (key, items)
         return items
 
