@@ -406,8 +406,9 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # df30722: no change alone; merge32_rows_batch 8% faster on the agent-loop batch, 6-9% slower
     # at 64-130 requests
     "merge_rows_batch": dict(merge_rows="batch"),
-    # not measured yet: the merge inside the prefix and suffix launches (the last program to
-    # write a row's partial rows merges it; no merge launch)
+    # 80b0461 (H100): the merge inside the prefix and suffix launches (the last program to write
+    # a row's partial rows merges it; no merge launch) slower on 4 of 6 cases (forest +12.4 us,
+    # 16K x 64 +6.2), equal on 2: not kept
     "merge_in_kernels": dict(merge_in_kernels=True),
     # with no merge launch after them, the prefix / suffix split of the SMs again
     "mik_pw1.25": dict(merge_in_kernels=True, prefix_waves=1.25),

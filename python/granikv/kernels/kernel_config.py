@@ -130,7 +130,9 @@ class KernelConfig:
     partial rows merges it into the output (``merge_state.MergeTarget``; the fused kernel's
     scheme over two launches). Nobody waits on anyone, so the merge's work overlaps the
     launches' tails instead of following both. Every prefix kernel but the warp-specialized
-    wgmma one. Not measured on a GPU yet (sweep variant ``merge_in_kernels``)."""
+    wgmma one. Off: on an H100 it was slower than the merge launch on 4 of 6 sweep cases (up
+    to 12.4 µs per layer on a forest of 16) and equal on 2; the merges gather in the programs
+    that finish last (docs/results/kernels.md, "The merge in the launches")."""
 
     merge_rows: Literal["workspace", "batch"] = "workspace"
     """Program rows of the merge launch: one per request slot of the workspace ("workspace", its
