@@ -639,17 +639,23 @@ def run_fa3_packed_prefill(case, row, outs):
             row["fi_prefill_packed_error"] = repr(e)[:300]
 
 
-def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=()) -> dict:
+class _Skipped(Exception):
+    """--matrix-skip-baselines: a point's FlashInfer columns are not run."""
+
+
+def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=(), suffix: int = 0,
+                 baselines: bool = True) -> dict:
     """One --matrix point: GraniKV's prefix launch alone and its cascade layer (CUDA-graph
     replays, the config GraniKV picks for the shape), FlashInfer's cascade and packed prefill;
     ``variants`` (SWEEP names): the cascade layer again with each (``variant_cascade_us``, what
     launch_table_fit.py fits the prefix wave table from)."""
     set_shape(name)
-    case = Case([(lp, n)], MATRIX_SUFFIX)
+    suffix = suffix or MATRIX_SUFFIX
+    case = Case([(lp, n)], suffix)
     cfg = base_config()
     rows = n * (HQ // HKV)
     flops, kv_bytes = prefix_flops([(lp, n)]), prefix_kv_bytes([(lp, n)])
-    row = dict(shape=name, hq=HQ, hkv=HKV, d=D, prefix=lp, sharers=n, suffix=MATRIX_SUFFIX,
+    row = dict(shape=name, hq=HQ, hkv=HKV, d=D, prefix=lp, sharers=n, suffix=suffix,
                rows_per_kv_head=rows, prefix_kernel=cfg.prefix_kernel)
     outs = {}
     try:
@@ -685,6 +691,8 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=())
         row["gkv_error"] = repr(e)[:300]
         traceback.print_exc()
     try:
+        if not baselines:
+            raise _Skipped
         kv = (case.k.view(-1, 1, HKV, D), case.v.view(-1, 1, HKV, D))
         run_fi_cascade(case, row, outs, ws_bytes, kv)
         for k in ("fi_cascade_fa2", "fi_cascade_fa3"):
@@ -693,6 +701,8 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=())
         run_fa3_packed_prefill(case, row, outs)
         if "fi_prefill_packed_us" in row:
             row["fi_prefill_packed_rate"] = prefix_rate(rows, flops, kv_bytes, row["fi_prefill_packed_us"])[1]
+    except _Skipped:
+        row["flashinfer_skipped"] = True
     except Exception as e:  # noqa: BLE001
         row["flashinfer_error"] = repr(e)[:300]
         traceback.print_exc()
@@ -715,17 +725,20 @@ def matrix(args) -> None:
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
     rows = []
     path = os.path.join(args.out, "kernels_matrix.json")
+    suffixes = [int(x) for x in str(getattr(args, "matrix_suffixes", "") or MATRIX_SUFFIX).split(",") if x]
     for name, lp, n in matrix_points(shapes):
-        t = time.time()
-        row = matrix_point(name, lp, n, ws_bytes, args.max_bs, variants)
-        row["point_s"] = round(time.time() - t, 1)
-        rows.append(row)
-        print("MATRIX", json.dumps(row), flush=True)
+        for sfx in suffixes:
+            t = time.time()
+            row = matrix_point(name, lp, n, ws_bytes, args.max_bs, variants, sfx,
+                               not getattr(args, "matrix_skip_baselines", False))
+            row["point_s"] = round(time.time() - t, 1)
+            rows.append(row)
+            print("MATRIX", json.dumps(row), flush=True)
         with open(path, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), triton=triton.__version__, max_bs=args.max_bs,
-                           suffix=MATRIX_SUFFIX, rows=rows), f, indent=1)
+                           suffix=suffixes[0] if len(suffixes) == 1 else suffixes, rows=rows), f, indent=1)
     for r in rows:
-        print(f"{r['shape']:<18}{r['prefix']:>6} x{r['sharers']:<4} M={r['rows_per_kv_head']:<5} "
+        print(f"{r['shape']:<18}{r['prefix']:>6} x{r['sharers']:<4} sfx={r['suffix']:<5} M={r['rows_per_kv_head']:<5} "
               f"prefix={r.get('gkv_prefix_us', '-')}us ({r.get('gkv_prefix_rate', '-')} {r.get('prefix_unit', '')}) "
               f"read={r.get('read_bound_us', '-')}us ({r.get('read_bound_TBps', '-')} TB/s) "
               f"cascade={r.get('gkv_cascade_us', '-')} fa2={r.get('fi_cascade_fa2_us', '-')} "
@@ -799,6 +812,11 @@ def main():
     ap.add_argument("--plot-matrix", default="", metavar="JSON",
                     help="draw DIR/kernels_matrix.png from a --matrix JSON (no GPU needed) and exit")
     ap.add_argument("--matrix-shapes", default="", help="with --matrix: comma-separated SHAPES (default: all of them)")
+    ap.add_argument("--matrix-suffixes", default=str(MATRIX_SUFFIX),
+                    help="with --matrix: comma-separated suffix lengths per sharer, each point run at each "
+                         f"(default {MATRIX_SUFFIX})")
+    ap.add_argument("--matrix-skip-baselines", action="store_true",
+                    help="with --matrix: GraniKV's launches and the read bound only (no FlashInfer columns)")
     ap.add_argument("--matrix-variants", default="",
                     help="with --matrix: SWEEP variants whose cascade layer is timed at every point too "
                          "(e.g. pw1.25,pw2.0: the runs benchmark/kernels/launch_table_fit.py fits a table from)")

@@ -1,11 +1,11 @@
 """Fit the prefix wave table (python/granikv/attention/decode/launch_table.py) from a matrix run.
 
     python3 -m benchmark.kernels.bench_attention --matrix --max-bs 256 \\
-        --matrix-variants pw1.0,pw1.25,pw1.75,pw2.0 --out $OUT
+        --matrix-suffixes 64,256,1024 --matrix-variants pw1.0,pw1.25,pw1.75,pw2.0 --out $OUT
     python3 -m benchmark.kernels.launch_table_fit $OUT/kernels_matrix.json \\
         --out python/granikv/data/launch_table_<gpu slug>.json
 
-Every matrix point (head_dim, query rows per kv head, prefix length) gets one rule: the wave
+Every matrix point (head_dim, query rows per kv head, prefix length, suffix length) gets one rule: the wave
 target whose cascade layer was fastest there (the config's own, ``prefix_waves`` of the row, or
 a variant's, ``variant_prefix_waves``), a variant only where it beats the config's by at least
 ``--min-gain``; points of several head shapes with the same key (GQA 1 at 64 sharers and GQA 4
@@ -23,11 +23,11 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from granikv.attention.decode.launch_table import LaunchTable, rules_of
 
-Key = Tuple[int, int, int]  # (head_dim, rows per kv head, prefix tokens)
+Key = Tuple[int, int, int, int]  # (head_dim, rows per kv head, prefix tokens, suffix tokens per request)
 
 
-def fit_rules(rows: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Tuple[LaunchTable, List[Dict[str, Any]]]:
-    """The table from matrix rows (each with ``d``, ``rows_per_kv_head``, ``prefix``,
+def fit_rules(rows: Sequence[Mapping[str, Any]], min_gain: float = 0.03) -> Tuple[LaunchTable, List[Dict[str, Any]]]:
+    """The table from matrix rows (each with ``d``, ``rows_per_kv_head``, ``prefix``, ``suffix``,
     ``gkv_cascade_us``, ``prefix_waves`` and ``variant_cascade_us`` / ``variant_prefix_waves``),
     and one report line per rule."""
     totals: Dict[Key, Dict[float, float]] = defaultdict(lambda: defaultdict(float))
@@ -36,7 +36,7 @@ def fit_rules(rows: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Tupl
     for r in rows:
         if "gkv_cascade_us" not in r or "variant_cascade_us" not in r:
             continue
-        key = (int(r["d"]), int(r["rows_per_kv_head"]), int(r["prefix"]))
+        key = (int(r["d"]), int(r["rows_per_kv_head"]), int(r["prefix"]), int(r["suffix"]))
         base = float(r["prefix_waves"])
         if base_of.setdefault(key, base) != base:
             raise ValueError(f"matrix points of key {key} ran with different default waves")
@@ -54,8 +54,8 @@ def fit_rules(rows: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Tupl
         best = min(full, key=full.get)
         if full[best] > full[base] * (1.0 - min_gain):
             best = base
-        entries.append((key[0], key[1], key[2], best))
-        report.append(dict(head_dim=key[0], rows=key[1], prefix=key[2], points=n, base=base, waves=best,
+        entries.append((key[0], key[1], key[2], key[3], best))
+        report.append(dict(head_dim=key[0], rows=key[1], prefix=key[2], suffix=key[3], points=n, base=base, waves=best,
                            gain=round(full[base] / full[best], 3)))
     return LaunchTable(rules_of(entries)), report
 
@@ -64,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("matrix", help="kernels_matrix.json of a --matrix run with --matrix-variants")
     ap.add_argument("--out", required=True, help="the table JSON to write")
-    ap.add_argument("--min-gain", type=float, default=0.01)
+    ap.add_argument("--min-gain", type=float, default=0.03,
+                    help="a variant's waves only where its layer beats the config's by this share (one timing per "
+                         "point: smaller gains are within run-to-run noise)")
     args = ap.parse_args(argv)
     with open(args.matrix) as f:
         doc = json.load(f)

@@ -21,26 +21,31 @@ from granikv.kernels.cascade import cascade_attention
 from granikv.kernels.plan import Grouping
 from granikv.kernels.reference import decode_attention_ref
 
-TABLE = LaunchTable(rules_of([(64, 64, 4096, 1.25), (64, 16, 128, 3.0), (128, 64, 128, 2.0), (64, 16, 65536, 0.75)]))
+TABLE = LaunchTable(rules_of([(64, 64, 4096, 1024, 1.25), (64, 16, 128, 1024, 3.0), (128, 64, 128, 1024, 2.0),
+                               (64, 16, 65536, 1024, 0.75), (64, 16, 128, 64, 1.0)]))
 
 
 def test_rules_sorted_and_looked_up_in_order():
-    assert [(r.max_rows, r.max_prefix) for r in TABLE.rules if r.head_dim == 64] == [(16, 128), (16, 65536),
-                                                                                      (64, 4096)]
-    assert TABLE.waves_for(64, 12, 100) == 3.0  # the tightest rule first
-    assert TABLE.waves_for(64, 16, 129) == 0.75
-    assert TABLE.waves_for(64, 17, 4096) == 1.25
-    assert TABLE.waves_for(64, 65, 10) is None  # no rule: the config's waves
-    assert TABLE.waves_for(128, 64, 128) == 2.0 and TABLE.waves_for(128, 64, 129) is None
+    assert [(r.max_rows, r.max_prefix, r.max_suffix) for r in TABLE.rules if r.head_dim == 64] == [
+        (16, 128, 64), (16, 128, 1024), (16, 65536, 1024), (64, 4096, 1024)]
+    assert TABLE.waves_for(64, 12, 100, 64) == 1.0  # the tightest rule first
+    assert TABLE.waves_for(64, 12, 100, 65) == 3.0  # a longer suffix: the next rule
+    assert TABLE.waves_for(64, 16, 129, 10) == 0.75
+    assert TABLE.waves_for(64, 17, 4096, 1024) == 1.25
+    assert TABLE.waves_for(64, 17, 4096, 1025) is None  # past every rule's suffix
+    assert TABLE.waves_for(64, 65, 10, 10) is None  # no rule: the config's waves
+    assert TABLE.waves_for(128, 64, 128, 5) == 2.0 and TABLE.waves_for(128, 64, 129, 5) is None
     assert TABLE.max_prefix_waves == 3.0 and LaunchTable(()).max_prefix_waves == 0.0
 
 
-def test_dominant_group_is_the_most_work():
+def test_dominant_group_is_the_most_work_and_the_suffix_the_batch_mean():
     # group 0: 2 members x 100 tokens; group 1: 3 members x 30 tokens -> group 0 (200 > 90)
-    g = Grouping.of([1, 200], [100, 30], [0, 2, 5], [0, 1, 2, 3, 4], [100, 100, 30, 30, 30])
-    table = LaunchTable(rules_of([(64, 8, 100, 2.5), (64, 12, 30, 1.0)]))
-    assert table.waves_for_grouping(g, ratio=4, head_dim=64) == 2.5  # 2 members x ratio 4 = 8 rows
-    assert table.waves_for_grouping(Grouping.empty(3), ratio=4, head_dim=64) is None
+    g = Grouping.of([1, 200], [100, 30], [0, 2, 5], [0, 1, 2, 3, 4], [100, 100, 30, 30, 30, 0])
+    seq = np.array([110, 120, 40, 50, 60, 60])  # suffixes 10, 20, 10, 20, 30, 60: mean 25
+    table = LaunchTable(rules_of([(64, 8, 100, 25, 2.5), (64, 8, 100, 1000, 1.25), (64, 12, 30, 1000, 1.0)]))
+    assert table.waves_for_step(g, seq, ratio=4, head_dim=64) == 2.5  # 2 members x ratio 4 = 8 rows
+    assert table.waves_for_step(g, seq + 1, ratio=4, head_dim=64) == 1.25  # mean suffix 26
+    assert table.waves_for_step(Grouping.empty(3), np.ones(3), ratio=4, head_dim=64) is None
 
 
 def test_json_round_trip_and_refusals(tmp_path, monkeypatch):
@@ -49,7 +54,7 @@ def test_json_round_trip_and_refusals(tmp_path, monkeypatch):
     loaded = LaunchTable.load(str(path))
     assert loaded.rules == TABLE.rules and loaded.gpu == "X" and loaded.source == str(path)
     with pytest.raises(ValueError, match="outside the allowed ranges"):
-        LaunchTable(rules_of([(64, 8, 100, 9.0)]))
+        LaunchTable(rules_of([(64, 8, 100, 64, 9.0)]))
     path.write_text(json.dumps({"rules": [{"head_dim": 64}]}))
     with pytest.raises(ValueError, match="malformed"):
         LaunchTable.load(str(path))
@@ -79,21 +84,22 @@ def test_a_rule_changes_the_steps_prefix_items_and_the_output_stays_exact():
     b = _batch()
     ref = decode_attention_ref(b.q, b.k, b.v, b.req_to_token, b.req_pool_indices, b.seq_lens, b.sm_scale).o
     items = {}
-    for name, table in (("none", None), ("miss", LaunchTable(rules_of([(64, 4, 600, 3.0)]))),
-                        ("wide", LaunchTable(rules_of([(64, 20, 600, 3.0)])))):
+    for name, table in (("none", None), ("miss", LaunchTable(rules_of([(64, 4, 600, 1000, 3.0)]))),
+                        ("short", LaunchTable(rules_of([(64, 20, 600, 5, 3.0)]))),  # suffixes are longer
+                        ("wide", LaunchTable(rules_of([(64, 20, 600, 1000, 3.0)])))):
         ws = _workspace(b, table)
         wl = fill(ws, b)
         ws.check_integrity()
         items[name] = wl.num_prefix_items
         out = cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-    assert items["miss"] == items["none"]  # 20 rows > 4: no rule, the config's waves
+    assert items["miss"] == items["none"] == items["short"]  # 20 rows > 4 / suffixes > 5: the config's waves
     assert items["wide"] > items["none"]  # 3 waves instead of 1: more, shorter chunks
 
 
 def test_capacity_covers_the_widest_rule_and_without_it_the_step_does_not_fit(monkeypatch):
     b = _batch()
-    wide = LaunchTable(rules_of([(64, 20, 600, 3.0)]))
+    wide = LaunchTable(rules_of([(64, 20, 600, 1000, 3.0)]))
     assert _workspace(b, wide).prefix_cap > _workspace(b, None).prefix_cap
     # planted fault: the table given to the step but not to the capacity
     ws = _workspace(b, None)

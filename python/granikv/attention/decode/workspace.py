@@ -231,8 +231,8 @@ class CascadeWorkspace(StagingRing):
         self.ends.bind(seq_lens_dev, bs, copy=ends_copy)
         if not single_prefix_chunk:  # a reused bgemm build (same items) keeps its members
             self._bgemm = None
-        items = self._prefix_items(grouping, bs, single_prefix_chunk, same_grouping)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        items = self._prefix_items(grouping, bs, single_prefix_chunk, same_grouping, seq_lens)
         base = self._reuse_base
         if base is not None and base.items is items and base.wl.bs == bs and self._advance(seq_lens, req_pool_indices):
             advanced = self.work_list
@@ -362,7 +362,7 @@ class CascadeWorkspace(StagingRing):
             np.array_equal(held[0][:n], req_pool_indices[:n]))
 
     def _prefix_items(self, grouping: Grouping, bs: int, single_prefix_chunk: bool,
-                      same_grouping: bool = False) -> PrefixItems:
+                      same_grouping: bool = False, seq_lens: Optional[np.ndarray] = None) -> PrefixItems:
         """``build_prefix_items``, reused while the grouping is unchanged (successive decode
         steps of the same requests), which halves the host work of a step."""
         memo_key, items = self._prefix_memo
@@ -374,7 +374,8 @@ class CascadeWorkspace(StagingRing):
             a.tobytes() for a in (g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx))
         if memo_key != key or items is None:
             table = self.launch_table
-            waves = table.waves_for_grouping(grouping, self.ratio, self.head_dim) if table else None
+            waves = (table.waves_for_step(grouping, seq_lens, self.ratio, self.head_dim)
+                     if table is not None and seq_lens is not None else None)
             items = build_prefix_items(grouping, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
                                        config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
                                        single_prefix_chunk=single_prefix_chunk, prefix_waves=waves)  # fmt: skip
