@@ -134,6 +134,13 @@ class GraniKVConfig:
         "Path to a cost-model JSON (benchmark/kernels/calibrate.py writes one); default: the "
         "checked-in file for this GPU, else a conservative default.",
     )
+    launch_table: Optional[str] = _opt(
+        None,
+        "Path to a prefix wave table JSON (benchmark/kernels/launch_table_fit.py writes one: how "
+        "many prefix programs a cascade step launches per step shape), or off; default: the "
+        "checked-in table for this GPU where there is one, else the kernel config's waves on "
+        "every step.",
+    )
     debug_integrity: bool = _opt(
         False, "Run check_integrity() on the pools and the cache after every scheduler step, and "
         "check that every planned group's requests hold its HOT slots and that the suffix ends the "
@@ -179,6 +186,8 @@ class GraniKVConfig:
         object.__setattr__(self, "_graph_sizes", parse_graph_bs(self.cascade_graph_bs))
         if self.cost_model is not None and not os.path.isfile(self.cost_model):
             raise ValueError(f"{cli_flag('cost_model')}={self.cost_model!r}: no such file")
+        if self.launch_table not in (None, "off") and not os.path.isfile(self.launch_table):
+            raise ValueError(f"{cli_flag('launch_table')}={self.launch_table!r}: no such file (or off)")
 
     @property
     def cascade_graph_sizes(self) -> Optional[FrozenSet[int]]:

@@ -65,3 +65,31 @@ def test_the_flag_offers_the_kernel_configs_prefix_kernels():
 def test_unknown_prefix_kernel_is_refused_with_its_choices():
     with pytest.raises(ValueError, match="--granikv-prefix-kernel='tma' is not one of auto, pointer, descriptor, wgmma"):
         GraniKVConfig(enable=True, prefix_kernel="tma")
+
+
+def test_launch_table_flag_loads_the_file_or_none(tmp_path):
+    """``--granikv-launch-table``: its file's rules reach the workspaces (their capacity covers the
+    widest target); ``off`` and a CPU device (no checked-in table) plan without one; a malformed
+    file stops startup naming the flag, a missing one is refused by the config."""
+    import json
+
+    from granikv.attention.decode.launch_table import LaunchTable, rules_of
+
+    table = LaunchTable(rules_of([(128, 64, 4096, 64, 3.0)]))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table.to_mapping()))
+
+    def backend(value):
+        cfg = GraniKVConfig(enable=True, log_interval=0, launch_table=value)
+        return GraniKVAttnBackend(_NoopBackend(), model_runner=_runner(), cfg=cfg, backend_name="noop")
+
+    be = backend(str(path))
+    assert be.decode.launch_table().rules == table.rules
+    assert be.decode.workspace_for(8).launch_table is be.decode.launch_table()
+    assert backend("off").decode.launch_table() is None and backend(None).decode.launch_table() is None
+    assert be.decode.workspace_for(8).prefix_cap > backend("off").decode.workspace_for(8).prefix_cap
+    path.write_text("{")
+    with pytest.raises(ValueError, match="--granikv-launch-table: launch table .*not JSON"):
+        backend(str(path))
+    with pytest.raises(ValueError, match="--granikv-launch-table='.*nope.json': no such file"):
+        GraniKVConfig(launch_table=str(tmp_path / "nope.json"))

@@ -41,6 +41,7 @@ from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
 from granikv.attention.kv_scales import kv_scales
+from granikv.config import cli_flag
 from granikv.kernels.kernel_config import KernelConfig, device_config
 from granikv.kernels.plan import CascadePlan
 
@@ -74,8 +75,7 @@ class DecodePlanner:
         self._pad_fill: Optional[int] = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends: Optional[torch.Tensor] = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._ends_copy = True  # the step copies its ends before the replay (False: its graph copies them)
-        self._launch_table: Optional[LaunchTable] = None  # this GPU's prefix wave table (launch_table())
-        self._launch_table_loaded = False
+        self._launch_table = self._load_launch_table()  # the prefix wave table (launch_table.py), or None
         self.ends_in_graph_steps = 0  # planned graph steps whose graph copied the suffix ends itself
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
@@ -138,16 +138,27 @@ class DecodePlanner:
                                 launch_table=self.launch_table())
 
     def launch_table(self) -> Optional[LaunchTable]:
-        """This GPU's checked-in prefix wave table (``launch_table.py``), or None; loaded once."""
-        if not self._launch_table_loaded:
-            self._launch_table_loaded = True
-            device = torch.device(self.ctx.device)
-            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else None
-            self._launch_table = LaunchTable.for_gpu(gpu)
-            if self._launch_table is not None:
-                logger.info("GraniKV: prefix wave targets from %s (%d rules)", self._launch_table.source,
-                            len(self._launch_table.rules))
+        """The prefix wave table the workspaces plan with (``_load_launch_table``), or None."""
         return self._launch_table
+
+    def _load_launch_table(self) -> Optional[LaunchTable]:
+        """``--granikv-launch-table``'s file, none for ``off``, else this GPU's checked-in table
+        where there is one. At startup: a malformed file stops the server naming the flag."""
+        path = self.ctx.cfg.launch_table
+        if path == "off":
+            return None
+        try:
+            if path is not None:
+                table: Optional[LaunchTable] = LaunchTable.load(path)
+            else:
+                device = torch.device(self.ctx.device)
+                on_cuda = device.type == "cuda" and torch.cuda.is_available()
+                table = LaunchTable.for_gpu(torch.cuda.get_device_name(device) if on_cuda else None)
+        except ValueError as e:
+            raise ValueError(f"{cli_flag('launch_table')}: {e}") from e
+        if table is not None:
+            logger.info("GraniKV: prefix wave targets from %s (%d rules)", table.source, len(table.rules))
+        return table
 
     def kernel_config(self) -> KernelConfig:
         """The kernels' tiles for this model (``tile_config``), with ``--granikv-prefix-kernel``
