@@ -16,6 +16,7 @@ from conftest import fill, make_batch
 
 from support.graph_replay import eager_equals_replay
 from support.per_request import assert_per_request
+from support.query_rows import query_rows_ref
 from granikv.kernels.cascade import bgemm_cascade_attention, cascade_attention, fused_cascade_attention
 from granikv.kernels.graph_capture import capture_graph
 from granikv.kernels.kernel_config import tile_config
@@ -336,7 +337,6 @@ def test_query_tokens_bf16_eager_and_graph(tokens, hq, hkv, head_dim):
     against float64 attention over its request's keys up to its own position, and back-to-back
     CUDA-graph replays bit-identical to the eager launch."""
     from granikv.attention.decode.query_tokens import expand_query_tokens
-    from granikv.kernels.reference import attend_ref
 
     b = make_batch(groups=((16384, 24), (4096, 8)), n_ungrouped=3, suffix=256, ungrouped_len=3000,
                    num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=5)
@@ -349,10 +349,4 @@ def test_query_tokens_bf16_eager_and_graph(tokens, hq, hkv, head_dim):
     out = torch.full_like(q, float("nan"))
     out = eager_equals_replay(lambda: cascade_attention(q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale,
                                                         out=out), out)
-    ref = []
-    for i in range(b.bs):
-        slots = b.req_to_token[int(b.req_pool_indices[i])].long()
-        for t in range(tokens):
-            end = int(b.seq_lens[i]) - tokens + 1 + t
-            ref.append(attend_ref(q[i * tokens + t], b.k[slots[:end]], b.v[slots[:end]], b.sm_scale).o)
-    _assert_per_request(out, torch.stack(ref))
+    _assert_per_request(out, query_rows_ref(b, q, tokens))

@@ -14,11 +14,11 @@ import torch
 from conftest import SMALL_CONFIG, make_batch
 
 from support.per_request import assert_per_request
+from support.query_rows import query_rows_ref
 from granikv.attention.decode.query_tokens import expand_query_tokens
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.plan import Grouping
-from granikv.kernels.reference import attend_ref
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 PATHS = {"cascade": cascade_attention, "fused": fused_cascade_attention}
@@ -31,17 +31,6 @@ def _grouping(b):
 def _queries(b, tokens, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(b.bs * tokens, *b.q.shape[1:], generator=g).to(b.q.dtype)
-
-
-def _reference(b, q, tokens):
-    """float64 [bs * T, Hq, D]: row i * T + t over request i's keys [0, seq_lens[i] - T + 1 + t)."""
-    out = []
-    for i in range(b.bs):
-        slots = b.req_to_token[int(b.req_pool_indices[i])].long()
-        for t in range(tokens):
-            end = int(b.seq_lens[i]) - tokens + 1 + t
-            out.append(attend_ref(q[i * tokens + t], b.k[slots[:end]], b.v[slots[:end]], b.sm_scale).o)
-    return torch.stack(out)
 
 
 def _run(path, b, q, tokens, late=0):
@@ -67,7 +56,7 @@ def test_query_rows_match_causal_attention(path, dtype, tokens, ratio, hkv):
                    head_dim=32, dtype=dtype, seed=40 + ratio + tokens)
     q = _queries(b, tokens)
     out = _run(path, b, q, tokens)
-    assert_per_request(out, _reference(b, q, tokens), atol=TOL[dtype], rtol=TOL[dtype])
+    assert_per_request(out, query_rows_ref(b, q, tokens), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_planted_late_end_fails():
@@ -75,7 +64,7 @@ def test_planted_late_end_fails():
     tokens = 3
     b = make_batch(groups=((37, 2), (29, 3)), n_ungrouped=2, suffix=17, head_dim=32, dtype=torch.float32, seed=9)
     q = _queries(b, tokens)
-    ref = _reference(b, q, tokens)
+    ref = query_rows_ref(b, q, tokens)
     assert_per_request(_run("cascade", b, q, tokens), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
     with pytest.raises(AssertionError, match="request"):
         assert_per_request(_run("cascade", b, q, tokens, late=1), ref, atol=TOL[torch.float32],
