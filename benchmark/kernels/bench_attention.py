@@ -410,11 +410,6 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     # a row's partial rows merges it; no merge launch) slower on 4 of 6 cases (forest +12.4 us,
     # 16K x 64 +6.2), equal on 2: not kept
     "merge_in_kernels": dict(merge_in_kernels=True),
-    # with no merge launch after them, the prefix / suffix split of the SMs again
-    "mik_pw1.25": dict(merge_in_kernels=True, prefix_waves=1.25),
-    "mik_pw1.75": dict(merge_in_kernels=True, prefix_waves=1.75),
-    "mik_pw2.0": dict(merge_in_kernels=True, prefix_waves=2.0),
-    "mik_swv2": dict(merge_in_kernels=True, suffix_waves=2.0),
     "merge32_rows_batch": dict(merge_block_p=32, merge_rows="batch"),
     "sfx_s3": dict(suffix_stages=3),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
@@ -639,18 +634,26 @@ def run_fa3_packed_prefill(case, row, outs):
             row["fi_prefill_packed_error"] = repr(e)[:300]
 
 
-class _Skipped(Exception):
-    """--matrix-skip-baselines: a point's FlashInfer columns are not run."""
+def run_flashinfer_columns(case, row, outs, ws_bytes, rows: int, flops: float, kv_bytes: float) -> None:
+    """A matrix point's FlashInfer columns: its cascade (fa2, fa3) and its packed fa3 prefill."""
+    kv = (case.k.view(-1, 1, HKV, D), case.v.view(-1, 1, HKV, D))
+    run_fi_cascade(case, row, outs, ws_bytes, kv)
+    for k in ("fi_cascade_fa2", "fi_cascade_fa3"):
+        if k + "_ms" in row:
+            row[k + "_us"] = round(row.pop(k + "_ms") * 1e3, 1)
+    run_fa3_packed_prefill(case, row, outs)
+    if "fi_prefill_packed_us" in row:
+        row["fi_prefill_packed_rate"] = prefix_rate(rows, flops, kv_bytes, row["fi_prefill_packed_us"])[1]
 
 
-def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=(), suffix: int = 0,
+def matrix_point(name: str, lp: int, n: int, suffix: int, ws_bytes, max_bs: int, variants=(),
                  baselines: bool = True) -> dict:
     """One --matrix point: GraniKV's prefix launch alone and its cascade layer (CUDA-graph
     replays, the config GraniKV picks for the shape), FlashInfer's cascade and packed prefill;
     ``variants`` (SWEEP names): the cascade layer again with each (``variant_cascade_us``, what
-    launch_table_fit.py fits the prefix wave table from)."""
+    launch_table_fit.py fits the prefix wave table from); without ``baselines`` no FlashInfer
+    column runs."""
     set_shape(name)
-    suffix = suffix or MATRIX_SUFFIX
     case = Case([(lp, n)], suffix)
     cfg = base_config()
     rows = n * (HQ // HKV)
@@ -691,18 +694,10 @@ def matrix_point(name: str, lp: int, n: int, ws_bytes, max_bs: int, variants=(),
         row["gkv_error"] = repr(e)[:300]
         traceback.print_exc()
     try:
-        if not baselines:
-            raise _Skipped
-        kv = (case.k.view(-1, 1, HKV, D), case.v.view(-1, 1, HKV, D))
-        run_fi_cascade(case, row, outs, ws_bytes, kv)
-        for k in ("fi_cascade_fa2", "fi_cascade_fa3"):
-            if k + "_ms" in row:
-                row[k + "_us"] = round(row.pop(k + "_ms") * 1e3, 1)
-        run_fa3_packed_prefill(case, row, outs)
-        if "fi_prefill_packed_us" in row:
-            row["fi_prefill_packed_rate"] = prefix_rate(rows, flops, kv_bytes, row["fi_prefill_packed_us"])[1]
-    except _Skipped:
-        row["flashinfer_skipped"] = True
+        if baselines:
+            run_flashinfer_columns(case, row, outs, ws_bytes, rows, flops, kv_bytes)
+        else:
+            row["flashinfer_skipped"] = True
     except Exception as e:  # noqa: BLE001
         row["flashinfer_error"] = repr(e)[:300]
         traceback.print_exc()
@@ -725,12 +720,11 @@ def matrix(args) -> None:
     ws_bytes = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
     rows = []
     path = os.path.join(args.out, "kernels_matrix.json")
-    suffixes = [int(x) for x in str(getattr(args, "matrix_suffixes", "") or MATRIX_SUFFIX).split(",") if x]
+    suffixes = [int(x) for x in str(args.matrix_suffixes or MATRIX_SUFFIX).split(",") if x]
     for name, lp, n in matrix_points(shapes):
         for sfx in suffixes:
             t = time.time()
-            row = matrix_point(name, lp, n, ws_bytes, args.max_bs, variants, sfx,
-                               not getattr(args, "matrix_skip_baselines", False))
+            row = matrix_point(name, lp, n, sfx, ws_bytes, args.max_bs, variants, not args.matrix_skip_baselines)
             row["point_s"] = round(time.time() - t, 1)
             rows.append(row)
             print("MATRIX", json.dumps(row), flush=True)

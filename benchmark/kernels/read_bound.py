@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # elements per load step of one program (8 KB of bf16)
-WIDTHS = (1.0, 2.0, 4.0, 8.0)  # programs per SM tried by best_read_us (4 was the fastest at 16-537 MB on an H100)
+WIDTHS = (1.0, 2.0, 4.0, 8.0)  # programs per SM tried by best_read_us (4 was the fastest at 8-537 MB on an H100)
 
 
 @triton.jit
@@ -55,15 +55,6 @@ def read_extent(k_buffer: torch.Tensor, v_buffer: torch.Tensor, start: int, leng
     per_prog = triton.cdiv(triton.cdiv(n_elems, programs), BLOCK) * BLOCK  # whole load steps
     _read_kernel[(programs,)](k_buffer, v_buffer, out, start * row, n_elems, per_prog, BLOCK=BLOCK, num_warps=8)
     return out
-
-
-def reference_sums(k_buffer: torch.Tensor, v_buffer: torch.Tensor, start: int, length: int,
-                   programs: int) -> torch.Tensor:
-    """What ``read_extent`` writes, in float64 (tests)."""
-    k = k_buffer[start: start + length].reshape(-1).double()
-    v = v_buffer[start: start + length].reshape(-1).double()
-    per = triton.cdiv(triton.cdiv(k.numel(), programs), BLOCK) * BLOCK
-    return torch.stack([k[p * per: (p + 1) * per].sum() + v[p * per: (p + 1) * per].sum() for p in range(programs)])
 
 
 def best_read_us(k_buffer: torch.Tensor, v_buffer: torch.Tensor, start: int, length: int, sm_count: int,

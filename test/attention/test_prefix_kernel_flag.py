@@ -84,9 +84,9 @@ def test_launch_table_flag_loads_the_file_or_none(tmp_path):
         return GraniKVAttnBackend(_NoopBackend(), model_runner=_runner(), cfg=cfg, backend_name="noop")
 
     be = backend(str(path))
-    assert be.decode.launch_table().rules == table.rules
-    assert be.decode.workspace_for(8).launch_table is be.decode.launch_table()
-    assert backend("off").decode.launch_table() is None and backend(None).decode.launch_table() is None
+    assert be.decode.launch_table.rules == table.rules
+    assert be.decode.workspace_for(8).launch_table is be.decode.launch_table
+    assert backend("off").decode.launch_table is None and backend(None).decode.launch_table is None
     assert be.decode.workspace_for(8).prefix_cap > backend("off").decode.workspace_for(8).prefix_cap
     path.write_text("{")
     with pytest.raises(ValueError, match="--granikv-launch-table: launch table .*not JSON"):

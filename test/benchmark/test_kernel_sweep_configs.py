@@ -174,9 +174,10 @@ def test_matrix_runs_its_kernel_calls_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(16, dtype=torch.uint8)
                         if a and a[0] == 512 << 20 else real_empty(*a, **kw))
     with pytest.raises(SystemExit, match="not in SWEEP"):
-        mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-mha", matrix_variants="pw9", max_bs=0, out=str(tmp_path)))
+        mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-mha", matrix_variants="pw9", max_bs=0, out=str(tmp_path),
+                                         matrix_suffixes="5", matrix_skip_baselines=False))
     mod.matrix(types.SimpleNamespace(matrix_shapes="tiny-gqa3,tiny-mha", matrix_variants="pw1.0,pw2.0", max_bs=0,
-                                     matrix_suffixes="5", out=str(tmp_path)))
+                                     matrix_suffixes="5", matrix_skip_baselines=False, out=str(tmp_path)))
     doc = json.loads((tmp_path / "kernels_matrix.json").read_text())
     rows = doc["rows"]
     assert [(r["shape"], r["sharers"]) for r in rows] == [("tiny-gqa3", 3), ("tiny-gqa3", 50), ("tiny-mha", 3),

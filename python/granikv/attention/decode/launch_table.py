@@ -35,7 +35,7 @@ import numpy as np
 from granikv.attention.cost.cost_model import DATA_DIR, gpu_slug
 from granikv.kernels.plan import Grouping
 
-__all__ = ["LaunchRule", "LaunchTable", "table_path"]
+__all__ = ["LaunchRule", "LaunchTable", "rules_of", "table_path"]
 
 WAVES_RANGE = (0.5, 4.0)  # what a rule may ask for (a table outside it is refused at load)
 
@@ -51,7 +51,8 @@ class LaunchRule:
 
 @dataclass(frozen=True)
 class LaunchTable:
-    """Rules sorted by (head_dim, max_rows, max_prefix); ``gpu`` and ``source`` say where they come from."""
+    """Rules sorted by (head_dim, max_rows, max_prefix, max_suffix); ``gpu`` and ``source`` say
+    where they come from."""
 
     rules: Tuple[LaunchRule, ...]
     gpu: str = ""

@@ -75,7 +75,7 @@ class DecodePlanner:
         self._pad_fill: Optional[int] = None  # seq_len of a graph's padding rows (the wrapped backend's fill value)
         self._ends: Optional[torch.Tensor] = None  # the step's device seq_lens, if the workspace can bind them (_plan)
         self._ends_copy = True  # the step copies its ends before the replay (False: its graph copies them)
-        self._launch_table = self._load_launch_table()  # the prefix wave table (launch_table.py), or None
+        self.launch_table = self._load_launch_table()  # the prefix wave table the workspaces plan with, or None
         self.ends_in_graph_steps = 0  # planned graph steps whose graph copied the suffix ends itself
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
@@ -135,11 +135,7 @@ class DecodePlanner:
         geo = self.ctx.dispatcher.geometry
         return CascadeWorkspace(max_bs, geo.num_q_heads, geo.num_kv_heads, geo.head_dim, self.ctx.device,
                                 slot_copy_tokens=slot_copy_tokens, config=self.kernel_config(),
-                                launch_table=self.launch_table())
-
-    def launch_table(self) -> Optional[LaunchTable]:
-        """The prefix wave table the workspaces plan with (``_load_launch_table``), or None."""
-        return self._launch_table
+                                launch_table=self.launch_table)
 
     def _load_launch_table(self) -> Optional[LaunchTable]:
         """``--granikv-launch-table``'s file, none for ``off``, else this GPU's checked-in table

@@ -362,9 +362,11 @@ class CascadeWorkspace(StagingRing):
             np.array_equal(held[0][:n], req_pool_indices[:n]))
 
     def _prefix_items(self, grouping: Grouping, bs: int, single_prefix_chunk: bool,
-                      same_grouping: bool = False, seq_lens: Optional[np.ndarray] = None) -> PrefixItems:
+                      same_grouping: bool, seq_lens: np.ndarray) -> PrefixItems:
         """``build_prefix_items``, reused while the grouping is unchanged (successive decode
-        steps of the same requests), which halves the host work of a step."""
+        steps of the same requests), which halves the host work of a step; a build asks the
+        launch table (if any) for its wave target from the grouping and ``seq_lens``, and the
+        steps reusing it keep that target."""
         memo_key, items = self._prefix_memo
         if same_grouping and items is not None and self._prefix_shape == (bs, single_prefix_chunk):
             return items
@@ -374,8 +376,7 @@ class CascadeWorkspace(StagingRing):
             a.tobytes() for a in (g.group_start, g.group_len, g.group_req_indptr, g.group_req_idx))
         if memo_key != key or items is None:
             table = self.launch_table
-            waves = (table.waves_for_step(grouping, seq_lens, self.ratio, self.head_dim)
-                     if table is not None and seq_lens is not None else None)
+            waves = table.waves_for_step(grouping, seq_lens, self.ratio, self.head_dim) if table else None
             items = build_prefix_items(grouping, bs, ratio=self.ratio, num_kv_heads=self.num_kv_heads,
                                        config=self.config, sm_count=self.sm_count, max_splits=self.max_splits,
                                        single_prefix_chunk=single_prefix_chunk, prefix_waves=waves)  # fmt: skip
