@@ -30,6 +30,7 @@ def _scheduler(sim):
     backend.decode.chooser = SteadyChooser(None)
     backend.decode.clock = StepClock()
     backend.decode.ends_in_graph_steps = 0
+    backend.decode.steady_replays = 0
     from granikv.attention.decode.view_memo import ViewPlanMemo
 
     backend.decode.view_memo = ViewPlanMemo()

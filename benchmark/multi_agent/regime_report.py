@@ -91,6 +91,7 @@ def granikv_facts(rec: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
         plan_window_only_this_row=(True if p50 is not None else
                                    None if window is None or steps is None else steps >= window),
         decode_steps=att.get("decode_steps"),
+        steady_replays=att.get("steady_replays"),  # decode steps planned from the previous one (steady_step)
         dispatch_paths={k: v for k, v in (att.get("steps_per_path") or {}).items() if v},
         extend_fallbacks={k: v for k, v in (att.get("extend_fallbacks") or {}).items() if v},
         decode_paged_reasons={k: v for k, v in (att.get("decode_paged_reasons") or {}).items() if v},

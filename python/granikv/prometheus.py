@@ -79,7 +79,8 @@ class PrometheusExporter:
         self._reuse = gauge("granikv:work_list_fills_total",
                             "Decode-step workspace fills: 'built' from scratch or 'reused' from the previous step "
                             "('in_place': reused with nothing uploaded; 'ends_in_graph': steps whose CUDA graph "
-                            "copied the suffix ends itself).",
+                            "copied the suffix ends itself; 'steady_replay': decode steps planned from the "
+                            "previous one, paged or not).",
                             ("kind",))
         self._extend = gauge("granikv:extend_batches_total",
                              "Extend (prefill) batches with a cached prefix: prefix part 'hot' (dense "
@@ -137,7 +138,8 @@ class PrometheusExporter:
                 self._plan_section.labels(**self.labels, section=section).set(float(us))
             self._update_buckets(attention.get("plan_us_hist") or {})
             for kind, key in (("built", "work_list_builds"), ("reused", "work_list_reuses"),
-                              ("in_place", "work_list_in_place"), ("ends_in_graph", "ends_in_graph_steps")):
+                              ("in_place", "work_list_in_place"), ("ends_in_graph", "ends_in_graph_steps"),
+                              ("steady_replay", "steady_replays")):
                 self._reuse.labels(**self.labels, kind=kind).set(float(attention.get(key, 0)))
             for path, n in (attention.get("per_layer_calls") or {}).items():
                 self._layer_calls.labels(**self.labels, path=path).set(float(n))

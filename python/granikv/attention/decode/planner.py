@@ -34,6 +34,7 @@ from granikv.attention.decode.batch_view import OneTokenView, SeqLensView, devic
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.attention.decode.launch_table import LaunchTable
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
+from granikv.attention.decode.steady_step import PAGED_HEADROOM, SteadyReplay
 from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
 from granikv.attention.decode.view_memo import ViewKey, ViewPlanMemo
@@ -80,12 +81,16 @@ class DecodePlanner:
         self._warned_ends = False  # the warning of a graph step whose seq_lens could not be bound
         self._fault = planted_fault.from_env()  # debug only: NO_FAULT unless GRANIKV_DEBUG_FAULT
         self.view_memo = ViewPlanMemo(ctx.cfg.view_plan == "reuse")  # reuse of the wrapped backend's view plan
+        self._steady: Optional[SteadyReplay] = None  # armed by a steady cascade graph step (steady_step)
+        self.steady_replays = 0  # steps planned from the armed step
+        self._paged_plan: Optional[StepPlan] = None  # this step's grouping where the dispatcher chose paged
 
     def use_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Later steps choose with ``dispatcher`` (e.g. one forced to paged); it becomes the
         context's dispatcher too."""
         self.ctx.dispatcher = dispatcher
         self.chooser = SteadyChooser(dispatcher)
+        self._steady = None
 
     # ---- the backend's step notices (the planner owns the path and the graph state) --------
 
@@ -93,6 +98,7 @@ class DecodePlanner:
         """The next forward runs the wrapped backend alone (an extend batch, a non-graph
         replay or capture of a stock size): paged; an extend also interrupts the step clock."""
         self.path = Path.PAGED
+        self._steady = None
         if extend:
             self.clock.interrupt()
 
@@ -109,6 +115,7 @@ class DecodePlanner:
                 "ends_in_graph_steps": self.ends_in_graph_steps,
                 "view_plans_reused": self.view_memo.reused,
                 "view_plans_made": self.view_memo.planned,
+                "steady_replays": self.steady_replays,
                 "grouping_reuses": self.grouping_memo.hits,
                 "choice_reuses": self.chooser.hits,
                 **self._host_plan_counts(),
@@ -193,7 +200,14 @@ class DecodePlanner:
         self.clock.tick()
         self._t_choose = self._clock_key = None
         self._ends_copy = True
-        plan = self._plan(fb, staged, graph=graph)
+        steady, self._steady = self._steady, None
+        self._paged_plan = None
+        decided = None
+        if steady is not None:
+            view, decided = self._replay(fb, staged, steady, graph, c0, t0, stage_seconds)
+            if view is not None:
+                return view
+        plan = self._plan(fb, staged, graph=graph, decided=decided)
         t1 = time.perf_counter()
         tc = self._t_choose or t1
         self.path = Path.PAGED if plan is None else plan.decision.path  # graph steps: paged or cascade
@@ -223,10 +237,88 @@ class DecodePlanner:
             sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload - slot_copy, upload, slot_copy, t3 - t2))
         if plan is not None:  # a step that planned a GraniKV path: the dispatcher's host term
             self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
+        decided = plan if plan is not None else self._paged_plan
+        if decided is not None:
+            self._arm(fb, staged, decided, graph)
         return view
 
-    def _plan(self, fb: Any, staged: Optional[np.ndarray], graph: bool) -> Optional[StepPlan]:
-        """The step's plan, or None for the paged path (decode batches only)."""
+    def _replay(self, fb: Any, staged: Optional[np.ndarray], s: SteadyReplay, graph: bool, c0: float, t0: float,
+                stage_seconds: float) -> Tuple[Any, Any]:
+        """The step planned from the armed one (``steady_step``): ``(view, None)`` when taken
+        (the wrapped backend's batch, as ``plan_step`` returns it); ``(None, decision)`` when
+        the batch matches but the path choice changed (the full plan goes on with that
+        decision: the clock has sampled this step); ``(None, None)`` when it does not match
+        (nothing done)."""
+        ctx, chooser = self.ctx, self.chooser
+        total = seq_total(fb, self._pad_fill) if chooser.hint_ok else None
+        if s.matches(fb.batch_size, staged, getattr(ctx.hot_prefix_table, "version", None), graph,
+                     fb.seq_lens.data_ptr(), total) is None:
+            return None, None
+        tc = time.perf_counter()
+        plan, path = s.plan, s.path
+        decision = chooser.choose(plan.grouping, plan.desc, graph_safe_only=s.graph, seq_total=total)
+        if chooser.dispatcher.forced is None:
+            decision = self.clock.adjust(decision, s.clock_key)
+        if decision.path is not path or (s.ws is not None and not s.ws.repeat_in_place(s.n)):
+            return None, decision
+        t1 = time.perf_counter()
+        s.advance(total)  # type: ignore[arg-type]  # matched: not None
+        self.path = path
+        self.steady_replays += 1
+        slot_copy = 0.0
+        self.slots_copied = False
+        if s.copy_slots:
+            copier = self.slot_copier
+            assert copier is not None
+            c1 = time.perf_counter()
+            copier.run()
+            slot_copy = time.perf_counter() - c1
+            self.slots_copied = True
+        cascade = path is not Path.PAGED
+        self.ends_in_graph_steps += cascade
+        self.graphs.planned_cascade = cascade
+        ctx.stats.record(decision, plan.grouping)
+        self.clock.record(path, s.clock_key)
+        t2 = time.perf_counter()
+        view = self._one_token.of(fb) if cascade else fb
+        t3 = time.perf_counter()
+        ctx.stats.record_plan_time(
+            t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
+            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - slot_copy, 0.0, slot_copy, t3 - t2))
+        if cascade:  # as plan_step: the host term is observed on the steps that plan a GraniKV path
+            chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
+        self._steady = s
+        return view, None
+
+    def _arm(self, fb: Any, staged: Optional[np.ndarray], plan: StepPlan, graph: bool) -> None:
+        """Arms the steady replay after a step the dispatcher decided (``plan.decision``): a
+        paged one, or a cascade graph step whose graph copied its own suffix ends and whose
+        workspace advanced in place (``steady_step``)."""
+        if self.ctx.cfg.debug_integrity:  # its checks need the full plan every step
+            return
+        seq_lens = plan.desc.seq_lens
+        version = getattr(self.ctx.hot_prefix_table, "version", None)
+        if staged is None or version is None or not self.chooser.hint_ok:
+            return
+        total = int(np.add.reduce(seq_lens))
+        if seq_total(fb, self._pad_fill) != total:  # the replay measures growth by SGLang's totals
+            return
+        path, ws, room = plan.decision.path, None, PAGED_HEADROOM
+        if path is not Path.PAGED:
+            ws = self.ws
+            if not graph or self._ends_copy or ws is None or ws is not self.workspace:
+                return
+            left = ws.in_place_headroom(seq_lens)
+            if left is None or left < 1:
+                return
+            room = left
+        self._steady = SteadyReplay(fb.batch_size, staged, version, fb.seq_lens.data_ptr(), total, room, plan,
+                                    path, graph, ws, len(seq_lens), self._clock_key or (fb.batch_size, 0),
+                                    self.slots_copied and path is not Path.PAGED)
+
+    def _plan(self, fb: Any, staged: Optional[np.ndarray], graph: bool, decided: Any = None) -> Optional[StepPlan]:
+        """The step's plan, or None for the paged path (decode batches only). ``decided``: the
+        step's path decision, already made (``_replay``)."""
         ctx, stats = self.ctx, self.ctx.stats
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
@@ -277,10 +369,14 @@ class DecodePlanner:
             stats.unplanned += 1
             return None
         self._t_choose = time.perf_counter()
-        decision = self.chooser.choose(grouping, desc, graph_safe_only=graph, seq_total=seq_total(fb, self._pad_fill))
         self._clock_key = (fb.batch_size, grouping.num_groups)  # one measurement per batch shape
-        if self.chooser.dispatcher.forced is None:  # a forced path is never overruled
-            decision = self.clock.adjust(decision, self._clock_key)
+        if decided is not None:
+            decision = decided
+        else:
+            decision = self.chooser.choose(grouping, desc, graph_safe_only=graph,
+                                           seq_total=seq_total(fb, self._pad_fill))
+            if self.chooser.dispatcher.forced is None:  # a forced path is never overruled
+                decision = self.clock.adjust(decision, self._clock_key)
         if decision.path is not Path.PAGED:
             self._ends = device_ends(fb, self.workspace_for(fb.batch_size))
             reason = None
@@ -295,6 +391,7 @@ class DecodePlanner:
                 return None
         stats.record(decision, grouping)
         if decision.path is Path.PAGED:
+            self._paged_plan = StepPlan(grouping, desc, decision)  # a steady replay may repeat this choice
             return None
         return StepPlan(grouping, desc, decision)
 
@@ -328,6 +425,7 @@ class DecodePlanner:
 
     def init_graph_state(self, max_bs: int) -> None:
         """After the wrapped backend's ``init_cuda_graph_state``: the fixed graph workspace."""
+        self._steady = None
         self.graphs.captured.clear()
         self.graphs.ends_bound.clear()
         self._capture_metadata.clear()
@@ -355,6 +453,7 @@ class DecodePlanner:
         the stock graph would then read stale ones)."""
         inner = self.ctx.inner
         bs = fb.batch_size
+        self._steady = None
         if self.graphs.capturing != bs:
             self.path = Path.PAGED
             inner.init_forward_metadata_out_graph(fb, in_capture=True)

@@ -1,0 +1,98 @@
+"""``SteadyReplay``: what a steady cascade graph step keeps so that the next step of the same
+batch is planned in a handful of calls.
+
+A decode batch that keeps its requests replays the same cascade graph step after step: the
+grouping, the work list and the wrapped backend's view plan are reused, the graph copies the
+new suffix ends itself, and the only host work left is the path choice, the pre-replay slot
+copy and the bookkeeping. The full plan (``DecodePlanner._plan``) still spends most of a step
+proving that nothing changed (the HOT runs, the grouping, the device ends, the workspace's
+reuse bound), about sixty Python calls; in serving, where the scheduler's own work between two
+plans leaves the host's caches cold, those calls cost 75-130 µs per step.
+
+After such a step, and after a step whose path the dispatcher chose paged for a grouping
+(rows that share HOT prefixes, where sharing does not pay), the planner arms a
+``SteadyReplay``. The next step takes it when:
+
+- it is planned the same way (graph or eager) at the same padded size, for the same rows array (SGLang replaces
+  ``req_pool_indices_cpu`` whenever the batch is filtered or merged, never writes it in place),
+  under the same HOT-prefix table version, with the device ``seq_lens`` at the same address
+  (a cascade graph copies its suffix ends from there);
+- the batch's sequence total grew by exactly its number of requests, and the armed
+  ``headroom`` has steps left. A decode step appends one token to every request of its batch
+  (SGLang's ``prepare_for_decode``; speculative decoding, which appends several, is off under
+  GraniKV), and a request stays in the batch only while the rows array does (a retraction or
+  an abort filters the batch, which makes a new array): each request is one token longer, and
+  after ``headroom`` such steps its last suffix item would outgrow the build's reuse bound
+  (``CascadeWorkspace.advance``), so the full plan runs then (a paged step has no build: no
+  such bound);
+- the dispatcher and the step clock still choose the armed path.
+
+Anything else (a paged step, an extend, a capture, new graph state, ``--granikv-debug-integrity``,
+whose checks need the full plan) disarms it and the full plan runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+from granikv.attention.decode.step_plan import StepPlan
+from granikv.attention.decode.workspace import CascadeWorkspace
+from granikv.attention.dispatcher import Path
+
+#: ``SteadyReplay.headroom`` of a paged step: no build, so no reuse bound.
+PAGED_HEADROOM = 1 << 62
+
+
+@dataclass(eq=False)
+class SteadyReplay:
+    """The armed step: what the next one must match, and what it reuses."""
+
+    bs: int  # padded batch size (the cascade graph's)
+    rows: np.ndarray  # the staged rows array (matched by identity)
+    version: Any  # the HOT-prefix table's version
+    ends_ptr: int  # address of the device seq_lens the graph copies its suffix ends from
+    seq_total: int  # the real requests' sequence total at the last step
+    headroom: int  # steps of one token per request left before the build must be advanced in full
+    plan: StepPlan  # grouping, description and decision of the armed step
+    path: Path
+    graph: bool  # a graph replay (else an eager step)
+    ws: Optional[CascadeWorkspace]  # the workspace advanced in place (None: a paged step)
+    n: int  # real requests (the in-place advance's positions)
+    clock_key: Hashable  # the step clock's batch-shape key
+    copy_slots: bool  # the step runs the pre-replay slot copy
+    replays: int = 0  # steps planned from it
+
+    def matches(self, bs: int, rows: Optional[np.ndarray], version: Any, graph: bool, ends_ptr: int,
+                seq_total: Optional[int]) -> Optional[int]:
+        """The tokens the batch grew by since the last step (its request count), if a step
+        with these values may replay; None otherwise."""
+        if (rows is not self.rows or bs != self.bs or version != self.version or graph is not self.graph
+                or (self.ws is not None and ends_ptr != self.ends_ptr)):
+            return None
+        if seq_total is None or self.headroom < 1:
+            return None
+        grown = seq_total - self.seq_total
+        return grown if grown == self.n else None
+
+    def advance(self, seq_total: int) -> None:
+        """The step that matched is planned from this one."""
+        self.seq_total = seq_total
+        self.headroom -= 1
+        self.replays += 1
+
+    def check_integrity(self, seq_lens: np.ndarray) -> None:
+        """The armed state against the batch's host ``seq_lens`` (tests and debug): the sequence
+        total and a headroom no larger than the workspace's own bound gives (in steps of one
+        token per request)."""
+        total = int(np.add.reduce(seq_lens))
+        assert total == self.seq_total, f"steady replay: armed sequence total {self.seq_total}, batch {total}"
+        assert len(seq_lens) == self.n, f"steady replay armed for {self.n} requests, batch has {len(seq_lens)}"
+        if self.ws is None:
+            assert self.path is Path.PAGED and self.headroom > 0, "steady replay: a cascade step without a workspace"
+            return
+        room = self.ws.in_place_headroom(seq_lens)
+        assert room is not None, "steady replay armed but the workspace's last advance was not in place"
+        assert 0 <= self.headroom <= room, f"steady replay: headroom {self.headroom} outside [0, {room}]"

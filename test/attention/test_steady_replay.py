@@ -1,0 +1,253 @@
+"""The steady replay (attention/decode/steady_step.py): a decode step of an unchanged batch
+planned from the previous step in a handful of calls plans exactly what the full plan plans,
+step after step, and gives way to the full plan whenever the batch, the HOT table, the lengths,
+the path choice or the build's reuse bound change. Real SGLang pools on CPU, the Triton kernels
+under the interpreter, CUDA-graph replays driven as SGLang's graph runner drives them: one
+static device ``seq_lens`` buffer refilled before each replay, which the cascade graph copies its
+suffix ends from (its first node, emulated here before the kernels run)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from granikv.attention.dispatcher import Decision, Path
+from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _capture, _expected, _qkv, _replay_view, _runner
+
+PADDED = 8
+
+
+class GraphDriver:
+    """A backend in graph mode with the cascade graph of ``PADDED`` captured over SGLang's
+    static seq_lens buffer, and the per-step refills of a replay."""
+
+    def __init__(self, runner, path="cascade", hot=(0, 1, 3)):
+        self.runner = runner
+        self.be = be = _backend(runner, path)
+        be.init_cuda_graph_state(max_bs=PADDED, max_num_tokens=PADDED)
+        self.fb, self.rows = _batch(runner, hot=set(hot))
+        self.static = torch.ones(PADDED, dtype=torch.int64)  # the graph runner's device seq_lens
+        self.host = torch.ones(2 * PADDED, dtype=torch.int64)  # ... and its host seq_lens
+        view = self._view()
+        be.init_forward_metadata_out_graph(view, in_capture=True)  # the stock graph
+        be.graphs.begin_capture(PADDED)
+        be.init_forward_metadata_out_graph(view, in_capture=True)  # the cascade graph
+        be.init_forward_metadata_in_graph(view)  # its in-graph suffix-end copy, from `static`
+        be.graphs.end_capture(ok=True)
+        assert be.graphs.ends_source.get(PADDED) == self.static.data_ptr()
+
+    def _view(self):
+        view = _replay_view(self.fb, PADDED)
+        self.static.copy_(view.seq_lens)
+        self.host[:PADDED] = view.seq_lens_cpu
+        view.seq_lens = self.static  # the same buffers every replay
+        view.seq_lens_cpu = self.host[:PADDED]
+        return view
+
+    def step(self, grow=1, rows=None):
+        """One decode step: every request ``grow`` tokens longer (an int or one per request),
+        staged with ``rows`` (default: the same array), planned as a replay; returns the view."""
+        self.fb.seq_lens_cpu = self.fb.seq_lens_cpu + torch.as_tensor(grow)
+        self.fb.seq_lens = self.fb.seq_lens_cpu.clone()
+        self.fb.seq_lens_sum = int(self.fb.seq_lens_cpu.sum())
+        view = self._view()
+        self.be.stage_batch(self.rows if rows is None else rows)
+        self.be.init_forward_metadata_out_graph(view)
+        d = self.be.decode
+        if d.graphs.planned_cascade and d.ws.ends.bound is not None:
+            d.ws.ends.copy_from(self.static, PADDED)  # the replay's first node
+        return view
+
+    def check(self, step=0):
+        """Outputs of the real requests against the paged reference."""
+        q, k, v = _qkv(PADDED, step)
+        o = self.be.forward_decode(q, k, v, LAYER, self._view_for_forward())
+        n = self.fb.batch_size
+        torch.testing.assert_close(o[:n], _expected(self.runner, self.fb, q[:n]), atol=ATOL, rtol=RTOL)
+
+    def _view_for_forward(self):
+        view = _replay_view(self.fb, PADDED)
+        view.seq_lens = self.static
+        return view
+
+
+def _full_plan_only(driver):
+    """The twin that never arms the replay: every step takes the full plan."""
+    driver.be.decode._arm = lambda *a, **k: None
+    return driver
+
+
+def _same_work_list(a, b):
+    for f in a._fields:
+        x, y = getattr(a, f), getattr(b, f)
+        if not (np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y):
+            return False
+    return True
+
+
+def test_steady_replays_plan_what_the_full_plan_plans():
+    """60 decode steps of one batch: the replay plans most of them, and every step leaves the
+    path, the work list the kernels read (with the ends the graph copied), the device metadata
+    and the step counts of a twin that takes the full plan every step; the outputs match the
+    paged reference at the first step, at a rebuild and at the last."""
+    fast, slow = GraphDriver(_runner()), _full_plan_only(GraphDriver(_runner()))
+    steps, rebuilds = 60, []
+    for step in range(steps):
+        builds = fast.be.decode.workspace.fills_built
+        fast.step()
+        slow.step()
+        df, ds = fast.be.decode, slow.be.decode
+        assert df.path is ds.path is Path.CASCADE and df.graphs.planned_cascade, step
+        fw, sw = df.workspace, ds.workspace
+        assert _same_work_list(fw.work_list, sw.work_list), step
+        assert torch.equal(fw.ends.buffer, sw.ends.buffer) and torch.equal(fw.meta, sw.meta), step
+        assert fw.slot_copy_ready is sw.slot_copy_ready
+        if df._steady is not None:
+            df._steady.check_integrity(fast.fb.seq_lens_cpu.numpy())
+        if fw.fills_built != builds:
+            rebuilds.append(step)
+        if step in (0, steps - 1) or (rebuilds and rebuilds[-1] == step and step):
+            fast.check(step)
+    assert df.steady_replays >= steps - 3 * (len(rebuilds) + 1) and ds.steady_replays == 0
+    assert len(rebuilds) >= 2, "the run never reached the build's reuse bound"
+    assert fw.fills_built == sw.fills_built and fw.advances_in_place == sw.advances_in_place
+    sf, ss = fast.be.stats_snapshot(), slow.be.stats_snapshot()
+    for key in ("decode_steps", "steps_per_path", "groups_per_step", "hot_hit_rate", "ends_in_graph_steps",
+                "work_list_builds", "work_list_reuses", "work_list_in_place"):
+        assert sf[key] == ss[key], key
+    assert sf["steady_replays"] == df.steady_replays
+
+
+def test_a_changed_batch_takes_the_full_plan():
+    """Each change a replay must not carry over makes the next step take the full plan; the
+    step after that replays again, and the outputs stay exact."""
+    d = GraphDriver(_runner())
+    dec = d.be.decode
+    for _ in range(3):
+        d.step()
+    replays = dec.steady_replays
+    assert replays >= 1 and dec._steady is not None
+
+    def full_plan(**kw):
+        before = dec.steady_replays
+        d.step(**kw)
+        assert dec.steady_replays == before, kw
+        d.step()
+        assert dec.steady_replays == before + 1, kw
+        d.check(before)
+
+    d.rows = d.rows.copy()  # a new rows array (SGLang filtered or merged the batch), kept from now on
+    full_plan()
+    grow = np.ones(d.fb.batch_size, dtype=np.int64)
+    grow[2] = 2  # one request two tokens longer: not a decode step of this batch
+    full_plan(grow=torch.from_numpy(grow))
+    table = d.runner.token_to_kv_pool_allocator.hot_prefix_table
+    before = dec.steady_replays
+    table.set(int(d.rows[4]), 300, 37)  # two table writes (a new version), same runs after them
+    table.set(int(d.rows[4]), 0, 0)
+    d.step()
+    assert dec.steady_replays == before
+    d.be.decode.stock_step(extend=True)  # an extend batch between two decode steps
+    before = dec.steady_replays
+    d.step()
+    assert dec.steady_replays == before and dec._steady is not None
+    d.step()
+    assert dec.steady_replays == before + 1
+    d.check(1)
+
+
+def test_debug_integrity_plans_every_step_in_full():
+    d = GraphDriver(_runner())
+    d.be.ctx.cfg = dataclasses.replace(d.be.ctx.cfg, debug_integrity=True)
+    for _ in range(6):
+        d.step()
+    assert d.be.decode.steady_replays == 0 and d.be.decode._steady is None
+
+
+def test_a_path_change_goes_through_the_full_plan_with_the_replays_choice():
+    """The replay's path choice says paged (as when the host term outgrows the saving): that
+    step is planned in full with that very decision (the choice and the clock run once) and
+    runs paged; the full plan arms the paged replay, and a cascade choice later plans in full."""
+    d = GraphDriver(_runner())
+    dec = d.be.decode
+    for _ in range(3):
+        d.step()
+    assert dec.steady_replays >= 1
+    calls = []
+    real_choose, real_adjust = dec.chooser.choose, dec.clock.adjust
+
+    def paged(*a, **k):
+        calls.append("choose")
+        got = real_choose(*a, **k)
+        return Decision(Path.PAGED, got.times, "test: paged")
+
+    dec.chooser.choose = paged
+    dec.clock.adjust = lambda *a, **k: calls.append("adjust") or real_adjust(*a, **k)
+    before = dec.steady_replays
+    d.step()
+    assert dec.path is Path.PAGED and not dec.graphs.planned_cascade and dec.steady_replays == before
+    assert calls.count("choose") == 1 and d.be.stats.last_reason == "test: paged"
+    assert dec._steady is not None and dec._steady.path is Path.PAGED
+    d.step()
+    assert dec.path is Path.PAGED and dec.steady_replays == before + 1
+    dec.chooser.choose = real_choose
+    d.step()  # the replay's choice is cascade again: planned in full
+    assert dec.path is Path.CASCADE and dec.steady_replays == before + 1
+    d.check(2)
+
+
+def test_paged_decisions_replay_too():
+    """Where the dispatcher chooses paged for a grouped batch, later steps of it replay that
+    choice: the same paths and counts as the full plan, the wrapped backend planned with the
+    real batch."""
+    fast, slow = GraphDriver(_runner(), path="paged"), _full_plan_only(GraphDriver(_runner(), path="paged"))
+    for step in range(12):
+        vf, _ = fast.step(), slow.step()
+        assert fast.be.decode.path is slow.be.decode.path is Path.PAGED
+        assert not fast.be.decode.graphs.planned_cascade
+        assert fast.be.inner.seq_lens.tolist() == vf.seq_lens.tolist(), step  # the real lengths
+    assert fast.be.decode.steady_replays >= 10 and slow.be.decode.steady_replays == 0
+    sf, ss = fast.be.stats_snapshot(), slow.be.stats_snapshot()
+    assert sf["steps_per_path"] == ss["steps_per_path"] and sf["decode_steps"] == ss["decode_steps"]
+    q, k, v = _qkv(PADDED, 3)
+    o = fast.be.forward_decode(q, k, v, LAYER, vf)
+    n = fast.fb.batch_size
+    torch.testing.assert_close(o[:n], _expected(fast.runner, fast.fb, q[:n]), atol=ATOL, rtol=RTOL)
+
+
+def test_a_headroom_past_the_reuse_bound_is_caught():
+    """Planted fault: the replay armed with more headroom than the build's reuse bound gives.
+    Steps then replay past the bound: the work list drifts from the full plan's, and the
+    replay's integrity check names the headroom."""
+    fast, slow = GraphDriver(_runner()), _full_plan_only(GraphDriver(_runner()))
+    ws = fast.be.decode.workspace
+    real = ws.in_place_headroom
+    ws.in_place_headroom = lambda seq_lens: None if real(seq_lens) is None else real(seq_lens) + 1000
+    caught = drift = False
+    for _ in range(60):
+        fast.step()
+        slow.step()
+        drift |= not _same_work_list(fast.be.decode.workspace.work_list, slow.be.decode.workspace.work_list)
+        s = fast.be.decode._steady
+        if s is not None:
+            ws.in_place_headroom = real
+            try:
+                s.check_integrity(fast.fb.seq_lens_cpu.numpy())
+            except AssertionError as e:
+                assert "headroom" in str(e)
+                caught = True
+            ws.in_place_headroom = lambda seq_lens: None if real(seq_lens) is None else real(seq_lens) + 1000
+    assert drift and caught
+
+
+@pytest.mark.parametrize("field", ["seq_total", "n"])
+def test_integrity_check_names_a_wrong_armed_state(field):
+    d = GraphDriver(_runner())
+    for _ in range(3):
+        d.step()
+    s = d.be.decode._steady
+    s.check_integrity(d.fb.seq_lens_cpu.numpy())
+    setattr(s, field, getattr(s, field) + 1)
+    with pytest.raises(AssertionError, match="sequence total|requests"):
+        s.check_integrity(d.fb.seq_lens_cpu.numpy())
