@@ -150,3 +150,66 @@ def test_back_to_back_replays_end_suffixes_where_the_graph_copied_them(planted):
     else:
         check()
 
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_steady_replays_back_to_back_match_the_reference(planted):
+    """Decode steps of one batch as SGLang drives a cascade graph: 64 replays back to back, no
+    sync between them, every request one token longer each step (the static ``seq_lens``
+    refilled before each); most steps are planned from the previous one (``steady_step``) and
+    every output equals the paged reference. Planted: the replay armed with 1,000 steps more
+    headroom than the build's reuse bound, so steps past the bound replay a build whose last
+    suffix items no longer cover their requests (the outputs differ)."""
+    import copy
+
+    runner = _runner("cuda")
+    be = _backend(runner, "cascade")
+    be.inner = CapturablePaged(runner)
+    be.init_cuda_graph_state(max_bs=BS, max_num_tokens=BS)
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    static = _replay_view(fb, BS)
+    q, k, v = (t.cuda() for t in _qkv(BS, 5))
+    out = {}
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+    capture_graph(lambda: out.__setitem__("stock", be.forward_decode(q, k, v, LAYER, static)))
+    be.graphs.begin_capture(BS)
+    be.init_forward_metadata_out_graph(static, in_capture=True)
+
+    def body():
+        be.init_forward_metadata_in_graph(static)
+        out["cascade"] = be.forward_decode(q, k, v, LAYER, static)
+
+    cascade = capture_graph(body)
+    be.graphs.end_capture(ok=True)
+    if planted:
+        ws = be.decode.workspace
+        real = ws.in_place_headroom
+        ws.in_place_headroom = lambda seq_lens: None if real(seq_lens) is None else real(seq_lens) + 1000
+    steps, results = [], []
+    for grow in range(64):
+        fb_i = copy.copy(fb)
+        fb_i.seq_lens = fb.seq_lens + grow
+        fb_i.seq_lens_cpu = fb.seq_lens_cpu + grow
+        fb_i.seq_lens_sum = int(fb_i.seq_lens_cpu.sum())
+        view = _replay_view(fb_i, BS)
+        static.seq_lens.copy_(view.seq_lens)  # stream-ordered, as SGLang's replay preparation
+        static.seq_lens_cpu = view.seq_lens_cpu
+        static.seq_lens_sum = view.seq_lens_sum
+        be.stage_batch(rows)
+        be.init_forward_metadata_out_graph(static)
+        assert be.graphs.planned_cascade
+        cascade.replay()
+        results.append(out["cascade"][:5].clone())
+        steps.append(fb_i)
+    torch.cuda.synchronize()
+    assert be.decode.steady_replays >= 50
+
+    def check():
+        for fb_i, o in zip(steps, results):
+            torch.testing.assert_close(o, _expected(runner, fb_i, q[:5]), atol=ATOL, rtol=RTOL)
+
+    if planted:
+        with pytest.raises(AssertionError):
+            check()
+    else:
+        check()

@@ -218,8 +218,8 @@ def test_paged_decisions_replay_too():
 
 def test_a_headroom_past_the_reuse_bound_is_caught():
     """Planted fault: the replay armed with more headroom than the build's reuse bound gives.
-    Steps then replay past the bound: the work list drifts from the full plan's, and the
-    replay's integrity check names the headroom."""
+    Steps then replay past the bound: the work list drifts from the full plan's, the
+    replay's integrity check names the headroom, and the outputs leave the reference."""
     fast, slow = GraphDriver(_runner()), _full_plan_only(GraphDriver(_runner()))
     ws = fast.be.decode.workspace
     real = ws.in_place_headroom
@@ -239,6 +239,8 @@ def test_a_headroom_past_the_reuse_bound_is_caught():
                 caught = True
             ws.in_place_headroom = lambda seq_lens: None if real(seq_lens) is None else real(seq_lens) + 1000
     assert drift and caught
+    with pytest.raises(AssertionError, match="not close"):  # and the kernels' outputs are wrong
+        fast.check(9)
 
 
 @pytest.mark.parametrize("field", ["seq_total", "n"])
