@@ -14,6 +14,7 @@ CPU time (what the step costs when the host is shared: preemption excluded). Tar
 <= 30 us, p99 <= 80 us.
 
     python -m benchmark.kernels.bench_planning [--steps 3000] [--device cuda] [--fresh | --both] [--micro]
+    python -m benchmark.kernels.bench_planning --steady-ab 5 --steps 1000   # the steady replay off / on
 
 ``--device cuda``: the workspace on the GPU (pinned staging buffers, non-blocking copies, events:
 what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
@@ -219,18 +220,22 @@ class Thrash:
 
 
 def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False,
-                eager_ends: bool = False, thrash: Optional["Thrash"] = None):
+                eager_ends: bool = False, thrash: Optional["Thrash"] = None, steady: bool = True):
     """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
     in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
     seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
     seq_lens tensor and a NEW rows tensor for the batch every step (what a serving path that
     copies them would hand over), which defeats the planner's identity-based reuse. ``thrash``:
-    run before each step, outside the timing."""
+    run before each step, outside the timing. ``steady=False``: the planner never arms its steady
+    replay (attention/decode/steady_step.py), so every step takes the full plan (the A/B of
+    ``--steady-ab``)."""
     import torch
 
     from granikv.scheduler_step import on_run_batch
 
     be, sched, sbatch, view, cfg, host_buf = serving_setup(bs, batch, rng, device, eager_ends)
+    if not steady:
+        be.decode._arm = lambda *a, **k: None  # benchmark knob: the full plan every step
     rows = sbatch.req_pool_indices_cpu
     cuda = device.startswith("cuda")
     wall = np.zeros(steps)
@@ -293,6 +298,36 @@ def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager
     return worst
 
 
+AB_ROWS = (("homog", 64), ("homog", 256), ("forest16", 128), ("forest64", 128), ("paged", 64))
+
+
+def steady_ab(steps: int, repeats: int, *, device: str = "cpu") -> None:
+    """The steady replay's A/B in one run: each row planned with the replay off and on, in
+    turns (``repeats`` times each, caches cold before every step), medians of the per-run p50s;
+    ``replays``: the share of steps the replay planned."""
+    evict = Thrash()
+    print(f"# steady replay A/B, device {device}, caches COLD (--thrash) at every step, {steps} steps per run, "
+          f"{repeats} runs per side in turns; medians over runs of the per-run p50 (us)")
+    print(f"{'batch':>9} {'bs':>4} {'path':>8} {'plan off':>9} {'plan on':>8} {'ratio':>6} "
+          f"{'hook off':>9} {'hook on':>8} {'replays':>8}")
+    for batch, bs in AB_ROWS:
+        res: dict = {False: ([], []), True: ([], [])}
+        share, path = 0.0, "-"
+        for _ in range(repeats):
+            for steady in (False, True):
+                snap, wall, _ = serving_run(bs, batch, steps, np.random.default_rng(0), device=device, thrash=evict,
+                                            steady=steady)
+                res[steady][0].append(snap["plan_us_p50"])
+                res[steady][1].append(float(np.percentile(wall, 50)))
+                if steady:
+                    share = snap["steady_replays"] / max(1, snap["planned_steps"])
+                    path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
+        off, on = (float(np.median(res[k][0])) for k in (False, True))
+        hoff, hon = (float(np.median(res[k][1])) for k in (False, True))
+        print(f"{batch:>9} {bs:>4} {path:>8} {off:>9.1f} {on:>8.1f} {on / off:>6.2f} {hoff:>9.1f} {hon:>8.1f} "
+              f"{share:>8.2f}", flush=True)
+
+
 def _device_name(device: str) -> str:
     import torch
 
@@ -326,10 +361,15 @@ def main():
                     help="also the table with the suffix ends copied before each replay (no in-graph copy)")
     ap.add_argument("--thrash", action="store_true",
                     help="also the table with the host's caches made cold before every step (as in serving)")
+    ap.add_argument("--steady-ab", type=int, default=0, metavar="REPEATS",
+                    help="only the steady replay's A/B (off / on in turns, caches cold), REPEATS runs per side")
     args = ap.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {cpu_name()} ({os.cpu_count()} cores, load average {load}), python {platform.python_version()}, "
           f"numpy {np.__version__}; serving path, {args.steps} decode steps per row; us per step")
+    if args.steady_ab:
+        steady_ab(args.steps, args.steady_ab, device=args.device)
+        return
     for fresh in ((False, True) if args.both else (args.fresh,)):
         serving_table(args.steps, device=args.device, fresh=fresh)
         if args.eager_ends:

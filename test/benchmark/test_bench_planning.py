@@ -22,6 +22,17 @@ def test_serving_rows_plan_every_step(fresh):
         assert snap["choice_reuses"] >= 38
 
 
+@pytest.mark.parametrize("batch,path", [("homog", "cascade"), ("forest64", "paged")])
+def test_steady_ab_sides_differ_only_in_the_replay(batch, path):
+    """``--steady-ab``'s two sides: the same paths and step counts; the replay plans the steady
+    steps on one side and none on the other (fresh arrays every step: none either)."""
+    on, _, _ = bench.serving_run(64, batch, 40, np.random.default_rng(0))
+    off, _, _ = bench.serving_run(64, batch, 40, np.random.default_rng(0), steady=False)
+    fresh, _, _ = bench.serving_run(64, batch, 40, np.random.default_rng(0), fresh=True)
+    assert on["steps_per_path"] == off["steps_per_path"] == {path: 40}
+    assert on["steady_replays"] >= 37 and off["steady_replays"] == 0 and fresh["steady_replays"] == 0
+
+
 @pytest.mark.gpu
 def test_serving_rows_on_cuda_upload_through_events():
     """GPU host: the CUDA rows of ``bench_planning.py --device cuda`` (a second or two)."""
