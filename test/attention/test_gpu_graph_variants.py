@@ -124,12 +124,15 @@ def test_back_to_back_replays_end_suffixes_where_the_graph_copied_them(planted):
     be.graphs.end_capture(ok=True)
     assert be.graphs.ends_source == {BS: static.seq_lens.data_ptr()}
     steps, results = [], []
-    for cut in (1, 2, 2, 3):  # shorter than captured: every step ends somewhere else
+    rt = runner.req_to_token_pool.req_to_token
+    for cut in (3, 2, 2, 1):  # shorter than captured: every step ends somewhere else
         fb_i = copy.copy(fb)
         fb_i.seq_lens = fb.seq_lens - cut
         fb_i.seq_lens_cpu = fb.seq_lens_cpu - cut
+        fb_i.out_cache_loc = rt[fb.req_pool_indices, fb_i.seq_lens - 1].long()  # SGLang: the newest token's slot
         view = _replay_view(fb_i, BS)
         static.seq_lens.copy_(view.seq_lens)  # stream-ordered, as SGLang's replay preparation
+        static.out_cache_loc.copy_(view.out_cache_loc)
         static.seq_lens_cpu = view.seq_lens_cpu
         be.stage_batch(rows)
         be.init_forward_metadata_out_graph(static)
@@ -155,9 +158,10 @@ def test_back_to_back_replays_end_suffixes_where_the_graph_copied_them(planted):
 @pytest.mark.parametrize("planted", [False, True])
 def test_steady_replays_back_to_back_match_the_reference(planted):
     """Decode steps of one batch as SGLang drives a cascade graph: 64 replays back to back, no
-    sync between them, every request one token longer each step (the static ``seq_lens``
-    refilled before each); most steps are planned from the previous one (``steady_step``) and
-    every output equals the paged reference. Planted: the replay armed with 1,000 steps more
+    sync between them, every request one token longer each step with a new KV slot in
+    ``req_to_token`` and ``out_cache_loc`` (the static buffers refilled before each); most steps
+    are planned from the previous one (``steady_step``), their graph appending the newest slots
+    to the slot copy with no copy before them, and every output equals the paged reference. Planted: the replay armed with 1,000 steps more
     headroom than the build's reuse bound, so steps past the bound replay a build whose last
     suffix items no longer cover their requests (the outputs differ)."""
     import copy
@@ -186,13 +190,20 @@ def test_steady_replays_back_to_back_match_the_reference(planted):
         real = ws.in_place_headroom
         ws.in_place_headroom = lambda seq_lens: None if real(seq_lens) is None else real(seq_lens) + 1000
     steps, results = [], []
+    rt = runner.req_to_token_pool.req_to_token
     for grow in range(64):
         fb_i = copy.copy(fb)
         fb_i.seq_lens = fb.seq_lens + grow
         fb_i.seq_lens_cpu = fb.seq_lens_cpu + grow
         fb_i.seq_lens_sum = int(fb_i.seq_lens_cpu.sum())
+        if grow:  # SGLang's decode step: a slot for each request's newest token (each request its own
+            # 32 free slots, 140-299, reused in turn: a slot only ever holds its request's k and v)
+            loc = 140 + 32 * torch.arange(5, device="cuda") + grow % 32
+            rt[fb.req_pool_indices, fb_i.seq_lens - 1] = loc.to(rt.dtype)
+            fb_i.out_cache_loc = loc
         view = _replay_view(fb_i, BS)
         static.seq_lens.copy_(view.seq_lens)  # stream-ordered, as SGLang's replay preparation
+        static.out_cache_loc.copy_(view.out_cache_loc)
         static.seq_lens_cpu = view.seq_lens_cpu
         static.seq_lens_sum = view.seq_lens_sum
         be.stage_batch(rows)
@@ -202,7 +213,7 @@ def test_steady_replays_back_to_back_match_the_reference(planted):
         results.append(out["cascade"][:5].clone())
         steps.append(fb_i)
     torch.cuda.synchronize()
-    assert be.decode.steady_replays >= 50
+    assert be.decode.steady_replays >= 50 and be.graphs.slots_appended == {BS}
 
     def check():
         for fb_i, o in zip(steps, results):

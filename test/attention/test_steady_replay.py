@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from granikv.attention.dispatcher import Decision, Path
+from granikv.kernels.suffix_slots import append_suffix_slots
 from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _capture, _expected, _qkv, _replay_view, _runner
 
 PADDED = 8
@@ -24,11 +25,14 @@ class GraphDriver:
 
     def __init__(self, runner, path="cascade", hot=(0, 1, 3)):
         self.runner = runner
+        self.appends = True  # the replay runs the graph's slot append (planted faults turn it off)
         self.be = be = _backend(runner, path)
         be.init_cuda_graph_state(max_bs=PADDED, max_num_tokens=PADDED)
         self.fb, self.rows = _batch(runner, hot=set(hot))
         self.static = torch.ones(PADDED, dtype=torch.int64)  # the graph runner's device seq_lens
         self.host = torch.ones(2 * PADDED, dtype=torch.int64)  # ... and its host seq_lens
+        self.static_loc = torch.zeros(PADDED, dtype=torch.int64)  # ... and its out_cache_loc
+        self._slots = torch.Generator().manual_seed(1)
         view = self._view()
         be.init_forward_metadata_out_graph(view, in_capture=True)  # the stock graph
         be.graphs.begin_capture(PADDED)
@@ -41,9 +45,20 @@ class GraphDriver:
         view = _replay_view(self.fb, PADDED)
         self.static.copy_(view.seq_lens)
         self.host[:PADDED] = view.seq_lens_cpu
+        self.static_loc.copy_(view.out_cache_loc)
         view.seq_lens = self.static  # the same buffers every replay
         view.seq_lens_cpu = self.host[:PADDED]
+        view.out_cache_loc = self.static_loc
         return view
+
+    def _decode_slots(self):
+        """SGLang's decode step: each request's newest token (position ``seq_len - 1``) gets a
+        KV slot, written to ``req_to_token`` and handed over as ``out_cache_loc``."""
+        rt = self.runner.req_to_token_pool.req_to_token
+        loc = torch.randint(140, 300, (self.fb.batch_size,), generator=self._slots)  # free slots (test_backend)
+        rows = self.fb.req_pool_indices.long()
+        rt[rows, self.fb.seq_lens.long() - 1] = loc.to(rt.dtype)
+        self.fb.out_cache_loc = loc
 
     def step(self, grow=1, rows=None):
         """One decode step: every request ``grow`` tokens longer (an int or one per request),
@@ -51,12 +66,15 @@ class GraphDriver:
         self.fb.seq_lens_cpu = self.fb.seq_lens_cpu + torch.as_tensor(grow)
         self.fb.seq_lens = self.fb.seq_lens_cpu.clone()
         self.fb.seq_lens_sum = int(self.fb.seq_lens_cpu.sum())
+        self._decode_slots()
         view = self._view()
         self.be.stage_batch(self.rows if rows is None else rows)
         self.be.init_forward_metadata_out_graph(view)
         d = self.be.decode
-        if d.graphs.planned_cascade and d.ws.ends.bound is not None:
-            d.ws.ends.copy_from(self.static, PADDED)  # the replay's first node
+        if d.graphs.planned_cascade and d.ws.ends.bound is not None:  # the replay's first nodes
+            d.ws.ends.copy_from(self.static, PADDED)
+            if PADDED in d.graphs.slots_appended and self.appends:
+                append_suffix_slots(d.ws.buffers, self.static_loc, d.ws.ends.buffer)
         return view
 
     def check(self, step=0):
@@ -69,6 +87,7 @@ class GraphDriver:
     def _view_for_forward(self):
         view = _replay_view(self.fb, PADDED)
         view.seq_lens = self.static
+        view.out_cache_loc = self.static_loc
         return view
 
 
@@ -253,3 +272,21 @@ def test_integrity_check_names_a_wrong_armed_state(field):
     setattr(s, field, getattr(s, field) + 1)
     with pytest.raises(AssertionError, match="sequence total|requests"):
         s.check_integrity(d.fb.seq_lens_cpu.numpy())
+
+
+def test_a_replay_without_the_graphs_slot_append_reads_stale_slots():
+    """Planted fault: the cascade graph does not append the newest slots, yet steady replays
+    make no copy before them (as if the capture had recorded an append it did not make): the
+    newest tokens are read from stale copy entries and the outputs leave the reference, while
+    the same steps with the append match it."""
+    d = GraphDriver(_runner())
+    for step in range(4):
+        d.step()
+    assert d.be.decode.steady_replays >= 2
+    d.check(0)
+    d.appends = False
+    d.step()
+    d.step()
+    assert d.be.decode.steady_replays >= 4
+    with pytest.raises(AssertionError, match="not close"):
+        d.check(1)

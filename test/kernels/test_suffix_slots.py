@@ -18,7 +18,8 @@ from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.kernels.cascade import cascade_attention, fused_cascade_attention
 from granikv.kernels.plan import Grouping
 from granikv.kernels.reference import decode_attention_ref
-from granikv.kernels.suffix_slots import copy_suffix_slots, copy_suffix_slots_reference
+from granikv.kernels.suffix_slots import (append_suffix_slots, append_suffix_slots_reference, copy_suffix_slots,
+                                         copy_suffix_slots_reference)
 
 PATHS = [cascade_attention, fused_cascade_attention]
 
@@ -156,3 +157,67 @@ def test_a_workspace_without_a_table_has_no_slot_copy_plan():
     with pytest.raises(ValueError, match="no slot_copy table"):
         copy_suffix_slots(ws.buffers, b.req_to_token)
     np.testing.assert_array_equal(ws.slot_copy_on.numpy(), [0])
+
+
+def _new_token_slots(b, seq, r2t, seed):
+    """SGLang's decode step in miniature: a slot per request for the token at position ``seq -
+    1``, written to ``req_to_token`` and returned as the step's ``out_cache_loc`` (int64)."""
+    loc = torch.randint(1, b.k.shape[0], (b.bs,), generator=torch.Generator().manual_seed(seed))
+    rows = torch.as_tensor(b.req_pool_indices, dtype=torch.int64)
+    r2t[rows, torch.as_tensor(seq, dtype=torch.int64) - 1] = loc.to(torch.int32)
+    return loc
+
+
+def test_the_append_matches_its_reference_exactly():
+    b = make_batch(suffix=40, ungrouped_len=70, seed=3, max_ctx=150)
+    ws = _workspace(b)
+    ends = torch.as_tensor(b.seq_lens.copy())
+    wl = _fill(ws, b, b.seq_lens, ends)
+    ws.slot_copy.fill_(-5)
+    loc = torch.arange(900, 900 + b.bs, dtype=torch.int64)
+    want = append_suffix_slots_reference(ws.buffers, loc, ws.ends.buffer)
+    append_suffix_slots(ws.buffers, loc, ws.ends.buffer)
+    assert torch.equal(ws.slot_copy, want)
+    last = {}
+    for w in range(wl.num_suffix_items):
+        last[int(wl.sfx_req[w])] = w
+    written = (ws.slot_copy != -5).nonzero().tolist()
+    assert sorted(written) == sorted([w, int(b.seq_lens[r]) - 1 - int(wl.sfx_lo[w])] for r, w in last.items())
+    assert all(int(ws.slot_copy[w, p]) == 900 + r for r, w in last.items()
+               for p in [int(b.seq_lens[r]) - 1 - int(wl.sfx_lo[w])])
+    ws.slot_copy_on.fill_(0)  # off: nothing written
+    ws.slot_copy.fill_(-5)
+    append_suffix_slots(ws.buffers, loc, ws.ends.buffer)
+    assert (ws.slot_copy == -5).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("planted", [False, True])
+def test_steps_after_one_copy_read_the_appended_slots(path, planted):
+    """One copy at the first step, then only the append per step (what a steady replay's graph
+    does): every step's kernels, reading the copy while ``req_to_token`` is scrambled, match the
+    float64 reference per request. Planted: the appends stop after the first steady step, so
+    the copy misses every later token's slot and the requests whose newest token is read from a
+    stale entry fail."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=11, max_ctx=160)
+    ws = _workspace(b)
+    r2t = b.req_to_token
+    seq = b.seq_lens - 4
+    ends = torch.as_tensor(seq.copy())
+    _fill(ws, b, seq, ends)
+    copy_suffix_slots(ws.buffers, r2t)
+    failed = False
+    for step in range(1, 9):
+        seq = seq + 1
+        loc = _new_token_slots(b, seq, r2t, seed=step)
+        ends.copy_(torch.as_tensor(seq))
+        assert ws.advance(seq, b.req_pool_indices, bs=b.bs, seq_lens_dev=ends)
+        if not (planted and step > 1):
+            append_suffix_slots(ws.buffers, loc, ws.ends.buffer)
+        out = _run(path, ws.graph_plan, b, _scrambled(b))
+        try:
+            assert_per_request(out, _ref(b, seq))
+        except AssertionError:
+            failed = True
+            assert planted, f"step {step}"
+    assert failed is planted

@@ -90,7 +90,10 @@ class GraphVariants:
     suffix ends, ``SuffixEnds.bind``; the graph's kernels read the ends where the capture had them,
     the bound device buffer or the workspace's metadata, whatever a later step binds),
     ``ends_source`` (per captured size whose graph copies the suffix ends itself: the address of
-    the ``seq_lens`` it copies from, SGLang's static buffer; ``SuffixEnds.copy_from``).
+    the ``seq_lens`` it copies from, SGLang's static buffer; ``SuffixEnds.copy_from``),
+    ``slots_appended`` (the captured sizes whose graph appends each request's newest slot to the
+    slot copy itself, ``suffix_slots.append_suffix_slots``: a steady replay of them makes no copy
+    before it).
     """
 
     def __init__(self, sizes: Optional[FrozenSet[int]], *, can_win: Callable[[int], bool]) -> None:
@@ -108,6 +111,8 @@ class GraphVariants:
         # bs -> data_ptr of the seq_lens its cascade graph copies the suffix ends from (in-graph copy)
         self.ends_source: Dict[int, int] = {}
         self._capture_source: Optional[int] = None  # that address, recorded during the capture in progress
+        self.slots_appended: Set[int] = set()  # sizes whose cascade graph appends the newest slots itself
+        self._capture_appends = False  # recorded during the capture in progress
         self.memory_bytes = 0  # device memory the cascade captures took (CUDA; 0 elsewhere)
         self._cascade_keys: Dict[Any, Any] = {}  # SGLang's (frozen, hashable) replay key -> its cascade key
 
@@ -122,6 +127,7 @@ class GraphVariants:
             raise RuntimeError(f"cascade graph capture of bs {bs} inside that of bs {self.capturing}")
         self.capturing = bs
         self._capture_ends = self._capture_source = None
+        self._capture_appends = False
         self._free_before = _free_device_bytes()
 
     def record_capture_ends(self, bound: bool) -> None:
@@ -134,6 +140,11 @@ class GraphVariants:
         ``data_ptr`` (kept for its size once the capture succeeds)."""
         self._capture_source = data_ptr
 
+    def record_capture_appends(self) -> None:
+        """The cascade graph being captured appends each request's newest slot to the slot copy
+        (kept for its size once the capture succeeds, with its in-graph ends copy)."""
+        self._capture_appends = True
+
     def end_capture(self, ok: bool) -> None:
         bs, self.capturing = self.capturing, None
         assert bs is not None, "end_capture without a begin_capture"
@@ -144,11 +155,17 @@ class GraphVariants:
                 self.ends_source[bs] = self._capture_source
             else:
                 self.ends_source.pop(bs, None)
+            if self._capture_appends and bs in self.ends_source:
+                self.slots_appended.add(bs)
+            else:
+                self.slots_appended.discard(bs)
             self.memory_bytes += max(0, self._free_before - _free_device_bytes())
         else:
             self.ends_bound.pop(bs, None)
             self.ends_source.pop(bs, None)
+            self.slots_appended.discard(bs)
         self._capture_source = None
+        self._capture_appends = False
 
     def ends_binding(self, bs: int, seq_lens_dev: Optional[torch.Tensor]) -> Tuple[Optional[str], bool]:
         """How a step of padded size ``bs`` whose bindable device ``seq_lens`` is ``seq_lens_dev``
@@ -194,6 +211,9 @@ class GraphVariants:
         assert not stray, f"suffix-end bindings recorded for sizes without a cascade graph: {stray}"
         unbound = sorted(bs for bs in self.ends_source if not self.ends_bound.get(bs))
         assert not unbound, f"in-graph suffix-end copies recorded for sizes captured without bound ends: {unbound}"
+        stray_appends = sorted(self.slots_appended - set(self.ends_source))
+        assert not stray_appends, (
+            f"in-graph slot appends recorded for sizes without an in-graph ends copy: {stray_appends}")
         assert self.captured.isdisjoint(self.stock_only), (
             f"sizes both stock-only and with a cascade graph: {sorted(self.captured & self.stock_only)}")
 

@@ -267,12 +267,13 @@ class DecodePlanner:
         self.steady_replays += 1
         slot_copy = 0.0
         self.slots_copied = False
-        if s.copy_slots:
-            copier = self.slot_copier
-            assert copier is not None
-            c1 = time.perf_counter()
-            copier.run()
-            slot_copy = time.perf_counter() - c1
+        if s.copy_slots:  # the replay reads the slot copy: made current before it, or by its graph
+            if not s.appends:
+                copier = self.slot_copier
+                assert copier is not None
+                c1 = time.perf_counter()
+                copier.run()
+                slot_copy = time.perf_counter() - c1
             self.slots_copied = True
         cascade = path is not Path.PAGED
         self.ends_in_graph_steps += cascade
@@ -312,9 +313,10 @@ class DecodePlanner:
             if left is None or left < 1:
                 return
             room = left
+        copy = self.slots_copied and path is not Path.PAGED
         self._steady = SteadyReplay(fb.batch_size, staged, version, fb.seq_lens.data_ptr(), total, room, plan,
-                                    path, graph, ws, len(seq_lens), self._clock_key or (fb.batch_size, 0),
-                                    self.slots_copied and path is not Path.PAGED)
+                                    path, graph, ws, len(seq_lens), self._clock_key or (fb.batch_size, 0), copy,
+                                    appends=copy and fb.batch_size in self.graphs.slots_appended)
 
     def _plan(self, fb: Any, staged: Optional[np.ndarray], graph: bool, decided: Any = None) -> Optional[StepPlan]:
         """The step's plan, or None for the paged path (decode batches only). ``decided``: the
@@ -428,6 +430,8 @@ class DecodePlanner:
         self._steady = None
         self.graphs.captured.clear()
         self.graphs.ends_bound.clear()
+        self.graphs.ends_source.clear()
+        self.graphs.slots_appended.clear()
         self._capture_metadata.clear()
         fill = getattr(self.ctx.inner, "get_cuda_graph_seq_len_fill_value", None)
         try:
@@ -484,6 +488,13 @@ class DecodePlanner:
         seq_lens = fb.seq_lens
         ws.ends.copy_from(seq_lens, bs)  # fits: checked when the capture bound them (device_ends)
         self.graphs.record_capture_ends_source(seq_lens.data_ptr())
+        loc = getattr(fb, "out_cache_loc", None)
+        if (ws.slot_copy is not None and isinstance(loc, torch.Tensor) and loc.dim() == 1 and loc.shape[0] >= bs
+                and loc.device == ws.device and loc.dtype in (torch.int32, torch.int64)):
+            from granikv.kernels.suffix_slots import append_suffix_slots
+
+            append_suffix_slots(ws.buffers, loc, ws.ends.buffer)  # the step's newest slots into the copy
+            self.graphs.record_capture_appends()
 
     def view_key(self, fb: Any) -> Optional[ViewKey]:
         """What the wrapped backend's plan of this replay step is a function of, where the step

@@ -3,11 +3,13 @@ batch is planned in a handful of calls.
 
 A decode batch that keeps its requests replays the same cascade graph step after step: the
 grouping, the work list and the wrapped backend's view plan are reused, the graph copies the
-new suffix ends itself, and the only host work left is the path choice, the pre-replay slot
-copy and the bookkeeping. The full plan (``DecodePlanner._plan``) still spends most of a step
-proving that nothing changed (the HOT runs, the grouping, the device ends, the workspace's
-reuse bound), about sixty Python calls; in serving, where the scheduler's own work between two
-plans leaves the host's caches cold, those calls cost 75-130 µs per step.
+new suffix ends itself and appends each request's newest KV slot to the slot copy
+(kernels/suffix_slots.py), and the only host work left is the path choice and the bookkeeping
+(plus the pre-replay slot copy where the graph does not append). The full plan
+(``DecodePlanner._plan``) still spends most of a step proving that nothing changed (the HOT
+runs, the grouping, the device ends, the workspace's reuse bound), about sixty Python calls;
+in serving, where the scheduler's own work between two plans leaves the host's caches cold,
+those calls cost 75-130 µs per step.
 
 After such a step, and after a step whose path the dispatcher chose paged for a grouping
 (rows that share HOT prefixes, where sharing does not pay), the planner arms a
@@ -62,7 +64,8 @@ class SteadyReplay:
     ws: Optional[CascadeWorkspace]  # the workspace advanced in place (None: a paged step)
     n: int  # real requests (the in-place advance's positions)
     clock_key: Hashable  # the step clock's batch-shape key
-    copy_slots: bool  # the step runs the pre-replay slot copy
+    copy_slots: bool  # the replay reads the slot copy (suffix_slots.py), not req_to_token
+    appends: bool = False  # ... which its graph keeps current (append_suffix_slots): no copy before it
     replays: int = 0  # steps planned from it
 
     def matches(self, bs: int, rows: Optional[np.ndarray], version: Any, graph: bool, ends_ptr: int,
