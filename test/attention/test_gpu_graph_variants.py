@@ -32,6 +32,9 @@ class CapturablePaged:
     def init_forward_metadata_in_graph(self, fb):  # SGLang's base: nothing of its own in the graph
         pass
 
+    def get_cuda_graph_seq_len_fill_value(self):  # the padding rows' seq_len (SGLang's backends: 1)
+        return 1
+
     def init_forward_metadata_out_graph(self, fb, in_capture=False):
         self.seq_lens.copy_(fb.seq_lens[:BS])
         self.rpi.copy_(fb.req_pool_indices[:BS])
