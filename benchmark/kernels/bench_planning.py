@@ -20,7 +20,7 @@ CPU time (what the step costs when the host is shared: preemption excluded). Tar
 what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
 step (SGLang reuses them; a path that copies them defeats the planner's identity-based reuse);
 ``--both``: both tables. Section columns: the backend's mean per-step sections (``lookup``: HOT
-runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``; ``slot_copy``: the pre-replay slot-copy replay (CUDA);
+runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``; ``slot_copy``: the pre-replay slot-copy replay (CUDA; a steady replay makes none, its graph appends the newest slots);
 ``view``); ``reuse``: share of steps whose work list was advanced rather than rebuilt.
 
 ``--thrash``: between two steps (outside the timing) a pass over ``THRASH_BYTES`` of numpy data and
@@ -197,6 +197,8 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu", eager_ends: boo
                            seq_lens_cpu=host_buf[:bs], seq_lens_sum=int(seq.sum()))
     if not eager_ends:  # the capture's in-graph copy reads SGLang's static seq_lens (planner.in_graph_metadata)
         be.graphs.ends_source[bs] = view.seq_lens.data_ptr()
+        if cuda:  # ... and its slot-copy table gets each step's newest slots from the graph (append_suffix_slots)
+            be.graphs.slots_appended.add(bs)
     reqs = [SimpleNamespace(req_pool_idx=int(r), kv=SimpleNamespace(req_pool_idx=int(r)))  # 0.5.17, 0.5.23
             for r in rows]
     sched = SimpleNamespace(tree_cache=_Cache(), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
