@@ -20,8 +20,10 @@ CPU time (what the step costs when the host is shared: preemption excluded). Tar
 what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
 step (SGLang reuses them; a path that copies them defeats the planner's identity-based reuse);
 ``--both``: both tables. Section columns: the backend's mean per-step sections (``lookup``: HOT
-runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``; ``slot_copy``: the pre-replay slot-copy replay (CUDA; a steady replay makes none, its graph appends the newest slots);
-``view``); ``reuse``: share of steps whose work list was advanced rather than rebuilt.
+runs, grouping or its reuse, description; ``choose``; ``fill``: advance or full fill; ``upload``;
+``slot_copy``: the pre-replay slot-copy replay (CUDA; a steady replay makes none, its graph
+appends the newest slots); ``view``); ``reuse``: share of steps whose work list was advanced
+rather than rebuilt.
 
 ``--thrash``: between two steps (outside the timing) a pass over ``THRASH_BYTES`` of numpy data and
 ``THRASH_OBJECTS`` Python objects, as SGLang's scheduler runs its own work between two plans: the
