@@ -20,6 +20,7 @@ ExtendPath = Literal["auto", "hot", "paged"]
 HotPolicy = Literal["pays_off", "threshold"]
 ReplaySlots = Literal["copy", "table"]
 ViewPlan = Literal["reuse", "every_step"]
+ClockProbe = Literal["model_paths", "paged_too"]
 PrefixKernel = Literal["auto", "pointer", "descriptor", "wgmma"]  # kernels.kernel_config.PREFIX_KERNELS (no torch here)
 
 FLAG_PREFIX = "granikv_"
@@ -118,6 +119,15 @@ class GraniKVConfig:
         "promotion in between, or any other metadata call of the wrapped backend since), which "
         "saves the wrapped backend's host-side plan on steady steps.",
         choices=get_args(ViewPlan),
+    )
+    clock_probe: ClockProbe = _opt(
+        "model_paths",
+        "Which close path choices the measured step clock probes (StepClock): model_paths = only "
+        "the cost model's non-paged choices, turned paged where measured slower; paged_too = also "
+        "a paged choice for rows that share a HOT prefix where the cheapest other path is priced "
+        "within a tenth of the step, held where measured faster (a host-bound model's steps are where "
+        "the model's host and launch terms miss most).",
+        choices=get_args(ClockProbe),
     )
     prefix_kernel: PrefixKernel = _opt(
         "auto",

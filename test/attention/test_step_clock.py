@@ -8,7 +8,7 @@ import math
 import pytest
 
 from granikv.attention.dispatcher import Decision, Path, PathTimes
-from granikv.attention.decode.step_clock import MEASURED_SLOWER, StepClock
+from granikv.attention.decode.step_clock import MEASURED_FASTER, MEASURED_SLOWER, StepClock
 
 INF = math.inf
 
@@ -30,7 +30,13 @@ def model_choice(saving_us=200.0):
     return Decision(Path.CASCADE, PathTimes(1000.0 + saving_us, 1000.0, INF, INF), "cascade by the model")
 
 
-def drive(clock, ft, steps, *, bs=64, saving_us=200.0, interrupt_at=()):
+def paged_choice(loss_us=100.0):
+    """The model's paged choice for a grouped batch whose cascade it prices ``loss_us`` slower
+    (the host term: ``Dispatcher`` marks such a choice ``host_bound``)."""
+    return Decision(Path.PAGED, PathTimes(1000.0, 1000.0 + loss_us, INF, INF), "paged by the model", True)
+
+
+def drive(clock, ft, steps, *, bs=64, saving_us=200.0, interrupt_at=(), choice=None):
     """``steps`` decode steps (the clock's integrity checked after each); returns the final paths."""
     paths = []
     for k in range(steps):
@@ -39,7 +45,7 @@ def drive(clock, ft, steps, *, bs=64, saving_us=200.0, interrupt_at=()):
             ft.t += 0.05  # a prefill in between
         ft.advance()
         clock.tick()
-        d = clock.adjust(model_choice(saving_us), bs)
+        d = clock.adjust(choice if choice is not None else model_choice(saving_us), bs)
         clock.record(d.path, bs)
         clock.check_integrity()
         ft.last = d.path
@@ -182,3 +188,86 @@ def test_check_integrity_sees_a_corrupted_measurement():
     st.hold_left, clock.verdicts_model = 5, clock.verdicts_model + 1  # planted: a verdict counted twice
     with pytest.raises(AssertionError, match="verdicts per shape"):
         clock.check_integrity()
+
+
+def test_a_paged_choice_is_probed_and_a_faster_cascade_held():
+    """The model chose paged by a small margin (the 4-layer forest on an H100: paged priced 3.5%
+    cheaper, cascade measured 17% faster): the clock measures the cascade runner-up, confirms
+    the verdict against the model with a second pair of windows, and holds cascade."""
+    ft = FakeTime({Path.CASCADE: 2.4e-3, Path.PAGED: 2.9e-3})
+    clock = StepClock(clock=ft, probe_paged=True)
+    paths = drive(clock, ft, 60, choice=paged_choice())
+    runs = [p for k, p in enumerate(paths) if k == 0 or p is not paths[k - 1]]
+    # the first step has no measured interval yet: the model's
+    assert runs == [Path.PAGED, Path.CASCADE, Path.PAGED, Path.CASCADE, Path.PAGED, Path.CASCADE]
+    assert paths[-20:] == [Path.CASCADE] * 20
+    assert clock.verdicts_faster == 1 and clock.verdicts_paged == clock.verdicts_model == 0
+    assert clock.confirmations == 1
+    d = clock.adjust(paged_choice(), 64)
+    assert d.path is Path.CASCADE and d.reason.startswith(MEASURED_FASTER) and "measured" in d.reason
+    assert clock.snapshot()["clock_verdicts_faster"] == 1
+
+
+def test_a_paged_choice_measured_right_costs_one_window():
+    """Paged really is faster: one window of cascade steps, one of paged, the model kept."""
+    ft = FakeTime({Path.CASCADE: 3.2e-3, Path.PAGED: 2.9e-3})
+    clock = StepClock(clock=ft, probe_paged=True)
+    paths = drive(clock, ft, 80, choice=paged_choice())
+    assert 0 < paths.count(Path.CASCADE) <= StepClock.WINDOW + 1 and paths[-40:] == [Path.PAGED] * 40
+    assert clock.verdicts_model == 1 and clock.verdicts_faster == clock.verdicts_paged == 0
+
+
+def test_a_clear_paged_choice_is_never_probed():
+    """A margin above ``PROBE_LOSS`` of the step (500 us of ~2.9 ms), a paged choice with no
+    other eligible path, or a clock told not to probe (the default): paged every step."""
+    ft = FakeTime({Path.CASCADE: 2.4e-3, Path.PAGED: 2.9e-3})
+    probing = dict(clock=ft, probe_paged=True)
+    assert set(drive(StepClock(**probing), ft, 80, choice=paged_choice(loss_us=500.0))) == {Path.PAGED}
+    alone = Decision(Path.PAGED, PathTimes(1000.0, INF, INF, INF), "paged: nothing else eligible")
+    assert set(drive(StepClock(**probing), ft, 80, choice=alone)) == {Path.PAGED}
+    off = StepClock(clock=ft)  # the default: model_paths
+    assert set(drive(off, ft, 80, choice=paged_choice())) == {Path.PAGED} and off.overruled_steps == 0
+
+
+def test_a_planted_one_sided_clock_fails_the_paged_probe_case():
+    """The planted fault: a clock that only ever overrules toward paged (as before the probe)
+    keeps the model's slower paged choice, so the probe test above fails against it."""
+    ft = FakeTime({Path.CASCADE: 2.4e-3, Path.PAGED: 2.9e-3})
+    paths = drive(StepClock(clock=ft, probe_paged=False), ft, 60, choice=paged_choice())
+    with pytest.raises(AssertionError):
+        assert paths[-20:] == [Path.CASCADE] * 20
+
+
+def test_through_the_decode_planner_a_measured_faster_cascade_replaces_paged(monkeypatch):
+    """The real backend and planner on CPU: the model says paged by a small margin, the clock
+    measures cascade steps shorter, and the planner runs cascade (its outputs exact) with the
+    clock's reason in the step stats."""
+    import torch
+
+    from test_backend import ATOL, LAYER, RTOL, _backend, _batch, _expected, _qkv, _runner
+
+    runner = _runner()
+    be = _backend(runner, "auto")
+    fb, rows = _batch(runner, hot={0, 2, 3})
+    ft = FakeTime({Path.CASCADE: 2.4e-3, Path.PAGED: 2.9e-3})
+    be.decode.clock = StepClock(clock=ft, probe_paged=True)
+    monkeypatch.setattr(be.decode.chooser, "choose", lambda *a, **k: paged_choice())
+    paths = planner_steps(be, fb, rows, ft, 40)
+    assert paths[0] is Path.PAGED and paths[-1] is Path.CASCADE
+    assert be.stats.last_reason.startswith(MEASURED_FASTER)
+    assert be.stats_snapshot()["clock_verdicts_faster"] == 1
+    q, k, v = _qkv(fb.batch_size, 2)
+    torch.testing.assert_close(be.forward_decode(q, k, v, LAYER, fb), _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+
+
+def test_the_flag_turns_the_paged_probe_on():
+    import dataclasses
+
+    from test_backend import _backend, _runner
+
+    be = _backend(_runner(), "auto")
+    assert be.decode.clock.probe_paged is False
+    be.ctx.cfg = dataclasses.replace(be.ctx.cfg, clock_probe="paged_too")
+    from granikv.attention.decode.planner import DecodePlanner
+
+    assert DecodePlanner(be.ctx).clock.probe_paged is True

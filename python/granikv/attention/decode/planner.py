@@ -53,7 +53,8 @@ class DecodePlanner:
     def __init__(self, ctx: AttentionContext):
         self.ctx = ctx
         self.chooser = SteadyChooser(ctx.dispatcher)  # steady steps: O(1) path choice
-        self.clock = StepClock()  # measured end-to-end step time per path (overrules the model to paged)
+        # measured end-to-end step time per path (overrules the model where measured otherwise)
+        self.clock = StepClock(probe_paged=ctx.cfg.clock_probe == "paged_too")
         self._clock_key: Optional[Tuple[int, int]] = None  # (batch size, groups) of the step being planned
         self.grouping_memo = GroupingMemo()  # steady decode steps reuse the grouping
         self.path = Path.PAGED  # path of the current step

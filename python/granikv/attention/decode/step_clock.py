@@ -1,5 +1,6 @@
 """``StepClock``: the end-to-end time of served decode steps, measured per path, overruling the
-cost model where a shared-prefix path is measured slower than paged.
+cost model where a shared-prefix path is measured slower than paged, or faster than a close
+paged choice.
 
 The cost model prices the kernels, launch floors and the planner's own host time. What it does
 not see is everything else a path changes on the host: when a model's decode step is short (few
@@ -24,7 +25,14 @@ same batch size and path, with no other forward pass in between (``interrupt``),
 the first ``SETTLE`` of each window are dropped (the pipeline still holds the other path's
 step). A choice the cost model trusts (the saving dominates the step) is never probed.
 
-The clock only ever turns a non-paged choice into paged; its reason is ``measured_slower``.
+The other way round, where the model chose paged for a grouped batch by a small margin (the
+runner-up priced less than ``PROBE_LOSS`` of the step slower: a wrong guess costs little while
+it is measured), the clock measures that runner-up against paged the same way and holds it
+where it is measured faster (confirmed by a second pair of windows, as any verdict against the
+model); a host-bound model's step is where the cost model's host and launch terms miss most.
+Off unless ``probe_paged`` (``--granikv-clock-probe paged_too``).
+Reasons: ``measured_slower`` (paged instead of the model's path), ``measured_faster`` (the
+runner-up instead of the model's paged).
 Paths can differ between tensor-parallel ranks (wall-clock input): attention is local to a rank,
 both graphs run the same collectives, so outputs stay correct; only bitwise run-to-run equality
 is lost where the clock decides.
@@ -32,15 +40,29 @@ is lost where the clock decides.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Hashable, List, Optional
 
-from granikv.attention.dispatcher import Decision, Path
+from granikv.attention.dispatcher import Decision, Path, PathTimes
 
 MEASURED_SLOWER = "measured_slower"
+MEASURED_FASTER = "measured_faster"
+
+
+def _runner_up(times: PathTimes) -> Optional[Path]:
+    """The cheapest non-paged path with a finite estimate (the first in ``PathTimes`` order on
+    ties), or None."""
+    best: Optional[Path] = None
+    t = math.inf
+    for path in (Path.CASCADE, Path.FUSED, Path.BGEMM):
+        x = times.of(path)
+        if x < t:
+            best, t = path, x
+    return best
 
 
 @dataclass
@@ -48,6 +70,8 @@ class _SizeState:
     """The measurement of one batch size: ``phase`` 'A' (the model's path), 'B' (paged),
     'hold' (decided); samples per phase; the held verdict and its remaining steps."""
 
+    measured: Path = Path.CASCADE  # the non-paged path measured against paged (phase A)
+    model_paged: bool = False  # the cost model chose paged when this measurement began
     phase: str = "A"
     samples: Dict[str, List[float]] = field(default_factory=lambda: {"A": [], "B": []})
     paged_wins: bool = False
@@ -69,11 +93,13 @@ class StepClock:
     SETTLE = 2  # a step's interval is a sample once SETTLE steps of its path ran before it
     HOLD = 256  # steps a verdict holds before that batch shape is measured again
     TRUST = 0.5  # predicted saving >= TRUST x the measured step: the cost model decides alone
+    PROBE_LOSS = 0.1  # a paged choice is probed only where the runner-up is priced < this x the step slower
     MARGIN = 0.01  # paged must be this much faster (relative) to overrule the model
     RECENT = 8  # verdicts kept for the snapshot
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, *, probe_paged: bool = False):
         self.clock = clock
+        self.probe_paged = probe_paged  # also measure the runner-up where the model chose paged
         self._last_t: Optional[float] = None
         self._last: Optional[tuple] = None  # (bs, path) of the previous decode step
         self._run = 0  # consecutive decode steps of that (bs, path), the previous one included
@@ -81,7 +107,8 @@ class StepClock:
         self._sizes: Dict[Hashable, _SizeState] = {}
         self.overruled_steps = 0  # steps turned paged by a measurement (or to measure paged)
         self.verdicts_paged = self.verdicts_model = 0
-        self.confirmations = 0  # "paged is faster" windows measured again before a verdict
+        self.verdicts_faster = 0  # the measured non-paged path beat the model's paged choice
+        self.confirmations = 0  # windows against the model measured again before a verdict
         # the latest verdicts, newest last: (shape key, path median µs, paged median µs,
         # relative spread of the path's samples, of paged's, paged won)
         self.recent: Deque[tuple] = deque(maxlen=self.RECENT)
@@ -103,31 +130,41 @@ class StepClock:
         self._interval = None
 
     def adjust(self, decision: Decision, bs: Hashable, *, step_s: Optional[float] = None) -> Decision:
-        """``decision`` itself, or paged where the clock measures (or has measured) paged
-        faster for this batch size. ``step_s``: the current step's measured time if known
-        (defaults to the last sample's interval)."""
-        if decision.path is Path.PAGED:
-            return decision
+        """``decision`` itself, or the other path of a close call where the clock measures (or has
+        measured) it faster for this batch shape: paged instead of the model's non-paged path,
+        or (``probe_paged``) the cheapest non-paged path instead of the model's paged choice.
+        ``step_s``: the current step's measured time if known (defaults to the last sample's
+        interval)."""
         times = decision.times
-        saving_s = (times.paged - times.of(decision.path)) * 1e-6
         step = step_s if step_s is not None else self._interval
-        if step is None or step <= 0 or saving_s >= self.TRUST * step:
+        if step is None or step <= 0:
             return decision
+        model_paged = decision.path is Path.PAGED
+        if model_paged:
+            if not self.probe_paged:
+                return decision
+            measured = _runner_up(times)
+            if measured is None or (times.of(measured) - times.paged) * 1e-6 >= self.PROBE_LOSS * step:
+                return decision  # no other path, or a margin a probe would pay for too dearly
+        else:
+            measured = decision.path
+            if (times.paged - times.of(measured)) * 1e-6 >= self.TRUST * step:
+                return decision
         st = self._sizes.get(bs)
-        if st is None:
-            st = self._sizes[bs] = _SizeState()
-        self._sample(st, bs, decision.path)
+        if st is None or st.measured is not measured:  # a new pair of paths: measured afresh
+            st = self._sizes[bs] = _SizeState(measured=measured, model_paged=model_paged)
+        self._sample(st, bs, measured)
         if st.phase == "hold":
             st.hold_left -= 1
             if st.hold_left <= 0:
                 st.phase, st.samples = "A", {"A": [], "B": []}
-            elif st.paged_wins:
-                return self._paged(decision, st)
-            return decision
-        if st.phase == "B":
-            return self._paged(decision, st)
-        return decision
-
+                st.model_paged = model_paged
+                want = measured
+            else:
+                want = Path.PAGED if st.paged_wins else measured
+        else:
+            want = measured if st.phase == "A" else Path.PAGED
+        return decision if want is decision.path else self._overrule(decision, want, st)
     def record(self, path: Path, bs: Hashable) -> None:
         """The path the step just planned finally runs (after every other check)."""
         key = (bs, path)
@@ -137,8 +174,8 @@ class StepClock:
     # ---- measurement -----------------------------------------------------------------------
 
     def _sample(self, st: _SizeState, bs: Hashable, path: Path) -> None:
-        """Takes the interval of the previous step into its window (phase A: the model's
-        path, B: paged) and moves the phase on when a window is full."""
+        """Takes the interval of the previous step into its window (phase A: the measured
+        non-paged ``path``, B: paged) and moves the phase on when a window is full."""
         iv, last = self._interval, self._last
         if st.phase == "hold" or iv is None or last is None or last[0] != bs or self._run <= self.SETTLE:
             return
@@ -152,8 +189,12 @@ class StepClock:
             st.phase = "B"
             return
         a, b = statistics.median(st.samples["A"]), statistics.median(st.samples["B"])
-        paged_wins = b < a * (1.0 - self.MARGIN)
-        if paged_wins and not st.confirming:  # measure both paths once more before holding paged
+        if st.model_paged:  # the other path must beat the model's paged by the margin
+            paged_wins = not a < b * (1.0 - self.MARGIN)
+        else:
+            paged_wins = b < a * (1.0 - self.MARGIN)
+        against = paged_wins is not st.model_paged  # the verdict overrules the cost model
+        if against and not st.confirming:  # measure both paths once more before holding it
             st.confirming, st.phase, st.samples = True, "A", {"A": [], "B": []}
             self.confirmations += 1
             return
@@ -163,10 +204,25 @@ class StepClock:
         st.last_a, st.last_b = a, b
         self.recent.append((bs, round(1e6 * a, 1), round(1e6 * b, 1), _spread(st.samples["A"]),
                             _spread(st.samples["B"]), st.paged_wins))
-        if st.paged_wins:
+        if not against:
+            self.verdicts_model += 1
+        elif paged_wins:
             self.verdicts_paged += 1
         else:
-            self.verdicts_model += 1
+            self.verdicts_faster += 1
+
+    def _overrule(self, decision: Decision, want: Path, st: _SizeState) -> Decision:
+        """The step runs ``want`` where the model chose ``decision.path``: measuring, or a held
+        verdict."""
+        if want is Path.PAGED:
+            return self._paged(decision, st)
+        self.overruled_steps += 1
+        if st.phase == "A":
+            why = f"{MEASURED_FASTER}: measuring {want.value} ({decision.reason})"
+        else:
+            why = (f"{MEASURED_FASTER}: {want.value} {1e6 * st.last_a:.0f}us < "
+                   f"paged {1e6 * st.last_b:.0f}us per step, measured")
+        return Decision(want, decision.times, why)
 
     def _paged(self, decision: Decision, st: _SizeState) -> Decision:
         self.overruled_steps += 1
@@ -192,16 +248,19 @@ class StepClock:
                 raise AssertionError(f"step clock {key}: holds a verdict while confirming one")
             if st.phase == "hold" and not 0 < st.hold_left <= self.HOLD:
                 raise AssertionError(f"step clock {key}: held with {st.hold_left} steps left (1..{self.HOLD})")
+            if st.measured is Path.PAGED:
+                raise AssertionError(f"step clock {key}: measures paged against itself")
         verdicts = sum(st.verdicts for st in self._sizes.values())
-        if verdicts != self.verdicts_paged + self.verdicts_model:
+        if verdicts != self.verdicts_paged + self.verdicts_model + self.verdicts_faster:
             raise AssertionError(f"step clock: {verdicts} verdicts per shape != {self.verdicts_paged} paged + "
-                                 f"{self.verdicts_model} kept")
+                                 f"{self.verdicts_faster} faster + {self.verdicts_model} kept")
 
     def snapshot(self) -> dict:
         """Counters for server info: overruled steps and verdicts (paged faster / model kept), and
         the latest verdicts: [shape, path µs, paged µs (medians), the two windows' spreads,
         paged won]."""
         return {"clock_overruled_steps": self.overruled_steps, "clock_verdicts_paged": self.verdicts_paged,
+                "clock_verdicts_faster": self.verdicts_faster,
                 "clock_verdicts_model": self.verdicts_model, "clock_confirmations": self.confirmations,
                 "clock_recent_verdicts": [[str(k), a, b, sa, sb, won] for k, a, b, sa, sb, won in self.recent]}
 
