@@ -26,6 +26,8 @@ every slot the replay reads::
     out_cache_loc[req]  ->  slot_copy[last item of req, seq_len[req] - 1 - t_lo]
 """
 
+from typing import List, Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -104,21 +106,28 @@ def append_suffix_slots(buffers: CascadeBuffers, out_cache_loc: torch.Tensor, en
     )  # fmt: skip
 
 
-def append_suffix_slots_reference(buffers: CascadeBuffers, out_cache_loc: torch.Tensor,
-                                  ends: torch.Tensor) -> torch.Tensor:
-    """What ``append_suffix_slots`` leaves in the table, in torch: a new [suffix_cap, width] tensor."""
+def _live_items(buffers: CascadeBuffers) -> Tuple[torch.Tensor, List[Tuple[int, int]], int]:
+    """The references' common part: a copy of the table, the live items' (request position,
+    first token) where the device's ``slot_copy_on`` is set (none otherwise), and the tokens per
+    item either kernel writes at most."""
     out = buffers.slot_copy
     assert out is not None
     ref = out.clone()
     if int(buffers.slot_copy_on[0]) == 0:
-        return ref
+        return ref, [], 0
     n_items, sfx_cap = int(buffers.counts[2]), buffers.suffix_cap
-    n = min(int(buffers.sfx_max[0]), out.shape[1])
-    items = [int(buffers.sfx_items[w]) for w in range(n_items)]
-    for w, b in enumerate(items):
-        if w + 1 < n_items and items[w + 1] == b:
+    items = [(int(buffers.sfx_items[w]), int(buffers.sfx_items[sfx_cap + w])) for w in range(n_items)]
+    return ref, items, min(int(buffers.sfx_max[0]), out.shape[1])
+
+
+def append_suffix_slots_reference(buffers: CascadeBuffers, out_cache_loc: torch.Tensor,
+                                  ends: torch.Tensor) -> torch.Tensor:
+    """What ``append_suffix_slots`` leaves in the table, in torch: a new [suffix_cap, width] tensor."""
+    ref, items, n = _live_items(buffers)
+    for w, (b, t_lo) in enumerate(items):
+        if w + 1 < len(items) and items[w + 1][0] == b:
             continue
-        pos = int(ends[b]) - 1 - int(buffers.sfx_items[sfx_cap + w])
+        pos = int(ends[b]) - 1 - t_lo
         if 0 <= pos < n:
             ref[w, pos] = int(out_cache_loc[b])
     return ref
@@ -127,16 +136,8 @@ def append_suffix_slots_reference(buffers: CascadeBuffers, out_cache_loc: torch.
 def copy_suffix_slots_reference(buffers: CascadeBuffers, req_to_token: torch.Tensor) -> torch.Tensor:
     """What ``copy_suffix_slots`` writes, in torch (rows of dead items and entries past each
     item's ``sfx_max`` as the table holds them): a new [suffix_cap, width] tensor."""
-    out = buffers.slot_copy
-    assert out is not None
-    ref = out.clone()
-    if int(buffers.slot_copy_on[0]) == 0:
-        return ref
-    n_items, sfx_cap = int(buffers.counts[2]), buffers.suffix_cap
-    n = min(int(buffers.sfx_max[0]), out.shape[1])
-    for w in range(n_items):
-        b = int(buffers.sfx_items[w])
-        t_lo = int(buffers.sfx_items[sfx_cap + w])
+    ref, items, n = _live_items(buffers)
+    for w, (b, t_lo) in enumerate(items):
         row = req_to_token[int(buffers.req_pool_indices[b])]
         hi = min(t_lo + n, row.shape[0])
         ref[w, :n] = 0

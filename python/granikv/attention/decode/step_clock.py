@@ -212,26 +212,18 @@ class StepClock:
             self.verdicts_faster += 1
 
     def _overrule(self, decision: Decision, want: Path, st: _SizeState) -> Decision:
-        """The step runs ``want`` where the model chose ``decision.path``: measuring, or a held
-        verdict."""
-        if want is Path.PAGED:
-            return self._paged(decision, st)
+        """The step runs ``want`` where the model chose ``decision.path``: measuring it, or a
+        held verdict (paged: ``measured_slower``; the runner-up: ``measured_faster``)."""
         self.overruled_steps += 1
-        if st.phase == "A":
-            why = f"{MEASURED_FASTER}: measuring {want.value} ({decision.reason})"
+        paged = want is Path.PAGED
+        tag = MEASURED_SLOWER if paged else MEASURED_FASTER
+        if st.phase == ("B" if paged else "A"):
+            why = f"{tag}: measuring {want.value} ({decision.reason})"
         else:
-            why = (f"{MEASURED_FASTER}: {want.value} {1e6 * st.last_a:.0f}us < "
-                   f"paged {1e6 * st.last_b:.0f}us per step, measured")
+            won, lost = (st.last_b, st.last_a) if paged else (st.last_a, st.last_b)
+            why = (f"{tag}: {want.value} {1e6 * won:.0f}us < {decision.path.value} {1e6 * lost:.0f}us "
+                   "per step, measured")
         return Decision(want, decision.times, why)
-
-    def _paged(self, decision: Decision, st: _SizeState) -> Decision:
-        self.overruled_steps += 1
-        if st.phase == "B":
-            why = f"{MEASURED_SLOWER}: measuring paged ({decision.reason})"
-        else:
-            why = (f"{MEASURED_SLOWER}: paged {1e6 * st.last_b:.0f}us < "
-                   f"{decision.path.value} {1e6 * st.last_a:.0f}us per step, measured")
-        return Decision(Path.PAGED, decision.times, why)
 
     def check_integrity(self) -> None:
         """Every measured batch shape is in a known phase with at most a window of samples per
