@@ -230,17 +230,11 @@ class DecodePlanner:
                 ws.ends.check_integrity(plan.desc.seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
         self.clock.record(self.path, self._clock_key or (fb.batch_size, 0))
-        t2 = time.perf_counter()
-        view = fb if plan is None else self._one_token.of(fb)
-        t3 = time.perf_counter()
-        self.ctx.stats.record_plan_time(
-            t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
-            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload - slot_copy, upload, slot_copy, t3 - t2))
-        if plan is not None:  # a step that planned a GraniKV path: the dispatcher's host term
-            self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
-        decided = plan if plan is not None else self._paged_plan
-        if decided is not None:
-            self._arm(fb, staged, decided, graph)
+        view = self._finish(fb, plan is not None, c0, (t0, tc, t1, time.perf_counter()), stage_seconds, upload,
+                            slot_copy)
+        chosen = plan if plan is not None else self._paged_plan  # a step the dispatcher decided
+        if chosen is not None:
+            self._arm(fb, staged, chosen, graph)
         return view
 
     def _replay(self, fb: Any, staged: Optional[np.ndarray], s: SteadyReplay, graph: bool, c0: float, t0: float,
@@ -252,8 +246,8 @@ class DecodePlanner:
         (nothing done)."""
         ctx, chooser = self.ctx, self.chooser
         total = seq_total(fb, self._pad_fill) if chooser.hint_ok else None
-        if s.matches(fb.batch_size, staged, getattr(ctx.hot_prefix_table, "version", None), graph,
-                     fb.seq_lens.data_ptr(), total) is None:
+        if total is None or not s.matches(fb.batch_size, staged, getattr(ctx.hot_prefix_table, "version", None),
+                                          graph, fb.seq_lens.data_ptr(), total):
             return None, None
         tc = time.perf_counter()
         plan, path = s.plan, s.path
@@ -263,7 +257,7 @@ class DecodePlanner:
         if decision.path is not path or (s.ws is not None and not s.ws.repeat_in_place(s.n)):
             return None, decision
         t1 = time.perf_counter()
-        s.advance(total)  # type: ignore[arg-type]  # matched: not None
+        s.advance(total)
         self.path = path
         self.steady_replays += 1
         slot_copy = 0.0
@@ -281,16 +275,25 @@ class DecodePlanner:
         self.graphs.planned_cascade = cascade
         ctx.stats.record(decision, plan.grouping)
         self.clock.record(path, s.clock_key)
-        t2 = time.perf_counter()
-        view = self._one_token.of(fb) if cascade else fb
-        t3 = time.perf_counter()
-        ctx.stats.record_plan_time(
-            t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
-            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - slot_copy, 0.0, slot_copy, t3 - t2))
-        if cascade:  # as plan_step: the host term is observed on the steps that plan a GraniKV path
-            chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
+        view = self._finish(fb, cascade, c0, (t0, tc, t1, time.perf_counter()), stage_seconds, 0.0, slot_copy)
         self._steady = s
         return view, None
+
+    def _finish(self, fb: Any, cascade: bool, c0: float, marks: Tuple[float, float, float, float],
+                stage_seconds: float, upload: float, slot_copy: float) -> Any:
+        """The batch the wrapped backend plans with (the one-token view on a GraniKV path) and the
+        step's recorded times; ``marks``: perf_counter at the step's start, its path choice, its
+        fill and the end of its bookkeeping. A GraniKV path's time also feeds the dispatcher's
+        host term."""
+        t0, tc, t1, t2 = marks
+        view = self._one_token.of(fb) if cascade else fb
+        t3 = time.perf_counter()
+        self.ctx.stats.record_plan_time(
+            t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,
+            sections=(stage_seconds, tc - t0, t1 - tc, t2 - t1 - upload - slot_copy, upload, slot_copy, t3 - t2))
+        if cascade:
+            self.chooser.dispatcher.host_plan.observe(t3 - t0 + stage_seconds)
+        return view
 
     def _arm(self, fb: Any, staged: Optional[np.ndarray], plan: StepPlan, graph: bool) -> None:
         """Arms the steady replay after a step the dispatcher decided (``plan.decision``): a
@@ -314,7 +317,7 @@ class DecodePlanner:
             if left is None or left < 1:
                 return
             room = left
-        copy = self.slots_copied and path is not Path.PAGED
+        copy = self.slots_copied  # (never on a paged step)
         self._steady = SteadyReplay(fb.batch_size, staged, version, fb.seq_lens.data_ptr(), total, room, plan,
                                     path, graph, ws, len(seq_lens), self._clock_key or (fb.batch_size, 0), copy,
                                     appends=copy and fb.batch_size in self.graphs.slots_appended)

@@ -67,7 +67,7 @@ def _runner_up(times: PathTimes) -> Optional[Path]:
 
 @dataclass
 class _SizeState:
-    """The measurement of one batch size: ``phase`` 'A' (the model's path), 'B' (paged),
+    """The measurement of one batch shape: ``phase`` 'A' (the measured non-paged path), 'B' (paged),
     'hold' (decided); samples per phase; the held verdict and its remaining steps."""
 
     measured: Path = Path.CASCADE  # the non-paged path measured against paged (phase A)
@@ -105,7 +105,7 @@ class StepClock:
         self._run = 0  # consecutive decode steps of that (bs, path), the previous one included
         self._interval: Optional[float] = None  # seconds since the previous decode step (a sample)
         self._sizes: Dict[Hashable, _SizeState] = {}
-        self.overruled_steps = 0  # steps turned paged by a measurement (or to measure paged)
+        self.overruled_steps = 0  # steps whose path the clock changed (a verdict, or to measure a path)
         self.verdicts_paged = self.verdicts_model = 0
         self.verdicts_faster = 0  # the measured non-paged path beat the model's paged choice
         self.confirmations = 0  # windows against the model measured again before a verdict
@@ -165,6 +165,7 @@ class StepClock:
         else:
             want = measured if st.phase == "A" else Path.PAGED
         return decision if want is decision.path else self._overrule(decision, want, st)
+
     def record(self, path: Path, bs: Hashable) -> None:
         """The path the step just planned finally runs (after every other check)."""
         key = (bs, path)

@@ -134,7 +134,6 @@ class CascadeWorkspace(StagingRing):
         self.ends = SuffixEnds(max_bs, self.device)  # the suffix ends the kernels read once bound
         self._dev_ends: Optional[int] = None  # n of the last in-place advance: its ends are ends.host(n) (work_list)
         self.advances_in_place = 0  # steady steps with device ends: no upload at all
-        self._in_place_n: Optional[int] = None  # n of the last advance if it was in place (steady_step)
         self._bgemm: Optional[BgemmMembers] = None  # the last fill's, for the eager bgemm path
         # (key, PrefixItems) of the last grouping
         self._prefix_memo: Tuple[Optional[PrefixKey], Optional[PrefixItems]] = (None, None)
@@ -184,7 +183,8 @@ class CascadeWorkspace(StagingRing):
     def work_list(self) -> Optional[WorkList]:
         """The work list of the last fill. After a steady ``advance`` it is built here on first
         read, from the build it advanced and the suffix ends in the staging buffer just copied,
-        or, after an in-place advance, in ``ends`` (the step itself only writes those ends)."""
+        or, after an in-place advance, on every read from ``ends`` (the step itself only writes
+        those ends, and later in-place steps keep writing them: never cached)."""
         k, ends = self._hi_buf, self._dev_ends
         if k is not None or ends is not None:
             base = self._reuse_base
@@ -192,8 +192,9 @@ class CascadeWorkspace(StagingRing):
             hi = base.wl.sfx_hi.copy()
             if ends is not None:  # a device read (debug and tests only: serving never reads the host list)
                 hi[base.last[:ends]] = self.ends.host(ends)
-            elif k is not None:
-                hi[base.last] = self._host_np[k][base.hi_pos]
+                return base.wl._replace(sfx_hi=hi)
+            assert k is not None
+            hi[base.last] = self._host_np[k][base.hi_pos]
             self.work_list = base.wl._replace(sfx_hi=hi)
         return self._work_list
 
@@ -258,7 +259,6 @@ class CascadeWorkspace(StagingRing):
         self.slot_copy_ready = self._slot_copy_fits(last_item_bound(wl.suffix_chunk, self.config.reuse_chunk_factor))
         self.work_list, self._reuse_base = wl, base  # only a work list that was uploaded is reused
         self._adv = None
-        self._in_place_n = None
         self.fills_built += 1
         if single_prefix_chunk:  # device indices for every layer of the eager bgemm path, queued after the upload
             gidx = self.group_req_idx[: len(wl.group_req_idx)].long()
@@ -273,7 +273,6 @@ class CascadeWorkspace(StagingRing):
         wl = self._work_list
         if self._hi_buf is None and self._dev_ends is None and wl is not None and wl.bs == 0:
             self.ends.bind(seq_lens_dev, 0)
-            self._in_place_n = None
             self.fills_skipped += 1
             return wl
         return self.fill(_NO_REQUEST, _NO_SEQ, _NO_SEQ, seq_lens_dev=seq_lens_dev)
@@ -329,11 +328,9 @@ class CascadeWorkspace(StagingRing):
         if ends is not None and self.ends.bound is not None and self._rows_on_device(req_pool_indices, n):
             # the kernels end each last item at seq_lens_dev: nothing to upload
             self._work_list, self._hi_buf, self._dev_ends = None, None, n
-            self._in_place_n = n
             self.fills_reused += 1
             self.advances_in_place += 1
             return True
-        self._in_place_n = None
         k = self._flip  # _next_buffer, inlined
         self._flip = k + 1 if k + 1 < self.staging_buffers else 0
         if self._buf_upload[k] > self._done_upto:
@@ -364,7 +361,7 @@ class CascadeWorkspace(StagingRing):
         not in place to these n positions (``steady_step``)."""
         base = self._reuse_base
         n = len(seq_lens)
-        if base is None or self._in_place_n != n or not n:
+        if base is None or self._dev_ends != n or not n:
             return None
         d = seq_lens - base.last_lo1[:n]
         if d.min() < 0:
@@ -375,9 +372,8 @@ class CascadeWorkspace(StagingRing):
         """A steady replay (``steady_step``): the in-place advance of the last step holds for
         this one too (the kernels read the new ends on the device), counted as one; False when
         the last advance was not in place to n positions (nothing counted)."""
-        if self._in_place_n != n or self._reuse_base is None:
+        if self._dev_ends != n or self._reuse_base is None:
             return False
-        self._work_list, self._hi_buf, self._dev_ends = None, None, n  # work_list: the ends on the device
         self.fills_reused += 1
         self.advances_in_place += 1
         return True
