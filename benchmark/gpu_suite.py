@@ -82,6 +82,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid-engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="regimes --engine-arg (repeatable; granikv_* keys go to the GraniKV engines), "
                         "e.g. granikv_view_plan=reuse.")
+    p.add_argument("--grid-also-granikv", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="regimes --also-granikv (repeatable): a GraniKV engine with other GraniKV flags beside "
+                        "every grid backend's pair, e.g. probe:granikv_clock_probe=paged_too (an A/B in one run).")
     p.add_argument("--grid-idle-probe-steps", type=int, default=32,
                    help="regimes --idle-probe-steps (GPU idle time per decode step; 0: off).")
     p.add_argument("--grid-host-probe-steps", type=int, default=0,
@@ -177,6 +180,8 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
         also = [b for b in args.grid_also_stock if b != backend]
         if also:
             cmd += ["--also-stock", ",".join(also)]
+        for item in args.grid_also_granikv:
+            cmd += ["--also-granikv", item]
         grid.append(cmd)
     return dict(
         tests=[[sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "test/",
@@ -247,6 +252,8 @@ def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     scope = dict(backends=list(args.grid_backends), models=models, rows=args.grid_rows)
     if args.grid_engine_arg:  # engines started otherwise measure another grid
         scope["engine_args"] = list(args.grid_engine_arg)
+    if args.grid_also_granikv:
+        scope["also_granikv"] = list(args.grid_also_granikv)
     return scope
 
 

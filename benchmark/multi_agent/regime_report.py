@@ -15,7 +15,9 @@ Records (the children's output, see regimes.py)::
 One row per (model, backend, regime): ``baseline_out_tok_s`` / ``granikv_out_tok_s`` and their
 ``speedup``; ``also_stock`` (``regimes --also-stock``): per other backend B, its stock engine's
 ``out_tok_s``, ``spread``, ``vs_stock`` (÷ the row's stock engine) and ``granikv_speedup``
-(GraniKV ÷ stock B); ``ceiling_out_tok_s`` (the same workload with its prefixes cut to 256 tokens, stock
+(GraniKV ÷ stock B); ``also_granikv`` (``regimes --also-granikv``): per variant NAME, its
+GraniKV engine's ``out_tok_s``, ``spread``, ``speedup`` (÷ the stock engine), ``vs_granikv`` (÷
+the main GraniKV engine), plan times, steady replays and decode paths; ``ceiling_out_tok_s`` (the same workload with its prefixes cut to 256 tokens, stock
 engine; the row's own stock figure where it has no prefix longer than that); ``floor_speedup``
 / ``floor_fraction`` (bounds.py); ``plan_us_p50`` / ``plan_us_p99`` as the GraniKV engine's
 snapshot reports them after the row (None when it does not) with the exact mean of the row's
@@ -44,6 +46,7 @@ IDLE_SLACK_US = 5.0  # GraniKV's GPU idle per decode step may exceed stock's by 
 SPREAD_MAX = 0.01  # the stock engine's own spread a no-pay row's verdict can rest on
 POOL_TOLERANCE = 0.01  # stock and GraniKV KV pools differing more than this: the row compares nothing
 STOCK_PREFIX = "stock_"  # config of an --also-stock engine: stock_<backend> (regimes.also_stock_config)
+GRANIKV_PREFIX = "granikv_"  # config of an --also-granikv engine: granikv_<name> (regimes.also_granikv_name)
 
 
 def find_key(d: Any, key: str) -> Optional[Any]:
@@ -145,6 +148,9 @@ def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, A
                                              vs_stock=_ratio(r["out_tok_per_s"], b_tps),
                                              granikv_speedup=_ratio(g_tps, r["out_tok_per_s"]))
             for (config, variant), r in by.items() if variant == "main" and config.startswith(STOCK_PREFIX)}
+        row["also_granikv"] = {
+            config[len(GRANIKV_PREFIX):]: variant_side(r, b_tps, g_tps)
+            for (config, variant), r in by.items() if variant == "main" and config.startswith(GRANIKV_PREFIX)}
         row.update(granikv_facts(g))
         for side, r in (("baseline", b), ("granikv", g)):
             for k in SIDE_KEYS:
@@ -153,6 +159,16 @@ def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, A
             row[f"gpu_idle_us_{side}_timed"] = timed_idle_us(row, side)
         rows.append(row)
     return bounds.annotate(dict(meta=dict(meta or {}, tp=1), rows=rows))
+
+
+def variant_side(rec: Mapping[str, Any], b_tps: Optional[float], g_tps: Optional[float]) -> Dict[str, Any]:
+    """An ``--also-granikv`` engine's figures on a row: tok/s, spread, its ratio to the stock and
+    to the main GraniKV engine, and what it said of its decode steps (``granikv_facts``)."""
+    facts = granikv_facts(rec)
+    tps = rec["out_tok_per_s"]
+    return dict(out_tok_s=tps, spread=spread(rec), speedup=_ratio(tps, b_tps), vs_granikv=_ratio(tps, g_tps),
+                **{k: facts[k] for k in ("plan_us_p50", "plan_us_p99", "plan_us_mean_row", "steady_replays",
+                                         "dispatch_paths", "decode_paged_reasons")})
 
 
 def spread(rec: Optional[Mapping[str, Any]]) -> Optional[float]:
@@ -254,9 +270,16 @@ def also_stock_backends(rows: Sequence[Mapping[str, Any]]) -> List[str]:
     return list(dict.fromkeys(b for r in rows for b in (r.get("also_stock") or {})))
 
 
+def also_granikv_names(rows: Sequence[Mapping[str, Any]]) -> List[str]:
+    """The ``--also-granikv`` variants any row was measured on, in first-appearance order."""
+    return list(dict.fromkeys(n for r in rows for n in (r.get("also_granikv") or {})))
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    others = also_stock_backends(rows)
+    others, variants = also_stock_backends(rows), also_granikv_names(rows)
     extra = "".join(f"| stock {b} tok/s (÷ stock) | GraniKV ÷ stock {b} " for b in others)
+    extra += "".join(f"| GraniKV {n} tok/s (÷ stock) | {n} ÷ GraniKV | {n} spread | {n} plan µs p50 / p99 "
+                     f"| {n} decode paths " for n in variants)
     head = ("| model | backend | workload | agents | stock tok/s | GraniKV tok/s | speedup | stock spread " + extra +
             "| ceiling tok/s "
             "| floor_speedup | floor_fraction | plan µs p50 / p99 (row mean) | GPU idle µs/step stock / GraniKV "
@@ -273,6 +296,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             _f(r.get("granikv_out_tok_s")), _f(r.get("speedup"), "{:.3f}x"),
             _f(r.get("baseline_spread"), "{:.1%}"),
             *[cell for b in others for cell in _also_stock_cells((r.get("also_stock") or {}).get(b))],
+            *[cell for n in variants for cell in _also_granikv_cells((r.get("also_granikv") or {}).get(n))],
             _f(r.get("ceiling_out_tok_s")) + (" (row)" if r.get("ceiling_is_row") else ""),
             _f(r.get("floor_speedup"), "{:.2f}x") + reason, _f(r.get("floor_fraction"), "{:.0%}"), plan,
             f"{_f(r.get('gpu_idle_us_baseline'), '{:.0f}')} / {_f(r.get('gpu_idle_us_granikv'), '{:.0f}')}"
@@ -293,6 +317,14 @@ def _also_stock_cells(side: Optional[Mapping[str, Any]]) -> List[str]:
     side = side or {}
     return [f"{_f(side.get('out_tok_s'))} ({_f(side.get('vs_stock'), '{:.3f}x')})",
             _f(side.get("granikv_speedup"), "{:.3f}x")]
+
+
+def _also_granikv_cells(side: Optional[Mapping[str, Any]]) -> List[str]:
+    side = side or {}
+    return [f"{_f(side.get('out_tok_s'))} ({_f(side.get('speedup'), '{:.3f}x')})",
+            _f(side.get("vs_granikv"), "{:.3f}x"), _f(side.get("spread"), "{:.1%}"),
+            f"{_f(side.get('plan_us_p50'), '{:.0f}')} / {_f(side.get('plan_us_p99'), '{:.0f}')}",
+            _counts(side.get("dispatch_paths"))]
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
@@ -406,5 +438,5 @@ def merge_docs(docs: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]],
     meta = dict(commands=commands_of(metas), dates=list(dict.fromkeys(dates)),
                 backends=sorted({b for m in metas for b in (m.get("backends") or [m.get("backend")]) if b}),
                 skipped=skipped, **{key: {k: v for m in metas for k, v in (m.get(key) or {}).items()}
-                                    for key in ("engine_kwargs", "pool_fitted", "pool_equalized")})
+                                    for key in ("engine_kwargs", "pool_fitted", "pool_equalized", "also_granikv")})
     return records, meta

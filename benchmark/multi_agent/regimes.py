@@ -13,6 +13,8 @@ pays, each row with its no-long-prefix ceiling and its bounds.py floor, in one i
                                           # short rows: the median of 5 runs per engine
     python3 -m benchmark.multi_agent.regimes --backend fa3 --also-stock flashinfer --models llama-3.1-8b --out OUT
                                           # GraniKV behind fa3 against stock fa3, stock flashinfer beside
+    python3 -m benchmark.multi_agent.regimes --also-granikv probe:granikv_clock_probe=paged_too --out OUT
+                                          # a second GraniKV engine with other GraniKV flags: an A/B
 
 The grid, and how it was chosen, is in regime_grid.py. Per model of the grid (in order) the
 parent starts both engines at once, side by side on the GPU (harness.resident_engine: each a
@@ -34,8 +36,12 @@ promotion skips, planning time).
 fa3 backend SGLang picks on Hopper beside a flashinfer grid), taking its turn in every repeat
 (config ``stock_B``; the row gets ``also_stock[B]``: its tok/s, spread, ratio to the stock engine
 and GraniKV's ratio to it, regime_report.py; the ceiling and the floor stay the ``--backend``
-stock engine's). With three engines on one GPU every pool is capped
-at ``THREE_ENGINE_POOL_TOKENS``.
+stock engine's). ``--also-granikv NAME:KEY=VALUE[,KEY=VALUE]`` likewise adds a GraniKV engine
+whose GraniKV flags differ from the main one's by those keys (config ``granikv_NAME``; the row
+gets ``also_granikv[NAME]``: its tok/s, spread, ratio to stock and to the main GraniKV engine,
+its plan times and decode paths): an A/B of a GraniKV setting in one run, where the same drift
+lands on both sides. With three engines or more on one GPU every pool is capped at
+``THREE_ENGINE_POOL_TOKENS``.
 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
 Rows that the estimate says do not fit are dropped before anything starts (lowest priority
@@ -61,6 +67,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmark.harness import engine_child, engine_proc, resident_engine
 from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, apply_extra, parse_engine_args
+from granikv.config import is_granikv_key
 from benchmark.harness.model_config import kv_dtype_bytes
 from benchmark.harness.resident_engine import EngineGone, ResidentEngine
 from benchmark.multi_agent import regime_grid as grid
@@ -87,6 +94,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--also-stock", type=csv, default=[], metavar="BACKEND[,BACKEND]",
                    help=f"Also measure every row on a stock engine of each of these backends ({', '.join(BACKENDS)}), "
                         "side by side, taking turns with the other two (module docstring).")
+    p.add_argument("--also-granikv", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="Also measure every row on a GraniKV engine whose GraniKV flags (granikv_* keys) are "
+                        "the main one's with these (repeatable; module docstring), e.g. "
+                        "probe:granikv_clock_probe=paged_too.")
     p.add_argument("--models", type=csv, default=None,
                    help=f"Subset of {','.join(grid.MODEL_NAMES)} (default: all).")
     p.add_argument("--rows", type=csv, default=None,
@@ -126,17 +137,21 @@ def command_line(argv: Sequence[str]) -> str:
 
 
 def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str, Any],
-                  engines: int = 2) -> Dict[str, Any]:
+                  engines: int = 2, variants: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Dict[str, Any]:
     """The benchmarks' engine arguments (harness.engine_args) + the model's (e.g. its KV cap,
     lowered to ``THREE_ENGINE_POOL_TOKENS`` when ``engines`` > 2 share the GPU) + pass-through
-    ``--engine-arg``. ``config``: ``baseline``, ``granikv`` or ``stock_<backend>`` (an
-    ``--also-stock`` engine: stock SGLang on that backend)."""
+    ``--engine-arg``. ``config``: ``baseline``, ``granikv``, ``stock_<backend>`` (an
+    ``--also-stock`` engine: stock SGLang on that backend) or ``granikv_<name>`` (an
+    ``--also-granikv`` engine: GraniKV with ``variants[name]`` over ``extra``'s GraniKV keys)."""
     stock_backend = also_stock_backend(config)
     kw = dict(BASE_ENGINE_KWARGS, attention_backend=stock_backend or backend, tp_size=1, dp_size=1)
     kw.update(model.engine_args())
     if engines > 2 and "max_total_tokens" in kw:
         kw["max_total_tokens"] = min(int(kw["max_total_tokens"]), THREE_ENGINE_POOL_TOKENS)
-    return apply_extra(kw, extra, granikv=config == "granikv")
+    name = also_granikv_name(config)
+    if name is not None:
+        extra = dict(extra, **(variants or {})[name])
+    return apply_extra(kw, extra, granikv=config == "granikv" or name is not None)
 
 
 STOCK_PREFIX = report.STOCK_PREFIX  # config of an --also-stock engine: stock_<backend>
@@ -152,14 +167,49 @@ def also_stock_backend(config: str) -> Optional[str]:
     return config[len(STOCK_PREFIX):] if config.startswith(STOCK_PREFIX) else None
 
 
+GRANIKV_PREFIX = report.GRANIKV_PREFIX  # config of an --also-granikv engine: granikv_<name>
+
+
+def also_granikv_name(config: str) -> Optional[str]:
+    """The name of an ``--also-granikv`` config (None: any other engine)."""
+    return config[len(GRANIKV_PREFIX):] if config.startswith(GRANIKV_PREFIX) else None
+
+
+def parse_variants(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``--also-granikv`` values, ``NAME:KEY=VALUE[,KEY=VALUE]``, as {name: GraniKV keys}; a
+    variant that names no key, a key that is not GraniKV's (the stock engine must stay the
+    same for both GraniKV engines) or a name given twice is refused."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        name, sep, rest = item.partition(":")
+        name = name.strip()
+        if not sep or not name or not name.replace("_", "").isalnum() or not rest.strip():
+            raise ValueError(f"--also-granikv {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE] (NAME: letters, "
+                             "digits, _)")
+        if name in out:
+            raise ValueError(f"--also-granikv {name}: given twice")
+        try:
+            keys = parse_engine_args([x for x in rest.split(",") if x.strip()])
+        except ValueError as e:
+            raise ValueError(f"--also-granikv {item!r}: {e}") from e
+        bad = sorted(k for k in keys if not is_granikv_key(k) or k == "enable_granikv")
+        if bad:
+            raise ValueError(f"--also-granikv {name}: {', '.join(bad)} not a GraniKV flag (granikv_*); "
+                             "engine arguments for every engine go in --engine-arg")
+        out[name] = keys
+    return out
+
+
 def configs_of(args) -> Tuple[str, ...]:
-    """The engines of every model, in turn order: stock, GraniKV, then each ``--also-stock`` one."""
+    """The engines of every model, in turn order: stock, GraniKV, then each ``--also-stock`` and
+    each ``--also-granikv`` one."""
     bad = [b for b in args.also_stock if b not in BACKENDS]
     if bad:
         raise ValueError(f"--also-stock: unknown {bad}; known: {', '.join(BACKENDS)}")
     if args.backend in args.also_stock:
         raise ValueError(f"--also-stock {args.backend}: that is --backend's own stock engine")
-    return CONFIGS + tuple(also_stock_config(b) for b in dict.fromkeys(args.also_stock))
+    return (CONFIGS + tuple(also_stock_config(b) for b in dict.fromkeys(args.also_stock))
+            + tuple(GRANIKV_PREFIX + name for name in parse_variants(args.also_granikv)))
 
 
 def job_rows(rows: Sequence[grid.Regime], config: str) -> List[Dict[str, Any]]:
@@ -198,7 +248,8 @@ class Run:
         self.meta = dict(command=command_line(argv), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                          backend=args.backend, budget_s=args.time_budget_s, estimate_s=round(sel.estimate_s),
                          skipped=[list(s) for s in sel.skipped], engine_kwargs={},
-                         also_stock=[also_stock_backend(c) for c in self.configs if also_stock_backend(c)])
+                         also_stock=[also_stock_backend(c) for c in self.configs if also_stock_backend(c)],
+                         also_granikv=parse_variants(args.also_granikv))
 
     def add(self, rec: Dict[str, Any]) -> None:
         self.records.append(rec)
@@ -321,7 +372,8 @@ def _start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
     engines: Dict[str, ResidentEngine] = {}
     caps: Dict[str, Optional[int]] = {}
     for config in run.configs:
-        kw = engine_kwargs(model, args.backend, config, extra, engines=len(run.configs))
+        kw = engine_kwargs(model, args.backend, config, extra, engines=len(run.configs),
+                           variants=run.meta["also_granikv"])
         kw.setdefault("cuda_graph_bs_decode", sizes)
         kw["cuda_graph_max_bs_decode"] = max(kw["cuda_graph_bs_decode"])
         run.meta["engine_kwargs"][f"{model.name}/{args.backend}/{config}"] = kw

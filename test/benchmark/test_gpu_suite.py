@@ -246,3 +246,13 @@ def test_the_recorded_commit_says_when_the_tree_differs_from_it(tmp_path):
     assert git_commit(tmp_path) == head
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == head + "+modified"
+
+
+def test_grid_also_granikv_goes_to_every_backends_grid_and_its_scope(suite, tmp_path):
+    item = "probe:granikv_clock_probe=paged_too"
+    args = suite.parse_args(["--out", str(tmp_path), "--grid-backends", "flashinfer,triton",
+                             "--grid-also-granikv", item])
+    for cmd in suite.part_commands(args, tmp_path)["grid"]:
+        assert cmd[cmd.index("--also-granikv") + 1] == item
+    assert suite.grid_scope(args)["also_granikv"] == [item]
+    assert "also_granikv" not in suite.grid_scope(suite.parse_args(["--out", str(tmp_path)]))

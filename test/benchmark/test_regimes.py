@@ -783,3 +783,71 @@ def test_also_stock_refuses_unknown_and_own_backends(regimes, tmp_path, capsys):
     for extra in (["--also-stock", "bogus"], ["--backend", "fa3", "--also-stock", "fa3"]):
         assert regimes.main(["--out", str(tmp_path), "--dry-run", *extra]) == 2
         assert "--also-stock" in capsys.readouterr().err
+
+
+def test_also_granikv_adds_a_graniKV_engine_with_other_flags_taking_turns(regimes, fake_resident, tmp_path):
+    """--also-granikv probe:granikv_clock_probe=paged_too: a second GraniKV engine whose GraniKV
+    flags are the main one's (--engine-arg) with the variant's on top, taking its turn in every
+    repeat; the row gets its tok/s, spread, ratios to stock and to the main GraniKV engine, and
+    what it said of its decode steps; the md gets its columns."""
+    tps = {"baseline": [1000.0, 1010.0, 990.0], "granikv": [3000.0, 2900.0, 3100.0],
+           "granikv_probe": [3300.0, 3200.0, 3250.0]}
+    gkv = dict(after=dict(attention=dict(plan_us_p50=21.0)),
+               delta=dict(attention=dict(planned_steps=10, plan_us_total=200.0, decode_steps=10, steady_replays=7,
+                                         steps_per_path={"cascade": 6, "paged": 4, "fused": 0})))
+
+    def answer(job, tags, k):
+        v = 5000.0 if tags["variant"] == "ceiling" else tps[job["config"]][k]
+        return _rec(job["config"], tags["regime"], v, tags["variant"], model=job["model"], backend=job["backend"],
+                    gkv=gkv if job["config"] == "granikv_probe" else None)
+
+    fake_resident.answer = answer
+    argv = ["--also-granikv", "probe:granikv_clock_probe=paged_too,granikv_launch_table=off", "--models",
+            "qwen2.5-7b", "--rows", "short1k_3sharers", "--engine-arg", "granikv_view_plan=reuse",
+            "--engine-arg", "granikv_clock_probe=model_paths", "--out", str(tmp_path), "--time-budget-s", "0"]
+    assert regimes.main(argv) == 0
+    log = [c for c, r, v in fake_resident.log if r == "short1k_3sharers" and v == "main"]
+    assert log == ["baseline", "granikv", "granikv_probe", "granikv", "granikv_probe", "baseline",
+                   "granikv_probe", "baseline", "granikv"]
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    kw = doc["meta"]["engine_kwargs"]
+    main, probe, stock = (kw[f"qwen2.5-7b/flashinfer/{c}"] for c in ("granikv", "granikv_probe", "baseline"))
+    assert main["granikv_clock_probe"] == "model_paths" and "granikv_launch_table" not in main
+    assert probe["enable_granikv"] and probe["granikv_clock_probe"] == "paged_too"
+    assert probe["granikv_launch_table"] == "off" and probe["granikv_view_plan"] == "reuse"
+    assert "enable_granikv" not in stock and not any(k.startswith("granikv_") for k in stock)
+    assert {k["max_total_tokens"] for k in kw.values()} == {regimes.THREE_ENGINE_POOL_TOKENS}
+    assert doc["meta"]["also_granikv"] == {"probe": {"granikv_clock_probe": "paged_too", "granikv_launch_table": "off"}}
+    (row,) = doc["rows"]
+    assert row["speedup"] == pytest.approx(3.0) and row["dispatch_paths"] == {}  # the main engine's own
+    v = row["also_granikv"]["probe"]
+    assert v["out_tok_s"] == 3250.0 and v["speedup"] == pytest.approx(3.25) and v["vs_granikv"] == pytest.approx(3250 / 3000, abs=1e-4)
+    assert v["spread"] == pytest.approx(100 / 3250, abs=1e-4)
+    assert v["dispatch_paths"] == {"cascade": 6, "paged": 4} and v["steady_replays"] == 7 and v["plan_us_mean_row"] == 20.0
+    md = (tmp_path / "regimes_flashinfer.md").read_text()
+    assert "GraniKV probe tok/s (÷ stock)" in md and "3,250 (3.250x)" in md and "1.083x" in md
+    assert "cascade 6, paged 4" in md
+    # a merge keeps the variants' flags
+    records, meta = regimes.report.merge_docs([doc])
+    assert meta["also_granikv"] == doc["meta"]["also_granikv"]
+    assert regimes.report.assemble(records, meta)[0]["also_granikv"]["probe"]["out_tok_s"] == 3250.0
+
+
+@pytest.mark.parametrize("value, why", [
+    ("probe", "expected NAME:KEY=VALUE"),
+    ("probe:", "expected NAME:KEY=VALUE"),
+    ("p-x:granikv_clock_probe=paged_too", "expected NAME:KEY=VALUE"),
+    ("probe:max_total_tokens=1000", "max_total_tokens not a GraniKV flag"),
+    ("probe:enable_granikv=False", "enable_granikv not a GraniKV flag"),
+    ("probe:granikv_clock_probe", "is not key=value"),
+])
+def test_also_granikv_refuses_what_would_not_be_an_ab_of_granikv_flags(regimes, tmp_path, capsys, value, why):
+    assert regimes.main(["--out", str(tmp_path), "--dry-run", "--also-granikv", value]) == 2
+    err = capsys.readouterr().err
+    assert "--also-granikv" in err and why in err
+
+
+def test_also_granikv_twice_the_same_name_is_refused(regimes, tmp_path, capsys):
+    argv = ["--out", str(tmp_path), "--dry-run", "--also-granikv", "a:granikv_clock_probe=paged_too",
+            "--also-granikv", "a:granikv_launch_table=off"]
+    assert regimes.main(argv) == 2 and "given twice" in capsys.readouterr().err
