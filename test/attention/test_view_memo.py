@@ -86,6 +86,9 @@ def _step(be, runner, fb, rows, seed):
 
 def test_steady_cascade_replays_plan_the_view_once_and_stay_exact():
     runner, be = _graph_backend()
+    made = []  # the one-token views the planner makes: none where the view's plan is in place
+    of = be.decode._one_token.of
+    be.decode._one_token.of = lambda fb: made.append(fb.batch_size) or of(fb)
     fb, rows = _batch(runner, hot={0, 2, 3})
     slot = 250  # past every COLD slot _batch uses, below the HOT run
     planned = []
@@ -94,7 +97,7 @@ def test_steady_cascade_replays_plan_the_view_once_and_stay_exact():
             fb = _grow(runner, fb, rows, slot)
             slot += len(rows)
         planned.append(_step(be, runner, fb, rows, 20 + step))
-    assert planned == [True, False, False, False, False]
+    assert planned == [True, False, False, False, False] and made == [8]
     snap = be.stats_snapshot()
     assert snap["view_plans_made"] == 1 and snap["view_plans_reused"] == 4
     assert snap["steps_per_path"] == {"cascade": 5}

@@ -217,8 +217,8 @@ class GraniKVAttnBackend(ForwardingBackend):
             if paths is not None and self.decode.path is not Path.PAGED:  # the cascade graph of a size
                 paths.capture(forward_batch)
             return
-        view = self._plan_decode(forward_batch, graph=True)
-        if not memo.in_place(self.decode.view_key(forward_batch)):  # a steady cascade step: in place
+        view = self._plan_decode(forward_batch, graph=True)  # None: the view's plan is in place (view_memo)
+        if view is not None:
             self.inner.init_forward_metadata_out_graph(view)
         if paths is not None and self.graphs.planned_cascade:  # the windowed layers' buffers, real batch
             paths.replay(forward_batch)

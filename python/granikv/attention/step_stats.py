@@ -102,6 +102,11 @@ class PlanTimeHistogram:
         return None  # not reached
 
 
+def grouping_counts(grouping: Grouping) -> Tuple[int, int, int]:
+    """What ``StepStats.record`` counts of a step's grouping: (requests, grouped requests, groups)."""
+    return grouping.batch_size, grouping.num_grouped, grouping.num_groups
+
+
 @dataclass
 class StepStats:
     """Counts decode steps per chosen path, grouped requests and steps the planner skipped."""
@@ -141,12 +146,17 @@ class StepStats:
     layer_output_tolerance: float = 0.0  # largest per-layer-step tolerance (debug_compare.layer_tolerance)
 
     def record(self, decision: Decision, grouping: Grouping) -> None:
+        self.record_counts(decision, grouping_counts(grouping))
+
+    def record_counts(self, decision: Decision, counts: Tuple[int, int, int]) -> None:
+        """``record`` of a grouping's ``grouping_counts`` (a steady replay keeps them)."""
         self.steps += 1
         self.paths[decision.path._value_] += 1  # the enum's value without its descriptor
-        self.requests += grouping.batch_size
+        requests, grouped, groups = counts
+        self.requests += requests
         if decision.path._value_ != "paged":
-            self.grouped_requests += grouping.num_grouped
-            self.groups += grouping.num_groups
+            self.grouped_requests += grouped
+            self.groups += groups
         elif decision.host_bound:
             self.host_overhead_steps += 1
         self.last_reason = decision.reason

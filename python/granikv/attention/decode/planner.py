@@ -192,7 +192,9 @@ class DecodePlanner:
 
     def plan_step(self, fb: Any, staged: Optional[np.ndarray], *, stage_seconds: float, graph: bool) -> Any:
         """A decode step's host work: plan, fill the workspace; returns the batch the wrapped
-        backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view).
+        backend plans with (``fb`` itself for paged steps, else the ``seq_len = 1`` view), or
+        None for a graph step whose wrapped backend's plan of that view is in place
+        (``view_memo``: the caller does not call it).
         ``staged``: the batch's ``req_pool_idx`` values (None: not staged). ``graph``: the step
         replays a graph of ``fb.batch_size`` (paged, or cascade where that size has a cascade
         graph). The time of both parts is recorded, with ``stage_seconds`` (the host time the
@@ -205,8 +207,8 @@ class DecodePlanner:
         self._paged_plan = None
         decided = None
         if steady is not None:
-            view, decided = self._replay(fb, staged, steady, graph, c0, t0, stage_seconds)
-            if view is not None:
+            taken, view, decided = self._replay(fb, staged, steady, graph, c0, t0, stage_seconds)
+            if taken:
                 return view
         plan = self._plan(fb, staged, graph=graph, decided=decided)
         t1 = time.perf_counter()
@@ -230,32 +232,32 @@ class DecodePlanner:
                 ws.ends.check_integrity(plan.desc.seq_lens)
         self.graphs.planned_cascade = graph and plan is not None
         self.clock.record(self.path, self._clock_key or (fb.batch_size, 0))
-        view = self._finish(fb, plan is not None, c0, (t0, tc, t1, time.perf_counter()), stage_seconds, upload,
-                            slot_copy)
+        view = self._finish(fb, plan is not None, graph, c0, (t0, tc, t1, time.perf_counter()), stage_seconds,
+                            upload, slot_copy)
         chosen = plan if plan is not None else self._paged_plan  # a step the dispatcher decided
         if chosen is not None:
             self._arm(fb, staged, chosen, graph)
         return view
 
     def _replay(self, fb: Any, staged: Optional[np.ndarray], s: SteadyReplay, graph: bool, c0: float, t0: float,
-                stage_seconds: float) -> Tuple[Any, Any]:
-        """The step planned from the armed one (``steady_step``): ``(view, None)`` when taken
-        (the wrapped backend's batch, as ``plan_step`` returns it); ``(None, decision)`` when
-        the batch matches but the path choice changed (the full plan goes on with that
-        decision: the clock has sampled this step); ``(None, None)`` when it does not match
-        (nothing done)."""
+                stage_seconds: float) -> Tuple[bool, Any, Any]:
+        """The step planned from the armed one (``steady_step``): ``(True, view, None)`` when
+        taken (the wrapped backend's batch, as ``plan_step`` returns it); ``(False, None,
+        decision)`` when the batch matches but the path choice changed (the full plan goes on
+        with that decision: the clock has sampled this step); ``(False, None, None)`` when it
+        does not match (nothing done)."""
         ctx, chooser = self.ctx, self.chooser
         total = seq_total(fb, self._pad_fill) if chooser.hint_ok else None
         if total is None or not s.matches(fb.batch_size, staged, getattr(ctx.hot_prefix_table, "version", None),
                                           graph, fb.seq_lens.data_ptr(), total):
-            return None, None
+            return False, None, None
         tc = time.perf_counter()
         plan, path = s.plan, s.path
         decision = chooser.choose(plan.grouping, plan.desc, graph_safe_only=s.graph, seq_total=total)
         if chooser.dispatcher.forced is None:
             decision = self.clock.adjust(decision, s.clock_key)
         if decision.path is not path or (s.ws is not None and not s.ws.repeat_in_place(s.n)):
-            return None, decision
+            return False, None, decision
         t1 = time.perf_counter()
         s.advance(total)
         self.path = path
@@ -273,20 +275,24 @@ class DecodePlanner:
         cascade = path is not Path.PAGED
         self.ends_in_graph_steps += cascade
         self.graphs.planned_cascade = cascade
-        ctx.stats.record(decision, plan.grouping)
+        ctx.stats.record_counts(decision, s.counts)
         self.clock.record(path, s.clock_key)
-        view = self._finish(fb, cascade, c0, (t0, tc, t1, time.perf_counter()), stage_seconds, 0.0, slot_copy)
+        view = self._finish(fb, cascade, graph, c0, (t0, tc, t1, time.perf_counter()), stage_seconds, 0.0, slot_copy)
         self._steady = s
-        return view, None
+        return True, view, None
 
-    def _finish(self, fb: Any, cascade: bool, c0: float, marks: Tuple[float, float, float, float],
+    def _finish(self, fb: Any, cascade: bool, graph: bool, c0: float, marks: Tuple[float, float, float, float],
                 stage_seconds: float, upload: float, slot_copy: float) -> Any:
-        """The batch the wrapped backend plans with (the one-token view on a GraniKV path) and the
-        step's recorded times; ``marks``: perf_counter at the step's start, its path choice, its
-        fill and the end of its bookkeeping. A GraniKV path's time also feeds the dispatcher's
-        host term."""
+        """The batch the wrapped backend plans with (the one-token view on a GraniKV path; None
+        for a graph step whose view plan is in place, ``view_memo``: the wrapped backend is not
+        called and no view is made) and the step's recorded times; ``marks``: perf_counter at the
+        step's start, its path choice, its fill and the end of its bookkeeping. A GraniKV path's
+        time also feeds the dispatcher's host term."""
         t0, tc, t1, t2 = marks
-        view = self._one_token.of(fb) if cascade else fb
+        if graph and self.view_memo.in_place(self.view_key(fb)):
+            view = None  # the wrapped backend's plan of this view is in place (view_memo): no view
+        else:
+            view = self._one_token.of(fb) if cascade else fb
         t3 = time.perf_counter()
         self.ctx.stats.record_plan_time(
             t3 - t0 + stage_seconds, choose=t1 - t0, fill=t3 - t1, stage=stage_seconds, cpu=time.thread_time() - c0,

@@ -36,13 +36,14 @@ whose checks need the full plan) disarms it and the full plan runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, Optional, Tuple
 
 import numpy as np
 
 from granikv.attention.decode.step_plan import StepPlan
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Path
+from granikv.attention.step_stats import grouping_counts
 
 #: ``SteadyReplay.headroom`` of a paged step: no build, so no reuse bound.
 PAGED_HEADROOM = 1 << 62
@@ -67,6 +68,10 @@ class SteadyReplay:
     copy_slots: bool  # the replay reads the slot copy (suffix_slots.py), not req_to_token
     appends: bool = False  # ... which its graph keeps current (append_suffix_slots): no copy before it
     replays: int = 0  # steps planned from it
+    counts: Tuple[int, int, int] = (0, 0, 0)  # the grouping's StepStats counts (step_stats.grouping_counts)
+
+    def __post_init__(self) -> None:
+        self.counts = grouping_counts(self.plan.grouping)
 
     def matches(self, bs: int, rows: Optional[np.ndarray], version: Any, graph: bool, ends_ptr: int,
                 seq_total: Optional[int]) -> bool:
