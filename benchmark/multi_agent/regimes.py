@@ -41,7 +41,7 @@ whose GraniKV flags differ from the main one's by those keys (config ``granikv_N
 gets ``also_granikv[NAME]``: its tok/s, spread, ratio to stock and to the main GraniKV engine,
 its plan times and decode paths): an A/B of a GraniKV setting in one run, where the same drift
 lands on both sides. With three engines or more on one GPU every pool is capped at
-``THREE_ENGINE_POOL_TOKENS``.
+``THREE_ENGINE_POOL_BYTES`` of KV (160K tokens of Llama-3.1-8B).
 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
 Rows that the estimate says do not fit are dropped before anything starts (lowest priority
@@ -80,9 +80,12 @@ START_TIMEOUT_FACTOR = 4.0  # an engine start is given up after this x its estim
 REQUEST_TIMEOUT_FACTOR = 4.0  # one row's run, likewise
 CONFIGS = ("baseline", "granikv")
 BACKENDS = ("flashinfer", "triton", "fa3")  # SGLang attention backends the grid runs (fa3: Hopper)
-#: KV pool cap per engine when a model's engines are three (--also-stock): three Llama-3.1-8B
-#: engines at 160K tokens (20 GB of KV each) fit one 141 GB H200 with their weights and graphs.
-THREE_ENGINE_POOL_TOKENS = 163840
+#: KV pool cap per engine, in bytes, when a model's engines are three or more (--also-stock,
+#: --also-granikv): three Llama-3.1-8B engines at 160K tokens (20 GiB of KV each) fit one 141 GB
+#: H200 with their weights and graphs; a model with fewer KV bytes a token gets more tokens
+#: (the 4-layer model's rows need their own pool, 16 KB a token: at 160K tokens its forest row
+#: retracted requests and ran paged).
+THREE_ENGINE_POOL_BYTES = 163840 * 131072
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -139,7 +142,7 @@ def command_line(argv: Sequence[str]) -> str:
 def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str, Any],
                   engines: int = 2, variants: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Dict[str, Any]:
     """The benchmarks' engine arguments (harness.engine_args) + the model's (e.g. its KV cap,
-    lowered to ``THREE_ENGINE_POOL_TOKENS`` when ``engines`` > 2 share the GPU) + pass-through
+    lowered to ``three_engine_pool_tokens`` when ``engines`` > 2 share the GPU) + pass-through
     ``--engine-arg``. ``config``: ``baseline``, ``granikv``, ``stock_<backend>`` (an
     ``--also-stock`` engine: stock SGLang on that backend) or ``granikv_<name>`` (an
     ``--also-granikv`` engine: GraniKV with ``variants[name]`` over ``extra``'s GraniKV keys)."""
@@ -147,11 +150,17 @@ def engine_kwargs(model: grid.Model, backend: str, config: str, extra: Dict[str,
     kw = dict(BASE_ENGINE_KWARGS, attention_backend=stock_backend or backend, tp_size=1, dp_size=1)
     kw.update(model.engine_args())
     if engines > 2 and "max_total_tokens" in kw:
-        kw["max_total_tokens"] = min(int(kw["max_total_tokens"]), THREE_ENGINE_POOL_TOKENS)
+        kw["max_total_tokens"] = min(int(kw["max_total_tokens"]), three_engine_pool_tokens(model))
     name = also_granikv_name(config)
     if name is not None:
         extra = dict(extra, **(variants or {})[name])
     return apply_extra(kw, extra, granikv=config == "granikv" or name is not None)
+
+
+def three_engine_pool_tokens(model: grid.Model) -> int:
+    """``THREE_ENGINE_POOL_BYTES`` in ``model``'s KV tokens (whole 1024s)."""
+    per_token = grid.model_facts(model.config(), kv_dtype_bytes(model.name))["kv_bytes"]
+    return int(THREE_ENGINE_POOL_BYTES // per_token) // 1024 * 1024
 
 
 STOCK_PREFIX = report.STOCK_PREFIX  # config of an --also-stock engine: stock_<backend>

@@ -768,7 +768,7 @@ def test_also_stock_adds_a_third_engine_taking_turns_with_its_own_backend(regime
     assert kw["qwen2.5-7b/fa3/granikv"]["attention_backend"] == "fa3" and kw["qwen2.5-7b/fa3/granikv"]["enable_granikv"]
     other = kw["qwen2.5-7b/fa3/stock_flashinfer"]
     assert other["attention_backend"] == "flashinfer" and "enable_granikv" not in other
-    assert {k["max_total_tokens"] for k in kw.values()} == {regimes.THREE_ENGINE_POOL_TOKENS}
+    assert {k["max_total_tokens"] for k in kw.values()} == {_three_engine_pool("qwen2.5-7b")}
     (row,) = doc["rows"]
     assert row["backend"] == "fa3" and row["speedup"] == pytest.approx(3.0)
     fi = row["also_stock"]["flashinfer"]
@@ -816,7 +816,7 @@ def test_also_granikv_adds_a_graniKV_engine_with_other_flags_taking_turns(regime
     assert probe["enable_granikv"] and probe["granikv_clock_probe"] == "paged_too"
     assert probe["granikv_launch_table"] == "off" and probe["granikv_view_plan"] == "reuse"
     assert "enable_granikv" not in stock and not any(k.startswith("granikv_") for k in stock)
-    assert {k["max_total_tokens"] for k in kw.values()} == {regimes.THREE_ENGINE_POOL_TOKENS}
+    assert {k["max_total_tokens"] for k in kw.values()} == {_three_engine_pool("qwen2.5-7b")}
     assert doc["meta"]["also_granikv"] == {"probe": {"granikv_clock_probe": "paged_too", "granikv_launch_table": "off"}}
     (row,) = doc["rows"]
     assert row["speedup"] == pytest.approx(3.0) and row["dispatch_paths"] == {}  # the main engine's own
@@ -851,3 +851,23 @@ def test_also_granikv_twice_the_same_name_is_refused(regimes, tmp_path, capsys):
     argv = ["--out", str(tmp_path), "--dry-run", "--also-granikv", "a:granikv_clock_probe=paged_too",
             "--also-granikv", "a:granikv_launch_table=off"]
     assert regimes.main(argv) == 2 and "given twice" in capsys.readouterr().err
+
+
+def _three_engine_pool(name):
+    model = {m.name: m for m in regime_grid.MODELS}[name]
+    return min(int(model.engine_args()["max_total_tokens"]), regimes_mod.three_engine_pool_tokens(model))
+
+
+def test_three_engines_share_a_pool_cap_in_kv_bytes():
+    """Three engines or more on one GPU: each pool is capped at 20 GiB of KV, in the model's own
+    tokens; Llama-3.1-8B at 160K tokens, the 4-layer model (8x fewer bytes a token) keeps its
+    own cap, which its long rows need (at 160K tokens its forest row retracted requests)."""
+    by = {m.name: m for m in regime_grid.MODELS}
+    assert regimes_mod.three_engine_pool_tokens(by["llama-3.1-8b"]) == 163840
+    four = by["llama-3.1-8b-4layers"]
+    assert regimes_mod.three_engine_pool_tokens(four) == 8 * 163840
+    kw = regimes_mod.engine_kwargs(four, "flashinfer", "baseline", {}, engines=3)
+    assert kw["max_total_tokens"] == four.engine_args()["max_total_tokens"] == regime_grid.HOST_BOUND_POOL_TOKENS
+    assert regimes_mod.engine_kwargs(by["llama-3.1-8b"], "flashinfer", "granikv", {}, engines=3)["max_total_tokens"] == 163840
+    assert regimes_mod.engine_kwargs(by["llama-3.1-8b"], "flashinfer", "granikv", {}, engines=2)["max_total_tokens"] == (
+        regime_grid.LLAMA_POOL_TOKENS)
