@@ -121,7 +121,7 @@ class GraniKVConfig:
         choices=get_args(ViewPlan),
     )
     clock_probe: ClockProbe = _opt(
-        "model_paths",
+        "paged_too",
         "Which close path choices the measured step clock probes (StepClock): model_paths = only "
         "the cost model's non-paged choices, turned paged where measured slower; paged_too = also "
         "a paged choice for rows that share a HOT prefix where the cheapest other path is priced "

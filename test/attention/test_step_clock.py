@@ -260,14 +260,14 @@ def test_through_the_decode_planner_a_measured_faster_cascade_replaces_paged(mon
     torch.testing.assert_close(be.forward_decode(q, k, v, LAYER, fb), _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
 
 
-def test_the_flag_turns_the_paged_probe_on():
+def test_the_paged_probe_is_the_default_and_the_flag_turns_it_off():
     import dataclasses
 
     from test_backend import _backend, _runner
 
     be = _backend(_runner(), "auto")
-    assert be.decode.clock.probe_paged is False
-    be.ctx.cfg = dataclasses.replace(be.ctx.cfg, clock_probe="paged_too")
+    assert be.decode.clock.probe_paged is True
+    be.ctx.cfg = dataclasses.replace(be.ctx.cfg, clock_probe="model_paths")
     from granikv.attention.decode.planner import DecodePlanner
 
-    assert DecodePlanner(be.ctx).clock.probe_paged is True
+    assert DecodePlanner(be.ctx).clock.probe_paged is False

@@ -30,7 +30,9 @@ runner-up priced less than ``PROBE_LOSS`` of the step slower: a wrong guess cost
 it is measured), the clock measures that runner-up against paged the same way and holds it
 where it is measured faster (confirmed by a second pair of windows, as any verdict against the
 model); a host-bound model's step is where the cost model's host and launch terms miss most.
-Off unless ``probe_paged`` (``--granikv-clock-probe paged_too``).
+On with ``probe_paged`` (``--granikv-clock-probe paged_too``, the default since a grid A/B on
+the host-bound 4-layer model measured it 2-8% faster on all three sharing rows; ``model_paths``
+turns it off).
 Reasons: ``measured_slower`` (paged instead of the model's path), ``measured_faster`` (the
 runner-up instead of the model's paged).
 Paths can differ between tensor-parallel ranks (wall-clock input): attention is local to a rank,
