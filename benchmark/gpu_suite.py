@@ -13,7 +13,8 @@ On a host without network, run it inside the environment installed from the air-
 
 Parts (run in this order; ``all`` = every one):
 
-- ``tests``: ``pytest -m gpu test/`` (the GPU tests; a junit XML in ``--out``);
+- ``tests``: ``pytest -m gpu test/`` (the GPU tests; a junit XML in ``--out``; with
+  ``--tests-workers N``, split over N pytest processes at once, harness/pytest_workers.py);
 - ``smoke``: the quickstart as written: ``python -m sglang.launch_server`` with
   ``--enable-granikv --enable-metrics`` on the shipped Llama-3.1-8B config (dummy weights, a
   word-level tokenizer so text prompts work), ``/generate`` calls whose texts share a long
@@ -46,9 +47,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from benchmark.harness import pytest_workers
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "smoke", "correctness", "grid")
 SUMMARY = "gpu_suite.json"
+GPU_TESTS_ARGS = ("-m", "gpu", "-q")  # the tests part's pytest selection
 # what makes ``all`` fit two invocations of at most 9 minutes on one H200: tests, smoke and
 # correctness (170-205 + 57 + 136-297 s, measured 2026-12-01..06; 136 s with --parallel 3), then the grid (its row
 # estimates, regime_grid.estimate_s, came within 6% of a measured grid: 329 s estimated, 312 s run)
@@ -94,6 +98,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--correctness-args", default=CORRECTNESS_ARGS,
                    help=f"Arguments of benchmark.correctness.check (one shell string; default {CORRECTNESS_ARGS!r}).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
+    p.add_argument("--tests-workers", type=int, default=1,
+                   help="Run the GPU tests in this many pytest processes at once on the one GPU "
+                        "(benchmark/harness/pytest_workers.py: Triton's compiles, most of their time, "
+                        "on as many cores); 1: one pytest, as before.")
     p.add_argument("--smoke-backend", default="flashinfer")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="Combine gpu_suite.json files into --out and exit.")
     p.add_argument("--dry-run", action="store_true", help="Print each part's command and exit.")
@@ -103,6 +111,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [x for x in args.parts if x not in PARTS]
     if bad:
         p.error(f"--parts: unknown {bad}; known: {', '.join(PARTS)}, all")
+    if args.tests_workers < 1:
+        p.error(f"--tests-workers {args.tests_workers}: at least 1")
     return args
 
 
@@ -184,12 +194,23 @@ def part_commands(args: argparse.Namespace, out: Path) -> Dict[str, List[List[st
             cmd += ["--also-granikv", item]
         grid.append(cmd)
     return dict(
-        tests=[[sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "test/",
+        tests=[[sys.executable, "-m", "pytest", *GPU_TESTS_ARGS, "-p", "no:cacheprovider", "test/",
                 f"--junitxml={out / 'tests' / 'gpu_tests.xml'}", *shlex.split(args.tests_args)]],
         correctness=[python_cmd("benchmark.correctness.check", "--out", str(out / "correctness"),
                                 *shlex.split(args.correctness_args))],
         grid=grid,
     )
+
+
+def run_tests_in_workers(args: argparse.Namespace, out: Path) -> Dict[str, Any]:
+    """The tests part over ``--tests-workers`` pytest processes (pytest_workers): the GPU tests
+    collected once, split round robin, run at once; a junit XML per process in ``out``."""
+    extra = shlex.split(args.tests_args)
+    ids = pytest_workers.collect([*GPU_TESTS_ARGS, "test/", *extra], ROOT)
+    if not ids:
+        return dict(passed=False, error="no GPU tests collected")
+    groups = pytest_workers.split(ids, args.tests_workers)
+    return dict(pytest_workers.run(groups, [*GPU_TESTS_ARGS, *extra], out, ROOT), tests=len(ids))
 
 
 def run_commands(cmds: Sequence[Sequence[str]]) -> Dict[str, Any]:
@@ -335,6 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in args.parts:
         if name == "smoke":
             fn = lambda: run_smoke(out / "smoke", backend=args.smoke_backend)  # noqa: E731
+        elif name == "tests" and args.tests_workers > 1:
+            fn = lambda: run_tests_in_workers(args, out / "tests")  # noqa: E731
         else:
             (out / name).mkdir(parents=True, exist_ok=True)
             fn = (lambda c: lambda: run_commands(c))(cmds[name])
