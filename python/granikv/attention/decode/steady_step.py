@@ -35,7 +35,7 @@ whose checks need the full plan) disarms it and the full plan runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Tuple
 
 import numpy as np
@@ -68,7 +68,7 @@ class SteadyReplay:
     copy_slots: bool  # the replay reads the slot copy (suffix_slots.py), not req_to_token
     appends: bool = False  # ... which its graph keeps current (append_suffix_slots): no copy before it
     replays: int = 0  # steps planned from it
-    counts: Tuple[int, int, int] = (0, 0, 0)  # the grouping's StepStats counts (step_stats.grouping_counts)
+    counts: Tuple[int, int, int] = field(init=False)  # the grouping's StepStats counts (grouping_counts)
 
     def __post_init__(self) -> None:
         self.counts = grouping_counts(self.plan.grouping)
