@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
-#: pytest's "no tests collected" exit status: a group can get none only when there are fewer
-#: tests than workers, and ``split`` never makes such a group
+#: pytest's "no tests collected" exit status: a collection that finds none is no error here
+#: (the caller decides; ``split`` never makes an empty group of a non-empty collection)
 NO_TESTS = 5
 TAIL_LINES = 40
 

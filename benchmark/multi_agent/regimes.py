@@ -67,12 +67,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmark.harness import engine_child, engine_proc, resident_engine
 from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, apply_extra, parse_engine_args
-from granikv.config import is_granikv_key
 from benchmark.harness.model_config import kv_dtype_bytes
 from benchmark.harness.resident_engine import EngineGone, ResidentEngine
 from benchmark.multi_agent import regime_grid as grid
 from benchmark.multi_agent import regime_report as report
 from benchmark.multi_agent import workloads as wl
+from granikv.config import is_granikv_key
 
 DEFAULT_BUDGET_S = 450.0
 START_GRACE_S = 90.0  # added to every wait on an engine (its start, one row)
@@ -85,7 +85,7 @@ BACKENDS = ("flashinfer", "triton", "fa3")  # SGLang attention backends the grid
 #: H200 with their weights and graphs; a model with fewer KV bytes a token gets more tokens
 #: (the 4-layer model's rows need their own pool, 16 KB a token: at 160K tokens its forest row
 #: retracted requests and ran paged).
-THREE_ENGINE_POOL_BYTES = 163840 * 131072
+THREE_ENGINE_POOL_BYTES = 163840 * 131072  # 160K tokens x Llama-3.1-8B's 128 KiB of KV a token
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

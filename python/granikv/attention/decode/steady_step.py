@@ -74,13 +74,13 @@ class SteadyReplay:
         self.counts = grouping_counts(self.plan.grouping)
 
     def matches(self, bs: int, rows: Optional[np.ndarray], version: Any, graph: bool, ends_ptr: int,
-                seq_total: Optional[int]) -> bool:
+                seq_total: int) -> bool:
         """A step with these values may replay: the same batch, grown by one token per request
         since the last step, with headroom left."""
         if (rows is not self.rows or bs != self.bs or version != self.version or graph is not self.graph
                 or (self.ws is not None and ends_ptr != self.ends_ptr)):
             return False
-        return seq_total is not None and self.headroom >= 1 and seq_total - self.seq_total == self.n
+        return self.headroom >= 1 and seq_total - self.seq_total == self.n
 
     def advance(self, seq_total: int) -> None:
         """The step that matched is planned from this one."""
