@@ -224,7 +224,8 @@ class Thrash:
 
 
 def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False,
-                eager_ends: bool = False, thrash: Optional["Thrash"] = None, steady: bool = True):
+                eager_ends: bool = False, thrash: Optional["Thrash"] = None, steady: bool = True,
+                windows: bool = False):
     """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
     in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
     seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
@@ -232,7 +233,8 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     copies them would hand over), which defeats the planner's identity-based reuse. ``thrash``:
     run before each step, outside the timing. ``steady=False``: the planner never arms its steady
     replay (attention/decode/steady_step.py), so every step takes the full plan (the A/B of
-    ``--steady-ab``)."""
+    ``--steady-ab``). ``windows``: the step clock's measurement cycle imposed on the choice
+    (``clock_windows``)."""
     import torch
 
     from granikv.scheduler_step import on_run_batch
@@ -240,6 +242,8 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     be, sched, sbatch, view, cfg, host_buf = serving_setup(bs, batch, rng, device, eager_ends)
     if not steady:
         be.decode._arm = lambda *a, **k: None  # benchmark knob: the full plan every step
+    if windows:
+        clock_windows(be.decode.clock)
     rows = sbatch.req_pool_indices_cpu
     cuda = device.startswith("cuda")
     wall = np.zeros(steps)
@@ -303,6 +307,50 @@ def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager
 
 
 AB_ROWS = (("homog", 64), ("homog", 256), ("forest16", 128), ("forest64", 128), ("paged", 64))
+WINDOW_ROWS = (("homog", 64), ("homog", 128), ("homog", 256))
+
+
+def clock_windows(clock) -> None:
+    """Imposes the step clock's measurement cycle on a batch's path choice: the model's path
+    for ``WINDOW`` steps, paged for ``WINDOW``, the model's path held for ``HOLD`` (``StepClock``'s
+    own constants), as where the clock measures paged against the model's choice."""
+    from granikv.attention.dispatcher import Decision, Path
+
+    real, step = clock.adjust, [0]
+    cycle = 2 * clock.WINDOW + clock.HOLD
+
+    def adjust(decision, key):
+        d = real(decision, key)
+        k = step[0] % cycle
+        step[0] += 1
+        return Decision(Path.PAGED, d.times, "clock window") if clock.WINDOW <= k < 2 * clock.WINDOW else d
+
+    clock.adjust = adjust
+
+
+def windows_table(steps: int, *, device: str = "cpu") -> None:
+    """Planning with the step clock's windows (``clock_windows``), caches cold before every
+    step: the share of steps planned in full (builds, path changes the replay does not take)
+    sets the p99 once it passes 1%."""
+    evict = Thrash()
+    print(f"# the step clock's windows imposed (paged for {_clock_cls().WINDOW} of every "
+          f"{2 * _clock_cls().WINDOW + _clock_cls().HOLD} steps), device {device}, caches COLD at every step, "
+          f"{steps} steps per row; us")
+    print(f"{'batch':>9} {'bs':>4} {'p50':>7} {'p99':>7} {'hook p99':>9} {'paged':>6} {'replays':>8} "
+          f"{'builds':>7} {'full plans':>11}")
+    for batch, bs in WINDOW_ROWS:
+        snap, wall, _ = serving_run(bs, batch, steps, np.random.default_rng(0), device=device, thrash=evict,
+                                    windows=True)
+        full = snap["planned_steps"] - snap["steady_replays"]
+        print(f"{batch:>9} {bs:>4} {snap['plan_us_p50']:>7.1f} {snap['plan_us_p99']:>7.1f} "
+              f"{np.percentile(wall, 99):>9.1f} {snap['steps_per_path'].get('paged', 0):>6} "
+              f"{snap['steady_replays']:>8} {snap['work_list_builds']:>7} {full:>5} ({full / steps:.1%})", flush=True)
+
+
+def _clock_cls():
+    from granikv.attention.decode.step_clock import StepClock
+
+    return StepClock
 
 
 def steady_ab(steps: int, repeats: int, *, device: str = "cpu") -> None:
@@ -367,12 +415,18 @@ def main():
                     help="also the table with the host's caches made cold before every step (as in serving)")
     ap.add_argument("--steady-ab", type=int, default=0, metavar="REPEATS",
                     help="only the steady replay's A/B (off / on in turns, caches cold), REPEATS runs per side")
+    ap.add_argument("--clock-windows", action="store_true",
+                    help="only the table with the step clock's windows imposed (paged for a window per cycle), "
+                         "caches cold")
     args = ap.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# {cpu_name()} ({os.cpu_count()} cores, load average {load}), python {platform.python_version()}, "
           f"numpy {np.__version__}; serving path, {args.steps} decode steps per row; us per step")
     if args.steady_ab:
         steady_ab(args.steps, args.steady_ab, device=args.device)
+        return
+    if args.clock_windows:
+        windows_table(args.steps, device=args.device)
         return
     for fresh in ((False, True) if args.both else (args.fresh,)):
         serving_table(args.steps, device=args.device, fresh=fresh)

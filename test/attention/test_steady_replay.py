@@ -106,7 +106,7 @@ def _same_work_list(a, b):
 
 
 def test_steady_replays_plan_what_the_full_plan_plans():
-    """60 decode steps of one batch: the replay plans most of them, and every step leaves the
+    """60 decode steps of one batch: the replay plans every step but the builds, and every step leaves the
     path, the work list the kernels read (with the ends the graph copied), the device metadata
     and the step counts of a twin that takes the full plan every step; the outputs match the
     paged reference at the first step, at a rebuild and at the last."""
@@ -128,7 +128,8 @@ def test_steady_replays_plan_what_the_full_plan_plans():
             rebuilds.append(step)
         if step in (0, steps - 1) or (rebuilds and rebuilds[-1] == step and step):
             fast.check(step)
-    assert df.steady_replays >= steps - 3 * (len(rebuilds) + 1) and ds.steady_replays == 0
+    # every step but the builds is a replay: the step after a build too (build_in_place)
+    assert df.steady_replays == steps - len(rebuilds) and ds.steady_replays == 0
     assert len(rebuilds) >= 2, "the run never reached the build's reuse bound"
     assert fw.fills_built == sw.fills_built and fw.advances_in_place == sw.advances_in_place
     sf, ss = fast.be.stats_snapshot(), slow.be.stats_snapshot()
@@ -184,36 +185,120 @@ def test_debug_integrity_plans_every_step_in_full():
     assert d.be.decode.steady_replays == 0 and d.be.decode._steady is None
 
 
-def test_a_path_change_goes_through_the_full_plan_with_the_replays_choice():
-    """The replay's path choice says paged (as when the host term outgrows the saving): that
-    step is planned in full with that very decision (the choice and the clock run once) and
-    runs paged; the full plan arms the paged replay, and a cascade choice later plans in full."""
-    d = GraphDriver(_runner())
-    dec = d.be.decode
-    for _ in range(3):
-        d.step()
-    assert dec.steady_replays >= 1
-    calls = []
-    real_choose, real_adjust = dec.chooser.choose, dec.clock.adjust
+def _force_paged(dec, calls=None):
+    """The planner's path choice says paged from now on (as when the step clock measures paged
+    for a window); returns the function that restores the real choice."""
+    real_choose = dec.chooser.choose
 
     def paged(*a, **k):
-        calls.append("choose")
+        if calls is not None:
+            calls.append("choose")
         got = real_choose(*a, **k)
         return Decision(Path.PAGED, got.times, "test: paged")
 
     dec.chooser.choose = paged
-    dec.clock.adjust = lambda *a, **k: calls.append("adjust") or real_adjust(*a, **k)
+    return lambda: setattr(dec.chooser, "choose", real_choose)
+
+
+def test_a_paged_choice_is_a_paged_excursion_and_the_build_resumes():
+    """The replay's path choice says paged for two steps (a clock window): those steps are
+    planned from the replay (the choice and the clock once each), the cascade build stays in
+    its workspace, and the cascade choice after them resumes it in place, with the slot copy
+    made again, instead of planning in full: the same work list, device ends and outputs as a
+    twin that plans every step in full, and no build."""
+    fast, slow = GraphDriver(_runner()), _full_plan_only(GraphDriver(_runner()))
+    for _ in range(3):
+        fast.step()
+        slow.step()
+    dec = fast.be.decode
+    ws = dec.workspace
+    assert dec.steady_replays >= 1 and dec._steady.path is Path.CASCADE
+    cascade_replay, builds, copies = dec._steady, ws.fills_built, dec.slot_copier.copies
+    calls = []
+    restore, restore_slow = _force_paged(dec, calls), _force_paged(slow.be.decode)
     before = dec.steady_replays
+    for k in range(2):
+        fast.step()
+        slow.step()
+        assert dec.path is slow.be.decode.path is Path.PAGED and not dec.graphs.planned_cascade
+        assert dec.steady_replays == before + k + 1 and calls.count("choose") == k + 1
+        assert fast.be.stats.last_reason == "test: paged"
+        assert dec._steady.path is Path.PAGED and dec._steady.resume is cascade_replay
+        dec._steady.check_integrity(fast.fb.seq_lens_cpu.numpy())
+    restore()
+    restore_slow()
+    fast.step()
+    slow.step()
+    assert dec.path is Path.CASCADE and dec.graphs.planned_cascade and dec.steady_replays == before + 3
+    assert dec._steady is cascade_replay and ws.fills_built == builds
+    assert dec.slot_copier.copies == copies + 1  # the paged steps' stock graph appended no slot
+    dec._steady.check_integrity(fast.fb.seq_lens_cpu.numpy())
+    assert _same_work_list(ws.work_list, slow.be.decode.workspace.work_list)
+    assert torch.equal(ws.ends.buffer, slow.be.decode.workspace.ends.buffer)
+    fast.check(2)
+    sf, ss = fast.be.stats_snapshot(), slow.be.stats_snapshot()
+    for key in ("decode_steps", "steps_per_path", "groups_per_step", "ends_in_graph_steps"):
+        assert sf[key] == ss[key], key
+
+
+def test_a_resume_without_the_slot_copy_reads_stale_slots():
+    """Planted fault: the resumed build's replay makes no slot copy before it (as a replay of
+    an unbroken cascade run does): the paged steps' newest slots were never appended to the
+    copy, and the outputs leave the reference."""
+    d = GraphDriver(_runner())
+    for _ in range(3):
+        d.step()
+    dec = d.be.decode
+    restore = _force_paged(dec)
     d.step()
-    assert dec.path is Path.PAGED and not dec.graphs.planned_cascade and dec.steady_replays == before
-    assert calls.count("choose") == 1 and d.be.stats.last_reason == "test: paged"
-    assert dec._steady is not None and dec._steady.path is Path.PAGED
     d.step()
-    assert dec.path is Path.PAGED and dec.steady_replays == before + 1
-    dec.chooser.choose = real_choose
-    d.step()  # the replay's choice is cascade again: planned in full
-    assert dec.path is Path.CASCADE and dec.steady_replays == before + 1
-    d.check(2)
+    restore()
+    dec.slot_copier.run = lambda: None
+    d.step()
+    assert dec.path is Path.CASCADE and dec._steady.ws is not None and dec._steady.replays >= 2
+    with pytest.raises(AssertionError, match="not close"):
+        d.check(3)
+
+
+def test_a_resume_past_the_headroom_or_after_the_workspace_changed_plans_in_full():
+    """A paged excursion longer than the build's headroom, or one during which the workspace
+    was filled or advanced, ends in the full plan (a build where the bound is passed), with the
+    outputs of the reference."""
+    for touch in (None, "fill", "advance"):
+        d = GraphDriver(_runner())
+        for _ in range(3):
+            d.step()
+        dec = d.be.decode
+        ws = dec.workspace
+        room = dec._steady.headroom
+        restore = _force_paged(dec)
+        for _ in range(1 if touch else room + 1):
+            d.step()
+        if touch == "fill":
+            ws.fill_empty()
+        elif touch == "advance":  # the build's in-place state kept, its revision not
+            assert ws.repeat_in_place(dec._steady.n)
+        restore()
+        replays, builds = dec.steady_replays, ws.fills_built
+        d.step()
+        assert dec.path is Path.CASCADE and dec.steady_replays == replays, touch
+        if not touch:
+            assert ws.fills_built == builds + 1
+        d.check(4)
+
+
+def test_integrity_check_names_a_paged_excursions_wrong_headroom():
+    d = GraphDriver(_runner())
+    for _ in range(3):
+        d.step()
+    restore = _force_paged(d.be.decode)
+    d.step()
+    restore()
+    s = d.be.decode._steady
+    s.check_integrity(d.fb.seq_lens_cpu.numpy())
+    s.resume.headroom += 1000
+    with pytest.raises(AssertionError, match="paged excursion: headroom"):
+        s.check_integrity(d.fb.seq_lens_cpu.numpy())
 
 
 def test_paged_decisions_replay_too():

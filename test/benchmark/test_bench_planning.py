@@ -40,3 +40,13 @@ def test_serving_rows_on_cuda_upload_through_events():
     assert snap["steps_per_path"].get("cascade") == 200 and snap["work_list_reuses"] >= 190
     assert snap["upload_us_total"] > 0 and snap["plan_sections_us_total"]["upload"] > 0
     torch.cuda.synchronize()
+
+
+def test_clock_windows_are_planned_from_the_replay():
+    """``--clock-windows``: paged for a window of every cycle; the windows' steps and the return
+    to cascade after them are steady replays (a paged excursion and its resume), so only the
+    builds take the full plan, the step after each build included."""
+    steps = 2 * 268 + 20  # two cycles and the third's paged window
+    snap, _, _ = bench.serving_run(64, "homog", steps, np.random.default_rng(0), windows=True)
+    assert snap["steps_per_path"] == {"cascade": steps - 18, "paged": 18}
+    assert snap["planned_steps"] - snap["steady_replays"] == snap["work_list_builds"] >= 1

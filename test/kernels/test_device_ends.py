@@ -229,3 +229,35 @@ def test_a_refused_advance_leaves_the_bound_ends():
     far = b.seq_lens + int(SMALL_CONFIG.reuse_chunk_factor * ws.work_list.suffix_chunk) + 1
     assert not ws.advance(far, b.req_pool_indices, bs=b.bs, seq_lens_dev=torch.as_tensor(far))
     assert torch.equal(ws.ends.buffer, before) and ws.ends.bound is ws.ends.buffer
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_build_with_bound_ends_counts_as_in_place(path):
+    """``build_in_place``: a build uploaded with its ends bound to the device is an in-place
+    advance to its lengths (``in_place_headroom`` and ``repeat_in_place`` hold at once), and the
+    steps repeated from it end each last item at the new device ends: the reference's outputs.
+    Refused without bound ends, for other rows, after an advance, or for more positions than
+    the build's."""
+    b = make_batch(suffix=40, ungrouped_len=70, seed=23)
+    ws = _workspace(b)
+    seq = b.seq_lens - 2
+    ends = torch.as_tensor(seq.copy())
+    _fill(ws, b, seq)  # unbound ends: the kernels read the metadata's
+    assert not ws.build_in_place(b.bs, b.req_pool_indices) and ws.in_place_headroom(seq) is None
+    _fill(ws, b, seq, ends)  # the same grouping: an advance that uploads, not a build
+    assert ws.fills_built == 1 and not ws.build_in_place(b.bs, b.req_pool_indices)
+    ws = _workspace(b)
+    _fill(ws, b, seq, ends)
+    other = b.req_pool_indices[::-1].copy()
+    assert not ws.build_in_place(b.bs, other) and not ws.build_in_place(b.bs + 1, b.req_pool_indices)
+    assert ws.build_in_place(b.bs, b.req_pool_indices)
+    room = ws.in_place_headroom(seq)
+    assert room is not None and room >= 2
+    for step in (1, 0):  # two steady steps: the device ends move, nothing else
+        s = b.seq_lens - step
+        ends.copy_(torch.as_tensor(s))
+        assert ws.repeat_in_place(b.bs) and ws.in_place_headroom(s) == room - (2 - step)
+        ws.ends.copy_from(ends, b.bs)  # what a replay's first node does (the graph's in-graph copy)
+        assert_per_request(_run(path, ws, b), _ref(b, s))
+    ws.check_integrity()
+    assert not ws.build_in_place(b.bs, b.req_pool_indices)  # in place already

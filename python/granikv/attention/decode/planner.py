@@ -243,9 +243,11 @@ class DecodePlanner:
                 stage_seconds: float) -> Tuple[bool, Any, Any]:
         """The step planned from the armed one (``steady_step``): ``(True, view, None)`` when
         taken (the wrapped backend's batch, as ``plan_step`` returns it); ``(False, None,
-        decision)`` when the batch matches but the path choice changed (the full plan goes on
-        with that decision: the clock has sampled this step); ``(False, None, None)`` when it
-        does not match (nothing done)."""
+        decision)`` when the batch matches but the path choice changed in a way the replay does
+        not take (the full plan goes on with that decision: the clock has sampled this step);
+        ``(False, None, None)`` when it does not match (nothing done). A cascade replay's step
+        chosen paged is taken as a paged excursion, and a paged excursion's step chosen back to
+        its cascade path resumes that build where its headroom allows (``steady_step``)."""
         ctx, chooser = self.ctx, self.chooser
         total = seq_total(fb, self._pad_fill) if chooser.hint_ok else None
         if total is None or not s.matches(fb.batch_size, staged, getattr(ctx.hot_prefix_table, "version", None),
@@ -256,16 +258,30 @@ class DecodePlanner:
         decision = chooser.choose(plan.grouping, plan.desc, graph_safe_only=s.graph, seq_total=total)
         if chooser.dispatcher.forced is None:
             decision = self.clock.adjust(decision, s.clock_key)
-        if decision.path is not path or (s.ws is not None and not s.ws.repeat_in_place(s.n)):
+        steps, resumed = 1, False
+        if decision.path is not path:
+            if path is not Path.PAGED and decision.path is Path.PAGED:  # the build stays for a resume
+                s = s.paged_excursion(StepPlan(plan.grouping, plan.desc, decision), total)
+                path, steps = Path.PAGED, 0
+            else:
+                steps = s.resume_steps(decision.path, fb.seq_lens.data_ptr(), total)
+                r = s.resume
+                if not steps or r is None or r.ws is None or not r.ws.repeat_in_place(r.n):
+                    return False, None, decision
+                s, path, resumed = r, r.path, True
+        elif s.ws is not None and not s.ws.repeat_in_place(s.n):
             return False, None, decision
         t1 = time.perf_counter()
-        s.advance(total)
+        if steps:
+            s.advance(total, steps)
+        else:
+            s.replays += 1
         self.path = path
         self.steady_replays += 1
         slot_copy = 0.0
         self.slots_copied = False
         if s.copy_slots:  # the replay reads the slot copy: made current before it, or by its graph
-            if not s.appends:
+            if not s.appends or resumed:  # (the stock graph of the paged steps appended nothing)
                 copier = self.slot_copier
                 assert copier is not None
                 c1 = time.perf_counter()
@@ -320,6 +336,8 @@ class DecodePlanner:
             if not graph or self._ends_copy or ws is None or ws is not self.workspace:
                 return
             left = ws.in_place_headroom(seq_lens)
+            if left is None and ws.build_in_place(len(seq_lens), staged):  # a build: its ends are the device's
+                left = ws.in_place_headroom(seq_lens)
             if left is None or left < 1:
                 return
             room = left

@@ -11,9 +11,11 @@ runs, the grouping, the device ends, the workspace's reuse bound), about sixty P
 in serving, where the scheduler's own work between two plans leaves the host's caches cold,
 those calls cost 75-130 µs per step.
 
-After such a step, and after a step whose path the dispatcher chose paged for a grouping
-(rows that share HOT prefixes, where sharing does not pay), the planner arms a
-``SteadyReplay``. The next step takes it when:
+After such a step (a full build too, where its suffix ends are bound to the device:
+``CascadeWorkspace.build_in_place`` counts it as an in-place advance to its own lengths, so
+the step after a build is a replay as well), and after a step whose path the dispatcher chose
+paged for a grouping (rows that share HOT prefixes, where sharing does not pay), the planner
+arms a ``SteadyReplay``. The next step takes it when:
 
 - it is planned the same way (graph or eager) at the same padded size, for the same rows array (SGLang replaces
   ``req_pool_indices_cpu`` whenever the batch is filtered or merged, never writes it in place),
@@ -28,6 +30,16 @@ After such a step, and after a step whose path the dispatcher chose paged for a 
   (``CascadeWorkspace.advance``), so the full plan runs then (a paged step has no build: no
   such bound);
 - the dispatcher and the step clock still choose the armed path.
+
+A cascade replay whose path choice turns paged (the step clock measuring paged for a window,
+or holding it) takes that paged step from the replay too (``paged_excursion``): paged steps
+need nothing GraniKV builds, and the cascade build stays in its workspace untouched. The paged
+replay keeps the cascade one as ``resume``; when the choice returns to that path and the
+build's headroom covers the steps taken since (``resume_steps``), the step resumes it in
+place, with the slot copy made again before the replay (the stock graph of the paged steps did
+not append their slots), instead of planning in full::
+
+    cascade replay (headroom h) -> paged x k (the build untouched) -> cascade, resumed if h >= k + 1
 
 Anything else (a paged step, an extend, a capture, new graph state, ``--granikv-debug-integrity``,
 whose checks need the full plan) disarms it and the full plan runs.
@@ -68,10 +80,35 @@ class SteadyReplay:
     copy_slots: bool  # the replay reads the slot copy (suffix_slots.py), not req_to_token
     appends: bool = False  # ... which its graph keeps current (append_suffix_slots): no copy before it
     replays: int = 0  # steps planned from it
+    resume: Optional["SteadyReplay"] = None  # a paged excursion's cascade replay (paged_excursion)
+    ws_revision: Optional[Tuple[int, int, int, int]] = None  # that workspace's revision when it left
     counts: Tuple[int, int, int] = field(init=False)  # the grouping's StepStats counts (grouping_counts)
 
     def __post_init__(self) -> None:
         self.counts = grouping_counts(self.plan.grouping)
+
+    def paged_excursion(self, plan: StepPlan, seq_total: int) -> "SteadyReplay":
+        """The paged replay of a step (at ``seq_total``) whose choice left this cascade replay
+        for paged (``plan``: this one's grouping and description with the paged decision); it
+        keeps this one, unchanged, to resume."""
+        assert self.ws is not None and self.path is not Path.PAGED, "only a cascade replay makes a paged excursion"
+        return SteadyReplay(self.bs, self.rows, self.version, self.ends_ptr, seq_total, PAGED_HEADROOM, plan,
+                            Path.PAGED, self.graph, None, self.n, self.clock_key, False, resume=self,
+                            ws_revision=self.ws.revision)
+
+    def resume_steps(self, path: Path, ends_ptr: int, seq_total: int) -> int:
+        """Steps of one token per request since the cascade replay this paged one keeps
+        (``resume``) last ran, when the step (already ``matches``) may resume it on ``path``:
+        the same path, the same device seq_lens, its workspace untouched, headroom for every
+        one of those steps; 0 when it may not."""
+        r = self.resume
+        if r is None or path is not r.path or ends_ptr != r.ends_ptr:
+            return 0
+        assert r.ws is not None
+        steps, rest = divmod(seq_total - r.seq_total, r.n)
+        if rest or steps < 1 or r.headroom < steps or r.ws.revision != self.ws_revision:
+            return 0
+        return steps
 
     def matches(self, bs: int, rows: Optional[np.ndarray], version: Any, graph: bool, ends_ptr: int,
                 seq_total: int) -> bool:
@@ -82,10 +119,11 @@ class SteadyReplay:
             return False
         return self.headroom >= 1 and seq_total - self.seq_total == self.n
 
-    def advance(self, seq_total: int) -> None:
-        """The step that matched is planned from this one."""
+    def advance(self, seq_total: int, steps: int = 1) -> None:
+        """The step that matched is planned from this one (``steps``: the steps of one token per
+        request since this one last ran; more than one where a resumed build skipped paged ones)."""
         self.seq_total = seq_total
-        self.headroom -= 1
+        self.headroom -= steps
         self.replays += 1
 
     def check_integrity(self, seq_lens: np.ndarray) -> None:
@@ -97,6 +135,14 @@ class SteadyReplay:
         assert len(seq_lens) == self.n, f"steady replay armed for {self.n} requests, batch has {len(seq_lens)}"
         if self.ws is None:
             assert self.path is Path.PAGED and self.headroom > 0, "steady replay: a cascade step without a workspace"
+            r = self.resume
+            if r is not None:  # the kept cascade replay: its headroom less the steps taken since it ran
+                assert r.ws is not None
+                steps, rest = divmod(total - r.seq_total, r.n)
+                assert not rest and steps >= 1, f"paged excursion: {total - r.seq_total} tokens since the cascade step"
+                room = r.ws.in_place_headroom(seq_lens)
+                assert room is not None, "paged excursion: the kept build is no longer in place"
+                assert r.headroom - steps <= room, f"paged excursion: headroom {r.headroom} - {steps} > {room}"
             return
         room = self.ws.in_place_headroom(seq_lens)
         assert room is not None, "steady replay armed but the workspace's last advance was not in place"

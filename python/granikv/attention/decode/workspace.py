@@ -368,6 +368,28 @@ class CascadeWorkspace(StagingRing):
             return None
         return base.limit - 1 - int(d.max())  # negative: past the bound (an advance would rebuild)
 
+    def build_in_place(self, n: int, req_pool_indices: Rows) -> bool:
+        """Counts the build just uploaded as an in-place advance to its first ``n`` positions
+        (``in_place_headroom``, ``repeat_in_place``), so that the step after a build may be a
+        steady replay: True when the kernels end each last item at the device ends (bound) and
+        the build's rows are these. The build's host ends are the step's ``seq_lens``, which its
+        device ends equal, so the build and its in-place advance to those lengths plan the same
+        kernels' work; ``work_list`` then reads the ends from the device, as after an advance."""
+        base = self._reuse_base
+        if (base is None or self.ends.bound is None or self._work_list is not base.wl or self._hi_buf is not None
+                or self._dev_ends is not None or not 0 < n <= base.wl.bs
+                or not self._rows_on_device(req_pool_indices, n)):
+            return False
+        self._dev_ends = n
+        return True
+
+    @property
+    def revision(self) -> Tuple[int, int, int, int]:
+        """Changes with every fill, advance, repeat and upload of this workspace: a steady
+        replay that resumes a build after paged steps (``steady_step``) checks that nothing
+        touched the workspace since it was armed."""
+        return (self.fills_built, self.fills_reused, self.fills_skipped, self._uploads)
+
     def repeat_in_place(self, n: int) -> bool:
         """A steady replay (``steady_step``): the in-place advance of the last step holds for
         this one too (the kernels read the new ends on the device), counted as one; False when
