@@ -343,6 +343,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         for name in args.parts:
             for cmd in cmds.get(name, [["(in-process) smoke", args.smoke_backend]]):
+                if name == "tests" and args.tests_workers > 1:  # run_tests_in_workers
+                    cmd = [*cmd, f"(its tests split over {args.tests_workers} pytest processes)"]
                 print(f"{name}: {' '.join(shlex.quote(c) for c in cmd)}")
         return 0
     from benchmark.smoke import run_smoke  # deferred: a dry run or a merge needs none of it

@@ -332,9 +332,11 @@ def windows_table(steps: int, *, device: str = "cpu") -> None:
     """Planning with the step clock's windows (``clock_windows``), caches cold before every
     step: the share of steps planned in full (builds, path changes the replay does not take)
     sets the p99 once it passes 1%."""
+    from granikv.attention.decode.step_clock import StepClock
+
     evict = Thrash()
-    print(f"# the step clock's windows imposed (paged for {_clock_cls().WINDOW} of every "
-          f"{2 * _clock_cls().WINDOW + _clock_cls().HOLD} steps), device {device}, caches COLD at every step, "
+    print(f"# the step clock's windows imposed (paged for {StepClock.WINDOW} of every "
+          f"{2 * StepClock.WINDOW + StepClock.HOLD} steps), device {device}, caches COLD at every step, "
           f"{steps} steps per row; us")
     print(f"{'batch':>9} {'bs':>4} {'p50':>7} {'p99':>7} {'hook p99':>9} {'paged':>6} {'replays':>8} "
           f"{'builds':>7} {'full plans':>11}")
@@ -345,12 +347,6 @@ def windows_table(steps: int, *, device: str = "cpu") -> None:
         print(f"{batch:>9} {bs:>4} {snap['plan_us_p50']:>7.1f} {snap['plan_us_p99']:>7.1f} "
               f"{np.percentile(wall, 99):>9.1f} {snap['steps_per_path'].get('paged', 0):>6} "
               f"{snap['steady_replays']:>8} {snap['work_list_builds']:>7} {full:>5} ({full / steps:.1%})", flush=True)
-
-
-def _clock_cls():
-    from granikv.attention.decode.step_clock import StepClock
-
-    return StepClock
 
 
 def steady_ab(steps: int, repeats: int, *, device: str = "cpu") -> None:

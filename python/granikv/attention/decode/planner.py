@@ -265,17 +265,17 @@ class DecodePlanner:
                 path, steps = Path.PAGED, 0
             else:
                 steps = s.resume_steps(decision.path, fb.seq_lens.data_ptr(), total)
+                if not steps:
+                    return False, None, decision
                 r = s.resume
-                if not steps or r is None or r.ws is None or not r.ws.repeat_in_place(r.n):
+                assert r is not None and r.ws is not None  # resume_steps found the kept replay
+                if not r.ws.repeat_in_place(r.n):
                     return False, None, decision
                 s, path, resumed = r, r.path, True
         elif s.ws is not None and not s.ws.repeat_in_place(s.n):
             return False, None, decision
         t1 = time.perf_counter()
-        if steps:
-            s.advance(total, steps)
-        else:
-            s.replays += 1
+        s.advance(total, steps)
         self.path = path
         self.steady_replays += 1
         slot_copy = 0.0

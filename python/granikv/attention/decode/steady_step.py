@@ -105,10 +105,16 @@ class SteadyReplay:
         if r is None or path is not r.path or ends_ptr != r.ends_ptr:
             return 0
         assert r.ws is not None
-        steps, rest = divmod(seq_total - r.seq_total, r.n)
-        if rest or steps < 1 or r.headroom < steps or r.ws.revision != self.ws_revision:
+        steps = r.steps_since(seq_total)
+        if steps is None or r.headroom < steps or r.ws.revision != self.ws_revision:
             return 0
         return steps
+
+    def steps_since(self, seq_total: int) -> Optional[int]:
+        """Steps of one token per request from this replay's last step to a batch at
+        ``seq_total`` (None unless a whole number of them, at least one)."""
+        steps, rest = divmod(seq_total - self.seq_total, self.n)
+        return steps if not rest and steps >= 1 else None
 
     def matches(self, bs: int, rows: Optional[np.ndarray], version: Any, graph: bool, ends_ptr: int,
                 seq_total: int) -> bool:
@@ -121,7 +127,8 @@ class SteadyReplay:
 
     def advance(self, seq_total: int, steps: int = 1) -> None:
         """The step that matched is planned from this one (``steps``: the steps of one token per
-        request since this one last ran; more than one where a resumed build skipped paged ones)."""
+        request since this one last ran; more than one where a resumed build skipped paged ones,
+        none for the first step of a paged excursion, made at this step's total)."""
         self.seq_total = seq_total
         self.headroom -= steps
         self.replays += 1
@@ -138,8 +145,8 @@ class SteadyReplay:
             r = self.resume
             if r is not None:  # the kept cascade replay: its headroom less the steps taken since it ran
                 assert r.ws is not None
-                steps, rest = divmod(total - r.seq_total, r.n)
-                assert not rest and steps >= 1, f"paged excursion: {total - r.seq_total} tokens since the cascade step"
+                steps = r.steps_since(total)
+                assert steps is not None, f"paged excursion: {total - r.seq_total} tokens since the cascade step"
                 room = r.ws.in_place_headroom(seq_lens)
                 assert room is not None, "paged excursion: the kept build is no longer in place"
                 assert r.headroom - steps <= room, f"paged excursion: headroom {r.headroom} - {steps} > {room}"
