@@ -37,6 +37,7 @@ with the reuse of the previous step's plan.
 """
 
 import argparse
+import math
 import dataclasses
 import os
 import platform
@@ -46,7 +47,7 @@ import numpy as np
 
 from benchmark.harness.timing import HostClock, per_call_us, run_for
 from granikv.attention.cost.cost_model import CostModel
-from granikv.attention.dispatcher import Dispatcher
+from granikv.attention.dispatcher import Decision, Dispatcher, Path, PathTimes
 from granikv.attention.grouping import BatchDescription, GroupingMemo, group_requests
 
 BATCH_SIZES = (1, 2, 8, 17, 64, 128, 256)
@@ -314,7 +315,6 @@ def clock_windows(clock) -> None:
     """Imposes the step clock's measurement cycle on a batch's path choice: the model's path
     for ``WINDOW`` steps, paged for ``WINDOW``, the model's path held for ``HOLD`` (``StepClock``'s
     own constants), as where the clock measures paged against the model's choice."""
-    from granikv.attention.dispatcher import Decision, Path
 
     real, step = clock.adjust, [0]
     cycle = 2 * clock.WINDOW + clock.HOLD
@@ -473,6 +473,34 @@ def main():
     print(f"# worst plan (group + choose): {worst:.1f} us (target < 50 us)")
     if worst_step:
         print(f"# worst steady decode step (plan + workspace fill, reuse on): {worst_step:.1f} us")
+    clock_micro(args.iters, args.repeats)
+
+
+def clock_micro(iters: int, repeats: int) -> None:
+    """The step clock's per-step calls (``adjust`` and ``record``) on a steady step, warm: a
+    held verdict of the probe (the model chose paged, cascade measured faster: every step of the
+    host-bound forest on an H100), a held "paged is slower" verdict, and a choice the clock
+    measures nothing for (the cost model trusted)."""
+    from granikv.attention.decode.step_clock import StepClock, _SizeState
+
+    t = [0.0]
+    clock = StepClock(lambda: t[0], probe_paged=True)
+    paged = Decision(Path.PAGED, PathTimes(3000.0, 3050.0, math.inf, math.inf), "paged by the model", True)
+    cascade = Decision(Path.CASCADE, PathTimes(3100.0, 3000.0, math.inf, math.inf), "cascade by the model")
+    trusted = Decision(Path.CASCADE, PathTimes(9000.0, 3000.0, math.inf, math.inf), "cascade by the model")
+    for key, model_paged, paged_wins in (("probe", True, False), ("slower", False, True)):
+        st = clock._sizes[key] = _SizeState(measured=Path.CASCADE, model_paged=model_paged)
+        st.phase, st.hold_left, st.paged_wins, st.last_a, st.last_b = "hold", 1 << 60, paged_wins, 3.5e-3, 4.1e-3
+    clock._interval = 3.5e-3
+
+    def step(d, key):
+        return lambda: clock.record(clock.adjust(d, key).path, key)
+
+    print("# step clock per steady step (adjust + record), warm: us")
+    for name, fn in (("held probe verdict (model paged, cascade measured faster)", step(paged, "probe")),
+                     ("held verdict paged (model cascade, measured slower)", step(cascade, "slower")),
+                     ("model trusted (nothing measured)", step(trusted, "trusted"))):
+        print(f"{per_call_us(fn, iters * 10, repeats):8.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,24 @@ def test_a_paged_choice_is_probed_and_a_faster_cascade_held():
     assert clock.snapshot()["clock_verdicts_faster"] == 1
 
 
+def test_a_held_verdict_states_the_medians_of_its_own_windows():
+    """A held verdict's reason (made once per verdict, every held step reuses it) names the
+    medians the verdict measured: after the hold runs out and the windows measure other
+    periods, the next verdict's reason names the new ones, not the text of the first."""
+    ft = FakeTime({Path.CASCADE: 2.4e-3, Path.PAGED: 2.9e-3})
+    clock = StepClock(clock=ft, probe_paged=True)
+    drive(clock, ft, 60, choice=paged_choice())
+    first = clock.adjust(paged_choice(), 64).reason
+    assert first == f"{MEASURED_FASTER}: cascade 2400us < paged 2900us per step, measured"
+    assert clock.adjust(paged_choice(), 64).reason is first  # made once, reused while held
+    ft.period = {Path.CASCADE: 2.0e-3, Path.PAGED: 3.1e-3}
+    next(iter(clock._sizes.values())).hold_left = 1  # the hold runs out at the next step
+    drive(clock, ft, 60, choice=paged_choice())
+    assert clock.verdicts_faster == 2
+    second = clock.adjust(paged_choice(), 64).reason
+    assert second == f"{MEASURED_FASTER}: cascade 2000us < paged 3100us per step, measured"
+
+
 def test_a_paged_choice_measured_right_costs_one_window():
     """Paged really is faster: one window of cascade steps, one of paged, the model kept."""
     ft = FakeTime({Path.CASCADE: 3.2e-3, Path.PAGED: 2.9e-3})

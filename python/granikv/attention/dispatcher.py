@@ -76,7 +76,7 @@ class PathTimes(NamedTuple):
     bgemm: float
 
     def of(self, path: Path) -> float:
-        return getattr(self, path.value)
+        return self[_ORDER.index(path)]  # by identity in a 4-tuple: no Enum ``value`` lookup (per step)
 
 
 class Decision(NamedTuple):

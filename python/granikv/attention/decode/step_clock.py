@@ -47,7 +47,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Hashable, List, Optional
+from typing import Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
 from granikv.attention.dispatcher import Decision, Path, PathTimes
 
@@ -55,13 +55,18 @@ MEASURED_SLOWER = "measured_slower"
 MEASURED_FASTER = "measured_faster"
 
 
+#: (field index, path) of every non-paged path, in ``PathTimes`` order (a held probe verdict
+#: asks for the runner-up every step: tuple indexing, no ``Enum`` attribute lookups)
+_NON_PAGED = tuple((i, Path(f)) for i, f in enumerate(PathTimes._fields) if f != Path.PAGED.value)
+
+
 def _runner_up(times: PathTimes) -> Optional[Path]:
     """The cheapest non-paged path with a finite estimate (the first in ``PathTimes`` order on
     ties), or None."""
     best: Optional[Path] = None
     t = math.inf
-    for path in (Path.CASCADE, Path.FUSED, Path.BGEMM):
-        x = times.of(path)
+    for i, path in _NON_PAGED:
+        x = times[i]
         if x < t:
             best, t = path, x
     return best
@@ -82,6 +87,7 @@ class _SizeState:
     last_a: float = 0.0  # medians of the last verdict (seconds per step)
     last_b: float = 0.0
     confirming: bool = False  # the windows now measured confirm a first "paged is faster"
+    held_reason: Optional[Tuple[Path, str]] = None  # (the model's path, the held verdict's reason), per verdict
 
 
 class StepClock:
@@ -204,7 +210,7 @@ class StepClock:
         st.confirming = False
         st.paged_wins = paged_wins
         st.phase, st.hold_left, st.verdicts = "hold", self.HOLD, st.verdicts + 1
-        st.last_a, st.last_b = a, b
+        st.last_a, st.last_b, st.held_reason = a, b, None
         self.recent.append((bs, round(1e6 * a, 1), round(1e6 * b, 1), _spread(st.samples["A"]),
                             _spread(st.samples["B"]), st.paged_wins))
         if not against:
@@ -222,10 +228,15 @@ class StepClock:
         tag = MEASURED_SLOWER if paged else MEASURED_FASTER
         if st.phase == ("B" if paged else "A"):
             why = f"{tag}: measuring {want.value} ({decision.reason})"
-        else:
-            won, lost = (st.last_b, st.last_a) if paged else (st.last_a, st.last_b)
-            why = (f"{tag}: {want.value} {1e6 * won:.0f}us < {decision.path.value} {1e6 * lost:.0f}us "
-                   "per step, measured")
+        else:  # a held verdict: its reason is made once (every held step of a probe verdict comes here)
+            held = st.held_reason
+            if held is not None and held[0] is decision.path:
+                why = held[1]
+            else:
+                won, lost = (st.last_b, st.last_a) if paged else (st.last_a, st.last_b)
+                why = (f"{tag}: {want.value} {1e6 * won:.0f}us < {decision.path.value} {1e6 * lost:.0f}us "
+                       "per step, measured")
+                st.held_reason = (decision.path, why)
         return Decision(want, decision.times, why)
 
     def check_integrity(self) -> None:
