@@ -1,7 +1,7 @@
 """The GPU suite: everything GraniKV proves on a GPU, from one entry point.
 
     python3 -m benchmark.gpu_suite --parts all --out /tmp/granikv-suite
-    python3 -m benchmark.gpu_suite --parts tests,smoke,correctness --out OUT   # first half of all (~9 min, H200)
+    python3 -m benchmark.gpu_suite --parts tests,smoke,correctness --out OUT   # first half of all (~6 min, H100)
     python3 -m benchmark.gpu_suite --parts grid --out OUT2                     # second half (GRID_BUDGET_S)
     python3 -m benchmark.gpu_suite --parts grid --grid-backends flashinfer --out OUT
     python3 -m benchmark.gpu_suite --merge OUT1/gpu_suite.json OUT2/gpu_suite.json --out docs/results
@@ -13,8 +13,9 @@ On a host without network, run it inside the environment installed from the air-
 
 Parts (run in this order; ``all`` = every one):
 
-- ``tests``: ``pytest -m gpu test/`` (the GPU tests; a junit XML in ``--out``; with
-  ``--tests-workers N``, split over N pytest processes at once, harness/pytest_workers.py);
+- ``tests``: ``pytest -m gpu test/`` (the GPU tests; a junit XML in ``--out``; split over
+  ``--tests-workers N`` pytest processes at once, harness/pytest_workers.py: by default 4 on a
+  GPU of 64 GiB or more, one pytest elsewhere);
 - ``smoke``: the quickstart as written: ``python -m sglang.launch_server`` with
   ``--enable-granikv --enable-metrics`` on the shipped Llama-3.1-8B config (dummy weights, a
   word-level tokenizer so text prompts work), ``/generate`` calls whose texts share a long
@@ -61,6 +62,10 @@ GRID_MODELS = "llama-3.1-8b"  # the default grid (every model's rows do not fit 
 # 32-48 requests per row (the check's own default, 4, takes twice as long), three engines at a time
 # on the one GPU (136 s on an H100 against about 385 s one after another, docs/results/gpu_suite.md)
 CORRECTNESS_ARGS = "--scale 2 --parallel 3"
+# the tests part's pytest processes on a large GPU: 164 GPU tests took 177 s over four on an H100 80GB
+# (370 s in one process; docs/results/gpu_suite.md), so tests, smoke and correctness take about 345 s
+TESTS_WORKERS = 4
+TESTS_WORKERS_MIN_GIB = 64.0
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -98,10 +103,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--correctness-args", default=CORRECTNESS_ARGS,
                    help=f"Arguments of benchmark.correctness.check (one shell string; default {CORRECTNESS_ARGS!r}).")
     p.add_argument("--tests-args", default="", help="Extra pytest arguments (one shell string).")
-    p.add_argument("--tests-workers", type=int, default=1,
+    p.add_argument("--tests-workers", type=int, default=None,
                    help="Run the GPU tests in this many pytest processes at once on the one GPU "
                         "(benchmark/harness/pytest_workers.py: Triton's compiles, most of their time, "
-                        "on as many cores); 1: one pytest, as before.")
+                        f"on as many cores); 1: one pytest. Default: {TESTS_WORKERS} on a GPU of at least "
+                        f"{TESTS_WORKERS_MIN_GIB} GiB, else 1.")
     p.add_argument("--smoke-backend", default="flashinfer")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="Combine gpu_suite.json files into --out and exit.")
     p.add_argument("--dry-run", action="store_true", help="Print each part's command and exit.")
@@ -111,9 +117,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [x for x in args.parts if x not in PARTS]
     if bad:
         p.error(f"--parts: unknown {bad}; known: {', '.join(PARTS)}, all")
+    if args.tests_workers is None:
+        args.tests_workers = default_tests_workers(gpu_memory_gib())
     if args.tests_workers < 1:
         p.error(f"--tests-workers {args.tests_workers}: at least 1")
     return args
+
+
+def default_tests_workers(memory_gib: Optional[float]) -> int:
+    """``TESTS_WORKERS`` pytest processes on a GPU of ``TESTS_WORKERS_MIN_GIB`` or more (four
+    processes' tests fit beside each other there), one elsewhere or when the memory is unknown."""
+    return TESTS_WORKERS if memory_gib is not None and memory_gib >= TESTS_WORKERS_MIN_GIB else 1
+
+
+def gpu_memory_gib() -> Optional[float]:
+    """The first GPU's total memory (nvidia-smi), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return float(out[0]) / 1024 if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def git_commit(root: Path = ROOT) -> str:

@@ -122,6 +122,17 @@ def test_the_suite_runs_its_tests_part_in_workers(tmp_path, monkeypatch):
         gpu_suite.parse_args(["--tests-workers", "0"])
 
 
+def test_the_suite_splits_its_tests_by_default_only_on_a_large_gpu(monkeypatch):
+    """Without --tests-workers: four pytest processes on an 80 GB GPU, one on a 24 GB GPU or
+    where no GPU answers; an explicit value always wins."""
+    from benchmark import gpu_suite
+
+    for gib, want in ((79.6, 4), (139.8, 4), (23.6, 1), (None, 1)):
+        monkeypatch.setattr(gpu_suite, "gpu_memory_gib", lambda gib=gib: gib)
+        assert gpu_suite.parse_args(["--parts", "tests"]).tests_workers == want
+        assert gpu_suite.parse_args(["--parts", "tests", "--tests-workers", "2"]).tests_workers == 2
+
+
 def test_collect_uses_pytest_itself(tmp_path):
     root = _folder(tmp_path)
     direct = subprocess.run(pw.pytest_cmd(["-m", "gpu", "-q", "--collect-only", "test/"]), cwd=root,
