@@ -37,11 +37,11 @@ with the reuse of the previous step's plan.
 """
 
 import argparse
-import math
 import dataclasses
+import math
 import os
 import platform
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -158,13 +158,13 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu", eager_ends: boo
     the batch's device tensors live (``cuda``: pinned staging buffers, real non-blocking
     uploads and events). ``eager_ends``: the cascade graph does not copy its suffix ends itself
     (as before the in-graph copy): each step copies them before the replay."""
-    import torch
     from types import SimpleNamespace
 
+    import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from granikv.config import GraniKVConfig
     from granikv.attention.backend import GraniKVAttnBackend
+    from granikv.config import GraniKVConfig
     from granikv.mem_cache.hot_prefix_table import HotPrefixTable
 
     mc = SimpleNamespace(num_attention_heads=HQ, head_dim=HD, num_hidden_layers=LAYERS, context_len=32768,
@@ -493,7 +493,7 @@ def clock_micro(iters: int, repeats: int) -> None:
         st.phase, st.hold_left, st.paged_wins, st.last_a, st.last_b = "hold", 1 << 60, paged_wins, 3.5e-3, 4.1e-3
     clock._interval = 3.5e-3
 
-    def step(d, key):
+    def step(d: Decision, key: str) -> Callable[[], None]:
         return lambda: clock.record(clock.adjust(d, key).path, key)
 
     print("# step clock per steady step (adjust + record), warm: us")
