@@ -117,8 +117,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [x for x in args.parts if x not in PARTS]
     if bad:
         p.error(f"--parts: unknown {bad}; known: {', '.join(PARTS)}, all")
-    if args.tests_workers is None:
-        args.tests_workers = default_tests_workers(gpu_memory_gib())
+    if args.tests_workers is None:  # the GPU is asked only where the tests part will run
+        runs_tests = "tests" in args.parts and not args.merge
+        args.tests_workers = default_tests_workers(gpu_memory_gib()) if runs_tests else 1
     if args.tests_workers < 1:
         p.error(f"--tests-workers {args.tests_workers}: at least 1")
     return args
@@ -131,12 +132,11 @@ def default_tests_workers(memory_gib: Optional[float]) -> int:
 
 
 def gpu_memory_gib() -> Optional[float]:
-    """The first GPU's total memory (nvidia-smi), or None without one."""
+    """The first GPU's total memory, or None without one."""
+    mib = _query_gpu("memory.total", "--format=csv,noheader,nounits")
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-        return float(out[0]) / 1024 if out else None
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return float(mib) / 1024 if mib else None
+    except ValueError:
         return None
 
 
@@ -166,10 +166,15 @@ def sglang_version() -> Optional[str]:
 
 
 def gpu_name() -> Optional[str]:
+    return _query_gpu("name", "--format=csv,noheader")
+
+
+def _query_gpu(field: str, fmt: str) -> Optional[str]:
+    """``nvidia-smi --query-gpu=field`` of the first GPU, or None without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip().splitlines()
-        return out[0] if out else None
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", fmt], capture_output=True, text=True,
+                             timeout=30).stdout.strip().splitlines()
+        return out[0].strip() if out else None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -131,6 +131,8 @@ def test_the_suite_splits_its_tests_by_default_only_on_a_large_gpu(monkeypatch):
         monkeypatch.setattr(gpu_suite, "gpu_memory_gib", lambda gib=gib: gib)
         assert gpu_suite.parse_args(["--parts", "tests"]).tests_workers == want
         assert gpu_suite.parse_args(["--parts", "tests", "--tests-workers", "2"]).tests_workers == 2
+    monkeypatch.setattr(gpu_suite, "gpu_memory_gib", lambda: pytest.fail("the GPU asked without the tests part"))
+    assert gpu_suite.parse_args(["--parts", "smoke,grid"]).tests_workers == 1
 
 
 def test_collect_uses_pytest_itself(tmp_path):

@@ -76,7 +76,7 @@ class PathTimes(NamedTuple):
     bgemm: float
 
     def of(self, path: Path) -> float:
-        return self[_ORDER.index(path)]  # by identity in a 4-tuple: no Enum ``value`` lookup (per step)
+        return self[PATH_ORDER.index(path)]  # by identity in a 4-tuple: no Enum ``value`` lookup (per step)
 
 
 class Decision(NamedTuple):
@@ -87,7 +87,8 @@ class Decision(NamedTuple):
 
 
 _INF = math.inf
-_ORDER = (Path.PAGED, Path.CASCADE, Path.FUSED, Path.BGEMM)  # field order of PathTimes
+PATH_ORDER = (Path.PAGED, Path.CASCADE, Path.FUSED, Path.BGEMM)  # field order of PathTimes
+assert PathTimes._fields == tuple(p.value for p in PATH_ORDER)
 HOST_OVERHEAD = "host_overhead"  # the reason's tag of a paged step the per-step overheads decided
 
 
@@ -165,7 +166,7 @@ class Dispatcher:
         self.forced = None if forced_path == "auto" else Path(forced_path)
         self.num_layers = num_layers
         self.host_plan = HostPlanTime(cost_model.served.host_plan_us)
-        self.floors = tuple(cost_model.launch_floors_us(p.value, num_layers=num_layers) for p in _ORDER)
+        self.floors = tuple(cost_model.launch_floors_us(p.value, num_layers=num_layers) for p in PATH_ORDER)
 
     def workload(self, grouping: Grouping, desc: BatchDescription) -> Workload:
         """Bytes and FLOPs of one layer of this batch (O(G) plus one sum over seq_lens)."""
@@ -229,16 +230,16 @@ def cheapest(times: PathTimes, host_plan_us: float, floors: Sequence[float]) -> 
     ``host_bound`` when some path's time less its per-step overheads (``host_plan_us`` and its
     launch floors ``floors[k]``, all layers) is below paged's: then the reason says
     ``host_overhead`` and how much those overheads exceed the saving."""
-    k = min(range(4), key=times.__getitem__)  # PathTimes order = _ORDER: PAGED wins ties
+    k = min(range(4), key=times.__getitem__)  # PathTimes order = PATH_ORDER: PAGED wins ties
     if k:
-        return Decision(_ORDER[k], times, f"{_ORDER[k].value} {times[k]:.1f}us < paged {times[0]:.1f}us "
+        return Decision(PATH_ORDER[k], times, f"{PATH_ORDER[k].value} {times[k]:.1f}us < paged {times[0]:.1f}us "
                                           f"({times[0] / times[k]:.2f}x)")
     j = min(range(1, 4), key=times.__getitem__)
-    reason = f"paged {times[0]:.1f}us <= {_ORDER[j].value} {times[j]:.1f}us"
+    reason = f"paged {times[0]:.1f}us <= {PATH_ORDER[j].value} {times[j]:.1f}us"
     b = min(range(1, 4), key=lambda i: times[i] - floors[i])
     saving = times[0] - (times[b] - host_plan_us - floors[b])  # the kernels' saving, all layers
     if saving > 0.0:
-        return Decision(Path.PAGED, times, f"{reason}: {HOST_OVERHEAD} ({_ORDER[b].value} saves "
+        return Decision(Path.PAGED, times, f"{reason}: {HOST_OVERHEAD} ({PATH_ORDER[b].value} saves "
                                            f"{saving:.1f}us < host planning {host_plan_us:.1f}us "
                                            f"+ launch floors {floors[b]:.1f}us)", True)
     return Decision(Path.PAGED, times, reason)
@@ -302,7 +303,7 @@ class SteadyChooser:
             bound = min(times[1] - f1, times[2] - f2, times[3] - f3) - h < times[0]
             if prev.path is Path.PAGED and prev.host_bound is bound:
                 return Decision(Path.PAGED, times, prev.reason, bound)
-        elif _ORDER[k] is prev.path:
+        elif PATH_ORDER[k] is prev.path:
             return Decision(prev.path, times, prev.reason)
         self._decision = cheapest(times, h, self.dispatcher.floors)
         return self._decision

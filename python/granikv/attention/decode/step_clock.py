@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
-from granikv.attention.dispatcher import Decision, Path, PathTimes
+from granikv.attention.dispatcher import PATH_ORDER, Decision, Path, PathTimes
 
 MEASURED_SLOWER = "measured_slower"
 MEASURED_FASTER = "measured_faster"
@@ -57,7 +57,7 @@ MEASURED_FASTER = "measured_faster"
 
 #: (field index, path) of every non-paged path, in ``PathTimes`` order (a held probe verdict
 #: asks for the runner-up every step: tuple indexing, no ``Enum`` attribute lookups)
-_NON_PAGED = tuple((i, Path(f)) for i, f in enumerate(PathTimes._fields) if f != Path.PAGED.value)
+_NON_PAGED = tuple(enumerate(PATH_ORDER))[1:]
 
 
 def _runner_up(times: PathTimes) -> Optional[Path]:
