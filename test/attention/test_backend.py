@@ -209,6 +209,36 @@ def test_unstaged_step_falls_back_to_paged():
     assert torch.equal(be.inner.seq_lens, fb.seq_lens) and be.stats.unplanned == 1
 
 
+def test_steps_while_no_request_holds_a_hot_run_plan_nothing():
+    """While no request holds a HOT run (``HotPrefixTable.rows_held`` is 0) a decode step goes to
+    the wrapped backend over the real batch with nothing planned and nothing staged (the
+    scheduler hook stages no rows then): counted in ``no_hot_steps``, timed in the plan record,
+    the step clock interrupted. Before and after, steps with HOT runs plan and group as ever, and
+    every step matches paged attention (planted: a table that does not count its held rows
+    would send the grouped steps to the stock path)."""
+    runner = _runner()
+    be = _backend(runner, "cascade")
+    table = runner.token_to_kv_pool_allocator.hot_prefix_table
+    for step, hot in enumerate(({0, 2, 3}, set(), {0, 1, 4})):
+        if not hot:
+            table.reset()  # every HOT holder finished
+        fb, rows = _batch(runner, hot=hot)
+        assert table.rows_held == len(hot)
+        q, k, v = _qkv(fb.batch_size, 20 + step)
+        if hot:
+            be.stage_batch(rows)
+        be.init_forward_metadata(fb)
+        if not hot:
+            assert torch.equal(be.inner.seq_lens, fb.seq_lens)  # the real batch, as stock plans it
+            assert be.decode.path is Path.PAGED and be.decode.clock._last_t is None
+        o = be.forward_decode(q, k, v, LAYER, fb)
+        torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
+    snap = be.stats_snapshot()
+    assert snap["steps_per_path"] == {"cascade": 2, "paged": 1} and snap["no_hot_steps"] == 1
+    assert snap["decode_paged_reasons"] == {"no HOT prefix in the batch": 1} and snap["unplanned_steps"] == 0
+    assert snap["planned_steps"] == 3 and len(be.stats.recent_plan) == 3
+
+
 def _replay_view(fb, padded):
     """What SGLang's graph runner hands the backend at replay: padded, a namespace."""
     extra = padded - fb.batch_size

@@ -31,6 +31,7 @@ def test_padding_row_is_protected():
     (lambda t: t.start_np.__setitem__(0, 3), "padding row 0"),
     (lambda t: t.length_np.__setitem__(2, -1), "negative length"),
     (lambda t: t.length_np.__setitem__(2, 0), "start but no length"),
+    (lambda t: setattr(t, "rows_held", 0), "rows_held 0, but 1 rows"),
 ])
 def test_integrity_detects_planted_faults(plant, match):
     t = HotPrefixTable(4)
@@ -39,3 +40,22 @@ def test_integrity_detects_planted_faults(plant, match):
     plant(t)
     with pytest.raises(IntegrityError, match=match):
         t.check_integrity()
+
+
+def test_rows_held_counts_the_rows_with_a_hot_run():
+    t = HotPrefixTable(9)
+    assert t.rows_held == 0
+    t.set(3, 100, 17)
+    t.set(3, 200, 5)  # a new run of a held row: still one
+    assert t.rows_held == 1
+    t.set_many([1, 5, 8], [7, 9, 11], [2, 0, 37])
+    assert t.rows_held == 3
+    t.set_many([4, 4, 1], [6, 8, 0], [3, 5, 0])  # row 4 given twice counts once; row 1 cleared
+    assert t.get(1) == (0, 0) and t.get(4)[1] in (3, 5) and t.rows_held == 3
+    t.check_integrity()
+    t.clear(8)
+    t.clear(8)
+    assert t.rows_held == 2
+    t.reset()
+    assert t.rows_held == 0
+    t.check_integrity()

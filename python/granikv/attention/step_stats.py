@@ -117,6 +117,7 @@ class StepStats:
     requests: int = 0
     groups: int = 0
     unplanned: int = 0  # decode steps with no staged batch (fell back to paged)
+    no_hot_steps: int = 0  # decode steps taken while no request held a HOT run (record_no_hot)
     host_overhead_steps: int = 0  # paged steps whose kernels alone would have lost to a GraniKV path
     #   (Decision.host_bound: the host planning term and launch floors decided, reason host_overhead)
     last_reason: str = ""
@@ -168,6 +169,18 @@ class StepStats:
         self.requests += batch_size
         self.last_reason = reason
         self.decode_paged_reasons[reason] += 1  # one of a few fixed strings (planner, graph_variants)
+
+    def record_no_hot(self, batch_size: int, reason: str, seconds: float) -> None:
+        """A decode step taken while no request held a HOT run (``DecodePlanner._no_hot_step``):
+        ``record_paged``, and its host time in the planning totals and percentiles (no
+        sections: nothing was planned)."""
+        self.record_paged(batch_size, reason)
+        self.no_hot_steps += 1
+        self.plan_seconds += seconds
+        if seconds > self.plan_max_seconds:
+            self.plan_max_seconds = seconds
+        self.recent_plan.add(seconds)
+        self.plan_hist.add(seconds)
 
     def record_plan_time(self, seconds: float, *, choose: float = 0.0, fill: float = 0.0,
                          stage: float = 0.0, cpu: float = 0.0, sections: Optional[Sequence[float]] = None) -> None:
@@ -228,6 +241,7 @@ class StepStats:
             "hot_hit_rate": self.grouped_requests / self.requests if self.requests else 0.0,
             "groups_per_step": self.groups / self.steps if self.steps else 0.0,
             "unplanned_steps": self.unplanned,
+            "no_hot_steps": self.no_hot_steps,  # paged with nothing planned: no request held a HOT run
             "host_overhead_steps": self.host_overhead_steps,  # paged for the host term (dispatcher.py)
             "last_reason": self.last_reason,
             "max_compare_diff": self.max_compare_diff,

@@ -7,6 +7,9 @@ Host-only numpy arrays ``start_np`` / ``length_np`` (int64), read by the per-ste
 (decode grouping, extend plan); no kernel reads the table, so it has no device copy (the plan
 uploads what the kernels need into their workspace). Row 0 is SGLang's padding row and stays
 (0, 0); a row without a HOT run is stored as (0, 0).
+
+``rows_held`` counts the rows with a HOT run, kept by every write: while it is 0 no request
+can be grouped, and a decode step's planning is skipped whole (``DecodePlanner.plan_step``).
 """
 
 from typing import Tuple
@@ -25,6 +28,7 @@ class HotPrefixTable:
         self.start_np = np.zeros(num_rows, dtype=np.int64)
         self.length_np = np.zeros(num_rows, dtype=np.int64)
         self.version = 0  # +1 on every change (readers cache what they derived from the table)
+        self.rows_held = 0  # rows with a HOT run (length > 0)
 
     def get(self, row: int) -> Tuple[int, int]:
         return int(self.start_np[row]), int(self.length_np[row])
@@ -49,16 +53,21 @@ class HotPrefixTable:
             return
         row_arr, start_arr, len_arr = row_arr[changed], start_arr[changed], len_arr[changed]
         self.version += 1
+        touched = np.unique(row_arr)  # a row given twice counts once (numpy keeps its last value)
+        before = np.count_nonzero(self.length_np[touched])
         self.start_np[row_arr] = start_arr
         self.length_np[row_arr] = len_arr
+        self.rows_held += int(np.count_nonzero(self.length_np[touched]) - before)
 
     def reset(self) -> None:
         self.version += 1
+        self.rows_held = 0
         self.start_np[:] = 0
         self.length_np[:] = 0
 
     def check_integrity(self) -> None:
-        """Row 0 is (0, 0), lengths >= 0, rows without a HOT run are (0, 0)."""
+        """Row 0 is (0, 0), lengths >= 0, rows without a HOT run are (0, 0), ``rows_held`` counts
+        the rows with one."""
         if self.start_np[0] or self.length_np[0]:
             raise IntegrityError("HotPrefixTable: padding row 0 is not (0, 0)")
         if (self.length_np < 0).any():
@@ -66,3 +75,6 @@ class HotPrefixTable:
         stray = np.nonzero((self.length_np == 0) & (self.start_np != 0))[0]
         if stray.size:
             raise IntegrityError(f"HotPrefixTable: rows {stray[:8]} have a start but no length")
+        held = int(np.count_nonzero(self.length_np))
+        if held != self.rows_held:
+            raise IntegrityError(f"HotPrefixTable: rows_held {self.rows_held}, but {held} rows have a HOT run")

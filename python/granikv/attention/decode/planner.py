@@ -48,6 +48,8 @@ from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
 
+NO_HOT_PREFIX = "no HOT prefix in the batch"  # the reason of a decode step none of whose requests holds a HOT run
+
 
 class DecodePlanner:
     def __init__(self, ctx: AttentionContext):
@@ -199,6 +201,8 @@ class DecodePlanner:
         replays a graph of ``fb.batch_size`` (paged, or cascade where that size has a cascade
         graph). The time of both parts is recorded, with ``stage_seconds`` (the host time the
         scheduler hook spent staging this step)."""
+        if not self.ctx.hot_prefix_table.rows_held:  # no request holds a HOT run: nothing to plan
+            return self._no_hot_step(fb, stage_seconds)
         c0, t0 = time.thread_time(), time.perf_counter()
         self.clock.tick()
         self._t_choose = self._clock_key = None
@@ -238,6 +242,24 @@ class DecodePlanner:
         if chosen is not None:
             self._arm(fb, staged, chosen, graph)
         return view
+
+    def _no_hot_step(self, fb: Any, stage_seconds: float) -> Any:
+        """A decode step while no request holds a HOT run (``HotPrefixTable.rows_held`` is 0: a
+        server whose prefixes never paid for a promotion, or whose HOT holders all finished):
+        no grouping can form, so the wrapped backend plans the real batch as in stock SGLang,
+        and the step costs a count and its time in the planning record. Its interval is not a
+        step-clock sample (the clock is interrupted), and any armed replay is dropped (the
+        table changed since it was armed)."""
+        t0 = time.perf_counter()
+        self.path = Path.PAGED
+        self._steady = self._paged_plan = None
+        self.slots_copied = False
+        self.graphs.planned_cascade = False
+        self.clock.interrupt()
+        self.view_memo.forget()  # the wrapped backend plans the real batch
+        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        self.ctx.stats.record_no_hot(bs, NO_HOT_PREFIX, time.perf_counter() - t0 + stage_seconds)
+        return fb
 
     def _replay(self, fb: Any, staged: Optional[np.ndarray], s: SteadyReplay, graph: bool, c0: float, t0: float,
                 stage_seconds: float) -> Tuple[bool, Any, Any]:
@@ -370,7 +392,7 @@ class DecodePlanner:
             grouping = None
             held = self._held = HeldRows(staged, version, hot_start, hot_len)
         if hot_start is None:  # no request starts with a HOT run: nothing to group
-            stats.record_paged(bs, "no HOT prefix in the batch")
+            stats.record_paged(bs, NO_HOT_PREFIX)
             return None
         seq_lens = self._seq_lens_view(fb.seq_lens_cpu, bs)
         if seq_lens is None:  # fewer host lengths than requests: not a batch to plan
