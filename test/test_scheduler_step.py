@@ -1,6 +1,5 @@
 """scheduler_step.on_run_batch over the real pools + cache (scheduler_sim), fake scheduler."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -71,27 +70,6 @@ def test_extend_batch_registers_then_promotes_in_the_same_step(caplog):
     snap = metrics_snapshot(sched)
     assert snap["promotions"] == 1 and snap["hot_used_tokens"] >= len(prefix)
     sim.check()
-
-
-def test_decode_batches_are_staged_only_while_some_request_holds_a_hot_run():
-    """The hook stages a decode batch's rows for the plan only while the HOT-prefix table holds
-    a run (with none, the planner has nothing to group and plans nothing); extend batches are
-    staged either way (their plan looks for HOT runs itself)."""
-    sim = Sim(SimConfig(min_tokens=16))
-    sched, backend = _scheduler(sim)
-    reqs = [sim.prefill_begin([1, 2, 3, 10 + i]) for i in range(2)]  # short: nothing to promote
-    on_run_batch(sched, SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs), CFG)
-    assert list(backend._staged) == [r.req_pool_idx for r in reqs]
-    backend._staged = None
-    for r in reqs:
-        sim.prefill_end(r)
-        sim.decode(r, 3)
-    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs)
-    on_run_batch(sched, decode, CFG)
-    assert sim.cache.hot_prefix_table.rows_held == 0 and backend._staged is None
-    sim.cache.hot_prefix_table.set(reqs[0].req_pool_idx, 5, 2)  # a HOT run (the table alone)
-    on_run_batch(sched, decode, dataclasses.replace(CFG, debug_integrity=False))
-    assert list(backend._staged) == [r.req_pool_idx for r in reqs]
 
 
 def test_non_granikv_cache_is_left_alone():

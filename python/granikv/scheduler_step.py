@@ -11,8 +11,7 @@ not been launched, which makes it the safe point to:
    ``req_to_token``; the schedule stream waits for it first (a device-side wait, no host sync),
    and the next forward waits for the schedule stream as SGLang already arranges;
 2. stage the batch's ``req_pool_idx`` list for the attention backend's per-step plan (decode:
-   grouping and path, only while some request holds a HOT run; extend: the prefix part over
-   HOT extents);
+   grouping and path; extend: the prefix part over HOT extents);
 3. optionally check integrity, compare the TP ranks' storage decisions (tp_consistency.py,
    decode steps only: every rank of the group runs them in the same order), and log metrics at
    the configured cadence.
@@ -57,8 +56,7 @@ def on_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", cfg: "GraniKVCo
         cache.apply_pending_promotions()
     if backends:  # every wrapped instance: the one that runs this batch plans it
         t0 = time.perf_counter()
-        table = getattr(cache, "hot_prefix_table", None)  # a decode step no HOT run can group plans nothing
-        rows = batch_rows(batch) if extend or (decode and (table is None or table.rows_held)) else None
+        rows = batch_rows(batch) if decode or extend else None
         seconds = time.perf_counter() - t0
         for b in backends:
             b.stage_batch(rows, seconds=seconds)

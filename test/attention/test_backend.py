@@ -211,32 +211,33 @@ def test_unstaged_step_falls_back_to_paged():
 
 def test_steps_while_no_request_holds_a_hot_run_plan_nothing():
     """While no request holds a HOT run (``HotPrefixTable.rows_held`` is 0) a decode step goes to
-    the wrapped backend over the real batch with nothing planned and nothing staged (the
-    scheduler hook stages no rows then): counted in ``no_hot_steps``, timed in the plan record,
-    the step clock interrupted. Before and after, steps with HOT runs plan and group as ever, and
+    the wrapped backend over the real batch with nothing planned (its staged rows are dropped):
+    counted in ``no_hot_steps``, timed in the plan record, the step clock interrupted. Before and after, steps with HOT runs plan and group as ever, and
     every step matches paged attention (planted: a table that does not count its held rows
-    would send the grouped steps to the stock path)."""
+    would send the grouped steps to the stock path; a planner that kept the first stretch's
+    resets would let the clock sample across the second)."""
     runner = _runner()
     be = _backend(runner, "cascade")
     table = runner.token_to_kv_pool_allocator.hot_prefix_table
-    for step, hot in enumerate(({0, 2, 3}, set(), {0, 1, 4})):
+    for step, hot in enumerate(({0, 2, 3}, set(), set(), {0, 1, 4}, set())):
         if not hot:
             table.reset()  # every HOT holder finished
         fb, rows = _batch(runner, hot=hot)
         assert table.rows_held == len(hot)
         q, k, v = _qkv(fb.batch_size, 20 + step)
-        if hot:
-            be.stage_batch(rows)
+        be.stage_batch(rows)
         be.init_forward_metadata(fb)
-        if not hot:
-            assert torch.equal(be.inner.seq_lens, fb.seq_lens)  # the real batch, as stock plans it
+        assert be._staged is None
+        if not hot:  # the real batch, as stock plans it; no interval spanning these steps is a sample
+            assert torch.equal(be.inner.seq_lens, fb.seq_lens)
             assert be.decode.path is Path.PAGED and be.decode.clock._last_t is None
         o = be.forward_decode(q, k, v, LAYER, fb)
         torch.testing.assert_close(o, _expected(runner, fb, q), atol=ATOL, rtol=RTOL)
     snap = be.stats_snapshot()
-    assert snap["steps_per_path"] == {"cascade": 2, "paged": 1} and snap["no_hot_steps"] == 1
-    assert snap["decode_paged_reasons"] == {"no HOT prefix in the batch": 1} and snap["unplanned_steps"] == 0
-    assert snap["planned_steps"] == 3 and len(be.stats.recent_plan) == 3
+    assert snap["steps_per_path"] == {"cascade": 2, "paged": 3} and snap["no_hot_steps"] == 3
+    assert snap["decode_paged_reasons"] == {"no HOT prefix in the batch": 3} and snap["unplanned_steps"] == 0
+    assert snap["decode_steps"] == snap["planned_steps"] == 5 and len(be.stats.recent_plan) == 5
+    assert snap["last_reason"] == "no HOT prefix in the batch" and 0 < snap["hot_hit_rate"] < 1
 
 
 def _replay_view(fb, padded):

@@ -194,4 +194,4 @@ def test_graph_metadata_of_both_graphs_of_a_size(fa3, runner):
         assert lens == ([1] * bs if shared else real), (shared, lens)
         for b, (row, n) in enumerate(zip(rows, [1] * bs if shared else real)):
             assert md.page_table[b, :n].tolist() == rt[int(row), :n].tolist(), (shared, b)
-    assert ours.stats.paths.get("cascade") == 2 and ours.stats.paths.get("paged") == 1
+    assert ours.stats_snapshot()["steps_per_path"] == {"cascade": 2, "paged": 1}

@@ -209,7 +209,7 @@ def test_graph_replay_over_a_hot_prefix_equals_stock(runner, name, view_plan):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, _stock(runner, name, fb, *fresh, layer), atol=ATOL, rtol=RTOL)
-    assert ours.stats.paths.get("cascade") == 2 and ours.stats.paths.get("paged") == 1
+    assert ours.stats_snapshot()["steps_per_path"] == {"cascade": 2, "paged": 1}
     if view_plan == "every_step":
         return
     # steady cascade steps of the same rows, back to back (no sync between them): the wrapped

@@ -28,6 +28,8 @@ PLAN_WINDOW = 4096  # decode steps the planning-time percentiles cover (the most
 #   view    the wrapped backend's ``seq_len = 1`` view of the batch
 PLAN_SECTIONS = ("stage", "lookup", "choose", "fill", "upload", "slot_copy", "view")
 
+NO_HOT_PREFIX = "no HOT prefix in the batch"  # the reason of a decode step none of whose requests holds a HOT run
+
 # Snapshot keys that are maxima over the backend's life (merged across backends by max, never
 # summed or differenced): the debug compare's per-layer output deviations (debug/compare.py).
 MAXIMA = ("layer_output_max_rel_dev", "layer_output_stock_max_rel_dev", "layer_output_tolerance")
@@ -117,7 +119,11 @@ class StepStats:
     requests: int = 0
     groups: int = 0
     unplanned: int = 0  # decode steps with no staged batch (fell back to paged)
-    no_hot_steps: int = 0  # decode steps taken while no request held a HOT run (record_no_hot)
+    # decode steps taken while no request held a HOT run (record_no_hot), their requests and host
+    # time: counted apart and folded into the snapshot's totals (such a step touches little)
+    no_hot_steps: int = 0
+    no_hot_requests: int = 0
+    no_hot_seconds: float = 0.0
     host_overhead_steps: int = 0  # paged steps whose kernels alone would have lost to a GraniKV path
     #   (Decision.host_bound: the host planning term and launch floors decided, reason host_overhead)
     last_reason: str = ""
@@ -170,15 +176,16 @@ class StepStats:
         self.last_reason = reason
         self.decode_paged_reasons[reason] += 1  # one of a few fixed strings (planner, graph_variants)
 
-    def record_no_hot(self, batch_size: int, reason: str, seconds: float) -> None:
+    def record_no_hot(self, batch_size: int, seconds: float) -> None:
         """A decode step taken while no request held a HOT run (``DecodePlanner._no_hot_step``):
-        ``record_paged``, and its host time in the planning totals and percentiles (no
-        sections: nothing was planned)."""
-        self.record_paged(batch_size, reason)
+        a paged step for ``NO_HOT_PREFIX``, and its host time in the planning percentiles. Its
+        counts go to the ``no_hot_*`` fields, which ``snapshot`` adds to the step, path, request,
+        reason and planning totals (a step of a server with nothing HOT touches a few fields,
+        not the counters every planned step updates)."""
         self.no_hot_steps += 1
-        self.plan_seconds += seconds
-        if seconds > self.plan_max_seconds:
-            self.plan_max_seconds = seconds
+        self.no_hot_requests += batch_size
+        self.no_hot_seconds += seconds
+        self.last_reason = NO_HOT_PREFIX
         self.recent_plan.add(seconds)
         self.plan_hist.add(seconds)
 
@@ -231,25 +238,32 @@ class StepStats:
 
     @property
     def planned(self) -> int:
-        """Decode steps planned (and timed): each either recorded a path or went unplanned."""
-        return self.steps + self.unplanned
+        """Decode steps planned (and timed): each recorded a path, went unplanned or found no
+        HOT run."""
+        return self.steps + self.unplanned + self.no_hot_steps
 
     def snapshot(self) -> Dict[str, Any]:
+        steps, requests, no_hot = self.steps + self.no_hot_steps, self.requests + self.no_hot_requests, self.no_hot_steps
+        paths, reasons = Counter(self.paths), Counter(self.decode_paged_reasons)
+        if no_hot:
+            paths["paged"] += no_hot
+            reasons[NO_HOT_PREFIX] += no_hot
+        plan_seconds = self.plan_seconds + self.no_hot_seconds
         return {
-            "decode_steps": self.steps,
-            "steps_per_path": dict(self.paths),
-            "hot_hit_rate": self.grouped_requests / self.requests if self.requests else 0.0,
-            "groups_per_step": self.groups / self.steps if self.steps else 0.0,
+            "decode_steps": steps,
+            "steps_per_path": dict(paths),
+            "hot_hit_rate": self.grouped_requests / requests if requests else 0.0,
+            "groups_per_step": self.groups / steps if steps else 0.0,
             "unplanned_steps": self.unplanned,
-            "no_hot_steps": self.no_hot_steps,  # paged with nothing planned: no request held a HOT run
+            "no_hot_steps": no_hot,  # paged with nothing planned: no request held a HOT run
             "host_overhead_steps": self.host_overhead_steps,  # paged for the host term (dispatcher.py)
             "last_reason": self.last_reason,
             "max_compare_diff": self.max_compare_diff,
-            "plan_us_mean": 1e6 * self.plan_seconds / self.planned if self.planned else 0.0,
-            "plan_us_max": 1e6 * self.plan_max_seconds,
+            "plan_us_mean": 1e6 * plan_seconds / self.planned if self.planned else 0.0,
+            "plan_us_max": 1e6 * self.plan_max_seconds,  # over the steps that planned
             **dict(zip(("plan_us_p50", "plan_us_p99"), self.recent_plan.percentiles_us(50, 99), strict=True)),
             "plan_window_steps": len(self.recent_plan),
-            "plan_us_total": 1e6 * self.plan_seconds,  # totals: deltas between snapshots give exact means
+            "plan_us_total": 1e6 * plan_seconds,  # totals: deltas between snapshots give exact means
             "planned_steps": self.planned,
             "plan_choose_us_total": 1e6 * self.choose_seconds,
             "plan_fill_us_total": 1e6 * self.fill_seconds,
@@ -262,7 +276,7 @@ class StepStats:
             "extend_exact_batches": self.extend_exact_batches,
             "extend_hot_tokens": self.extend_hot_tokens,
             "extend_fallbacks": dict(self.extend_fallbacks),
-            "decode_paged_reasons": dict(self.decode_paged_reasons),
+            "decode_paged_reasons": dict(reasons),
             "max_extend_compare_diff": self.max_extend_compare_diff,
             "layer_output_compares": self.layer_output_compares,
             "layer_output_over_tolerance": self.layer_output_over_tolerance,

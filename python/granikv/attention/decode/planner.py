@@ -41,14 +41,13 @@ from granikv.attention.decode.view_memo import ViewKey, ViewPlanMemo
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
+from granikv.attention.step_stats import NO_HOT_PREFIX
 from granikv.attention.kv_scales import kv_scales
 from granikv.config import cli_flag
 from granikv.kernels.kernel_config import KernelConfig, device_config
 from granikv.kernels.plan import CascadePlan
 
 logger = logging.getLogger("granikv")
-
-NO_HOT_PREFIX = "no HOT prefix in the batch"  # the reason of a decode step none of whose requests holds a HOT run
 
 
 class DecodePlanner:
@@ -87,6 +86,7 @@ class DecodePlanner:
         self._steady: Optional[SteadyReplay] = None  # armed by a steady cascade graph step (steady_step)
         self.steady_replays = 0  # steps planned from the armed step
         self._paged_plan: Optional[StepPlan] = None  # this step's grouping where the dispatcher chose paged
+        self._no_hot = False  # the last decode step found no HOT run (_no_hot_step)
 
     def use_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Later steps choose with ``dispatcher`` (e.g. one forced to paged); it becomes the
@@ -203,6 +203,7 @@ class DecodePlanner:
         scheduler hook spent staging this step)."""
         if not self.ctx.hot_prefix_table.rows_held:  # no request holds a HOT run: nothing to plan
             return self._no_hot_step(fb, stage_seconds)
+        self._no_hot = False
         c0, t0 = time.thread_time(), time.perf_counter()
         self.clock.tick()
         self._t_choose = self._clock_key = None
@@ -247,18 +248,22 @@ class DecodePlanner:
         """A decode step while no request holds a HOT run (``HotPrefixTable.rows_held`` is 0: a
         server whose prefixes never paid for a promotion, or whose HOT holders all finished):
         no grouping can form, so the wrapped backend plans the real batch as in stock SGLang,
-        and the step costs a count and its time in the planning record. Its interval is not a
-        step-clock sample (the clock is interrupted), and any armed replay is dropped (the
-        table changed since it was armed)."""
+        and the step costs a count and its time in the planning record. The first such step
+        after a planned one interrupts the step clock (the next interval spans unmeasured
+        steps), drops any armed replay (the table changed since it was armed) and forgets the
+        wrapped backend's view plan (it now plans the real batch); none of them is set again
+        before the next planned step, so the steps after it touch less."""
         t0 = time.perf_counter()
         self.path = Path.PAGED
-        self._steady = self._paged_plan = None
         self.slots_copied = False
         self.graphs.planned_cascade = False
-        self.clock.interrupt()
-        self.view_memo.forget()  # the wrapped backend plans the real batch
+        if not self._no_hot:
+            self._no_hot = True
+            self._steady = self._paged_plan = None
+            self.clock.interrupt()
+            self.view_memo.forget()
         bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
-        self.ctx.stats.record_no_hot(bs, NO_HOT_PREFIX, time.perf_counter() - t0 + stage_seconds)
+        self.ctx.stats.record_no_hot(bs, time.perf_counter() - t0 + stage_seconds)
         return fb
 
     def _replay(self, fb: Any, staged: Optional[np.ndarray], s: SteadyReplay, graph: bool, c0: float, t0: float,
