@@ -41,8 +41,8 @@ from granikv.attention.decode.view_memo import ViewKey, ViewPlanMemo
 from granikv.attention.decode.workspace import CascadeWorkspace
 from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
-from granikv.attention.step_stats import NO_HOT_PREFIX
 from granikv.attention.kv_scales import kv_scales
+from granikv.attention.step_stats import NO_HOT_PREFIX
 from granikv.config import cli_flag
 from granikv.kernels.kernel_config import KernelConfig, device_config
 from granikv.kernels.plan import CascadePlan
