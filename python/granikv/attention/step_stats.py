@@ -243,7 +243,8 @@ class StepStats:
         return self.steps + self.unplanned + self.no_hot_steps
 
     def snapshot(self) -> Dict[str, Any]:
-        steps, requests, no_hot = self.steps + self.no_hot_steps, self.requests + self.no_hot_requests, self.no_hot_steps
+        no_hot = self.no_hot_steps
+        steps, requests = self.steps + no_hot, self.requests + self.no_hot_requests
         paths, reasons = Counter(self.paths), Counter(self.decode_paged_reasons)
         if no_hot:
             paths["paged"] += no_hot
