@@ -111,7 +111,9 @@ def grouping_counts(grouping: Grouping) -> Tuple[int, int, int]:
 
 @dataclass
 class StepStats:
-    """Counts decode steps per chosen path, grouped requests and steps the planner skipped."""
+    """Counts decode steps per chosen path, grouped requests and steps the planner skipped.
+    ``steps``, ``paths``, ``requests`` and ``decode_paged_reasons`` hold the steps that went
+    through the planner; ``snapshot`` adds the ``no_hot_*`` ones to them."""
 
     paths: Counter[str] = field(default_factory=Counter)
     steps: int = 0

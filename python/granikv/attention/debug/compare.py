@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from granikv.attention.context import AttentionContext
+from granikv.attention.decode.batch_view import real_batch_size
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -122,7 +123,7 @@ class DebugCompare:
         runner = ctx.model_runner
         pool = runner.token_to_kv_pool
         hq, d = ctx.num_q_heads, ctx.head_dim
-        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        bs = real_batch_size(fb)
         k_scale, v_scale = kv_scales(layer)
         ref = decode_attention_ref(q.view(-1, hq, d)[:bs],
                                    pool.get_key_buffer(layer.layer_id),

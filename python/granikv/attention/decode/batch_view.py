@@ -92,6 +92,11 @@ def device_ends(fb: Any, ws: CascadeWorkspace) -> Optional[torch.Tensor]:
     return t if t is not None and ws.ends.fits(t, fb.batch_size) else None
 
 
+def real_batch_size(fb: Any) -> int:
+    """The requests of a decode batch, without a replay view's padding rows."""
+    return fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+
+
 def seq_total(fb: Any, pad_fill: Optional[int]) -> Optional[int]:
     """``sum(seq_lens)`` of the real requests from SGLang's ``seq_lens_sum`` (no array work):
     a replay view's total includes its padding rows at the wrapped backend's fill value

@@ -30,7 +30,15 @@ import torch
 
 from granikv.attention.context import AttentionContext
 from granikv.attention.debug import planted_fault
-from granikv.attention.decode.batch_view import OneTokenView, SeqLensView, device_ends, pad_rows, same_rows, seq_total
+from granikv.attention.decode.batch_view import (
+    OneTokenView,
+    SeqLensView,
+    device_ends,
+    pad_rows,
+    real_batch_size,
+    same_rows,
+    seq_total,
+)
 from granikv.attention.decode.graph_variants import AUTO_PREFIX_TOKENS, GraphVariants, cascade_can_win
 from granikv.attention.decode.launch_table import LaunchTable
 from granikv.attention.decode.slot_copy import SLOT_COPY_TOKENS, SlotCopier
@@ -262,7 +270,7 @@ class DecodePlanner:
             self._steady = self._paged_plan = None
             self.clock.interrupt()
             self.view_memo.forget()
-        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        bs = real_batch_size(fb)
         self.ctx.stats.record_no_hot(bs, time.perf_counter() - t0 + stage_seconds)
         return fb
 
@@ -377,7 +385,7 @@ class DecodePlanner:
         """The step's plan, or None for the paged path (decode batches only). ``decided``: the
         step's path decision, already made (``_replay``)."""
         ctx, stats = self.ctx, self.ctx.stats
-        bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        bs = real_batch_size(fb)
         if staged is None or len(staged) != bs or fb.seq_lens_cpu is None:
             stats.unplanned += 1
             return None
