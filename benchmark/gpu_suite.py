@@ -295,6 +295,22 @@ def write_summary(out: Path, doc: Dict[str, Any]) -> Path:
     return path
 
 
+def grid_rows_not_run(grid_out: Path, backends: Sequence[str]) -> List[List[str]]:
+    """The grid rows a backend's run did not measure, with why (``[backend, row key, why]``:
+    the time budget, before or during the run, a model not served on that backend, an engine
+    gone), from each backend's regimes JSON (``meta.skipped``). The part passes on its commands'
+    exit status (rows the budget leaves out are not errors) and says which rows it left out. A
+    backend whose JSON is missing or unreadable adds nothing (its failure is the part's)."""
+    out: List[List[str]] = []
+    for backend in backends:
+        try:
+            doc = json.loads((grid_out / f"regimes_{backend}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        out += [[backend, str(key), str(why)] for key, why in (doc.get("meta") or {}).get("skipped") or []]
+    return out
+
+
 def grid_scope(args: argparse.Namespace) -> Dict[str, Any]:
     """What a grid part measured (its backends, models and rows): grid runs of different
     scopes complement each other in a merge, one of the same scope replaces the earlier."""
@@ -395,6 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         part = run_part(name, fn)
         if name == "grid":
             part["scope"] = grid_scope(args)
+            part["rows_not_run"] = grid_rows_not_run(out / "grid", args.grid_backends)
         doc["parts"].append(part)
         doc["wall_s"] = round(time.time() - t0, 1)
         write_summary(out, doc)

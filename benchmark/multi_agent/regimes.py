@@ -46,7 +46,9 @@ lands on both sides. With three engines or more on one GPU every pool is capped 
 Time: ``--time-budget-s`` (default 450) covers the whole invocation, engine starts included.
 Rows that the estimate says do not fit are dropped before anything starts (lowest priority
 first, the dry run lists them); while running, no row starts whose estimate no longer fits, and
-a model is not started when its engines' start no longer fits. The JSON (and md) is rewritten
+a model is not started when its engines' start no longer fits. Rows the budget leaves out, before
+or during the run, are listed (``meta.skipped``, the page's "Not run" list) and are not errors:
+the exit status is 1 only when an engine or a row failed. The JSON (and md) is rewritten
 after every record, so a run killed from outside keeps every row it finished.
 """
 
@@ -270,6 +272,15 @@ class Run:
 
     def skip(self, rows: Sequence[grid.Regime], why: str) -> None:
         self.meta["skipped"] += [[r.key, why] for r in rows]
+
+    def over_budget(self, rows: Sequence[grid.Regime], why: str) -> None:
+        """Rows the time budget leaves out once the run reached them (as those the plan left out
+        before anything started): listed in ``meta.skipped`` and the page's "Not run" list, and
+        not an error, so the exit status says whether what ran ran cleanly; the suite's grid part
+        records them as ``rows_not_run``."""
+        for r in rows:
+            print(f"SKIPPED {r.key} ({self.args.backend}): {why}", flush=True)
+        self.skip(rows, why)
 
 
 def graph_sizes(rows: Sequence[grid.Regime]) -> List[int]:
@@ -512,8 +523,7 @@ def run_model(run: Run, model: grid.Model, rows: Sequence[grid.Regime], deadline
             return
         for i, row in enumerate(rows):
             if time.time() + grid.estimate_s(row, model, run.args.repeats, len(run.configs)) > deadline:
-                run.skip(rows[i:i + 1], "its estimate no longer fits the time budget")
-                run.error(model.name, "both", f"{row.name} (main): skipped, time budget")
+                run.over_budget(rows[i:i + 1], "its estimate no longer fits the time budget")
                 continue
             if not measure_row(run, engines, model, row):
                 run.skip(rows[i + 1:], "an engine is gone")
@@ -543,8 +553,7 @@ def main_parent(args, argv: Sequence[str]) -> int:
                                               for r in sel.rows if r.model == m)
                     for m in order[i + 1:])
         if deadline - time.time() - later < grid.start_s(model):
-            run.skip(rows, f"the engine start ({grid.start_s(model):.0f} s) no longer fits the time budget")
-            run.error(name, "both", "skipped: time budget")
+            run.over_budget(rows, f"the engine start ({grid.start_s(model):.0f} s) no longer fits the time budget")
             continue
         run_model(run, model, rows, deadline - later, extra)
     paths = report.write(args.out, run.stem, run.records, run.meta)

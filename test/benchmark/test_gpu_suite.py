@@ -91,6 +91,23 @@ def test_a_run_writes_its_summary_and_a_failing_part_fails_it(suite, tmp_path, m
     assert res["passed"] is False and "no GPU" in res["error"]
 
 
+def test_the_grid_part_records_the_rows_it_did_not_run(suite, tmp_path, monkeypatch):
+    """The grid part passes on its commands' exit status and says which rows its backends left
+    out and why (the regimes JSON's ``meta.skipped``); a backend without a JSON adds none."""
+    def fake_grid(cmds):
+        grid = tmp_path / "grid"
+        meta = dict(skipped=[["llama-3.1-8b/three_unequal", "its estimate no longer fits the time budget"]])
+        (grid / "regimes_flashinfer.json").write_text(json.dumps(dict(meta=meta, rows=[])))
+        return dict(passed=True, exit_codes=[0] * len(cmds))
+
+    monkeypatch.setattr(suite, "run_commands", fake_grid)
+    assert suite.main(["--parts", "grid", "--out", str(tmp_path), "--commit", "abc"]) == 0
+    part = json.loads((tmp_path / "gpu_suite.json").read_text())["parts"][0]
+    assert part["passed"] is True
+    assert part["rows_not_run"] == [["flashinfer", "llama-3.1-8b/three_unequal",
+                                     "its estimate no longer fits the time budget"]]
+
+
 def test_merge_keeps_each_parts_run(suite, tmp_path):
     a = dict(commit="c1", date="d1", parts=[dict(name="tests", wall_s=1, passed=True),
                                             dict(name="grid", wall_s=2, passed=False)])

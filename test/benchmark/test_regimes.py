@@ -392,6 +392,41 @@ def test_parent_skips_the_rest_of_a_model_whose_engine_is_gone(regimes, fake_res
     assert any("exited with status -9" in r.get("error", "") for r in doc["measurements"] if r["kind"] == "error")
 
 
+def test_a_row_the_budget_leaves_out_while_running_is_listed_not_an_error(regimes, fake_resident, tmp_path,
+                                                                         monkeypatch):
+    """The plan fits the budget, the run is slower than estimated (a slower host): the row the
+    clock no longer leaves time for is not started, it is listed with its reason, and the run
+    exits 0 with the rows it measured; a failed row still makes it exit 1."""
+    clock = [1000.0]
+    monkeypatch.setattr(regimes.time, "time", lambda: clock[0])
+
+    def answer(job, tags, k):
+        clock[0] += 25.0  # every request takes longer than the estimate allows for
+        return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+    fake_resident.answer = answer
+    rows = "forest16,short1k_3sharers"
+    sel = regimes.grid.select(regimes.grid.default_grid(), models=["qwen2.5-7b"], rows=rows.split(","), budget_s=0,
+                              repeats=1, backend="flashinfer", engines=2)
+    budget = int(sel.estimate_s) + 5  # both rows planned
+    argv = ["--models", "qwen2.5-7b", "--rows", rows, "--out", str(tmp_path), "--time-budget-s", str(budget),
+            "--repeats", "1", "--idle-probe-steps", "0"]
+    assert regimes.main(argv) == 0
+    doc = json.loads((tmp_path / "regimes_flashinfer.json").read_text())
+    measured = [r["workload"] for r in doc["rows"] if r["granikv_out_tok_s"]]
+    left_out = [k for k, why in doc["meta"]["skipped"] if "no longer fits the time budget" in why]
+    assert measured and left_out and len(measured) + len(left_out) == 2
+    assert not [r for r in doc["measurements"] if r["kind"] == "error"]
+    assert "Not run (time budget)" in (tmp_path / "regimes_flashinfer.md").read_text()
+
+    def failing(job, tags, k):
+        clock[0] += 25.0
+        return dict(kind="error", error="a bad row")
+
+    fake_resident.answer = failing
+    assert regimes.main(argv) == 1  # an error is still one
+
+
 def _one_row(job, tags, k):
     return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
 
