@@ -418,7 +418,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if part.get("stopped"):
             break
     for p in doc["parts"]:
-        print(f"{p['name']:12s} {p['wall_s']:7.1f} s  {'passed' if p['passed'] else 'FAILED'}")
+        left = p.get("rows_not_run") or []
+        note = f"  ({len(left)} grid rows not run: {', '.join(f'{b}:{k}' for b, k, _ in left)})" if left else ""
+        print(f"{p['name']:12s} {p['wall_s']:7.1f} s  {'passed' if p['passed'] else 'FAILED'}{note}")
     return 0 if all(p["passed"] for p in doc["parts"]) else 1
 
 

@@ -91,7 +91,7 @@ def test_a_run_writes_its_summary_and_a_failing_part_fails_it(suite, tmp_path, m
     assert res["passed"] is False and "no GPU" in res["error"]
 
 
-def test_the_grid_part_records_the_rows_it_did_not_run(suite, tmp_path, monkeypatch):
+def test_the_grid_part_records_the_rows_it_did_not_run(suite, tmp_path, monkeypatch, capsys):
     """The grid part passes on its commands' exit status and says which rows its backends left
     out and why (the regimes JSON's ``meta.skipped``); a backend without a JSON adds none."""
     def fake_grid(cmds):
@@ -102,6 +102,7 @@ def test_the_grid_part_records_the_rows_it_did_not_run(suite, tmp_path, monkeypa
 
     monkeypatch.setattr(suite, "run_commands", fake_grid)
     assert suite.main(["--parts", "grid", "--out", str(tmp_path), "--commit", "abc"]) == 0
+    assert "1 grid rows not run: flashinfer:llama-3.1-8b/three_unequal" in capsys.readouterr().out
     part = json.loads((tmp_path / "gpu_suite.json").read_text())["parts"][0]
     assert part["passed"] is True
     assert part["rows_not_run"] == [["flashinfer", "llama-3.1-8b/three_unequal",
