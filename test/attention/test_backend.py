@@ -212,8 +212,8 @@ def test_unstaged_step_falls_back_to_paged():
 def test_steps_while_no_request_holds_a_hot_run_plan_nothing():
     """While no request holds a HOT run (``HotPrefixTable.rows_held`` is 0) a decode step goes to
     the wrapped backend over the real batch with nothing planned (its staged rows are dropped):
-    counted in ``no_hot_steps``, timed in the plan record, the step clock interrupted. Before and after, steps with HOT runs plan and group as ever, and
-    every step matches paged attention (planted: a table that does not count its held rows
+    counted in ``no_hot_steps``, timed in the plan record, the step clock interrupted. Before
+    and after, steps with HOT runs plan and group as ever, and every step matches paged attention (planted: a table that does not count its held rows
     would send the grouped steps to the stock path; a planner that kept the first stretch's
     resets would let the clock sample across the second)."""
     runner = _runner()

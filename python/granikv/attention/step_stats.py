@@ -263,7 +263,7 @@ class StepStats:
             "last_reason": self.last_reason,
             "max_compare_diff": self.max_compare_diff,
             "plan_us_mean": 1e6 * plan_seconds / self.planned if self.planned else 0.0,
-            "plan_us_max": 1e6 * self.plan_max_seconds,  # over the steps that planned
+            "plan_us_max": 1e6 * self.plan_max_seconds,  # over the steps that ran the planner (no no-HOT step)
             **dict(zip(("plan_us_p50", "plan_us_p99"), self.recent_plan.percentiles_us(50, 99), strict=True)),
             "plan_window_steps": len(self.recent_plan),
             "plan_us_total": 1e6 * plan_seconds,  # totals: deltas between snapshots give exact means
