@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,12 @@ def gpu_name() -> Optional[str]:
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except Exception:
         return None
+
+
+def probe_start_tokens(max_new_tokens: int, steps: int) -> int:
+    """Output tokens every agent has before a probe of ``steps`` decode steps starts: its window
+    is then centred on the middle of the decode (at least the first token)."""
+    return max(1, (max_new_tokens - steps) // 2)
 
 
 class EngineChild:
@@ -128,7 +135,9 @@ class EngineChild:
 
     async def _agent(self, w: wl.Workload, i: int, stats: Dict[str, List],
                      routes: Optional[Sequence[int]] = None,
-                     on_first: Optional[Callable[[], None]] = None) -> None:
+                     on_tokens: Optional[Callable[[int], None]] = None) -> None:
+        """One agent's turns, streamed; ``on_tokens(n)``: called with the first turn's output
+        token count after each of its chunks (the idle probe starts its window from these)."""
         context = list(w.prompts[i])
         params = dict(w.sampling.to_dict(), stream_interval=STREAM_INTERVAL)
         route = {} if routes is None else {"routed_dp_rank": routes[i]}
@@ -140,9 +149,9 @@ class EngineChild:
             async for chunk in stream:
                 if t_first is None:
                     t_first = time.perf_counter()
-                    if on_first is not None and turn == 0:
-                        on_first()
                 ids = ids + list(chunk["output_ids"]) if self.incremental else chunk["output_ids"]
+                if on_tokens is not None and turn == 0:
+                    on_tokens(len(ids))
                 meta = chunk.get("meta_info", {})
             t_end = time.perf_counter()
             n = len(ids)
@@ -215,9 +224,14 @@ class EngineChild:
     def idle_probe(self, spec: wl.WorkloadSpec, steps: int, trace_dir: str, *, host: bool = False,
                    keep: Optional[str] = None) -> Dict[str, Any]:
         """The GPU's idle time between decode steps on one untimed run of ``spec``: once every
-        agent has its first token (prefill done, decode steady), SGLang's profiler records the
-        next ``steps`` forward steps (GPU activity only, no stacks or shapes); the trace is
-        reduced by harness.gpu_idle. The run's tok/s is not reported (the profiler slows it).
+        agent is ``probe_start_tokens`` into its output (prefill done, decode steady), SGLang's
+        profiler records the next ``steps`` forward steps (GPU activity only, no stacks or
+        shapes); the trace is reduced by harness.gpu_idle. The window is centred on the middle of
+        the decode: a step grows with its requests' contexts over the run, and the middle step's
+        busy time is the run's mean, which the row's TPOT p50 is (a window at the first token
+        would put a 4-layer forest's GraniKV step at 2.1 ms against its run mean of 2.8 ms, and
+        ``regime_report.timed_idle_us`` would read the difference as idle time). The run's tok/s
+        is not reported (the profiler slows it).
         ``host``: CPU activity recorded too, reduced to the host's time per call name
         (``gpu_idle.host_calls_of_events``) instead of the idle time (which the CPU profiler
         would distort). ``keep``: a path; with ``host``, Python frames are recorded too and the
@@ -229,6 +243,7 @@ class EngineChild:
         if w.turns != 1:
             raise ValueError(f"{spec.label}: the idle probe needs a one-turn workload (has {w.turns})")
         steps = max(1, min(steps, int(w.sampling.max_new_tokens) // 2))
+        start = probe_start_tokens(int(w.sampling.max_new_tokens), steps)
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self.warm(w)
         req = ProfileReq(output_dir=trace_dir, num_steps=steps, activities=["CPU", "GPU"] if host else ["GPU"],
@@ -236,10 +251,10 @@ class EngineChild:
 
         async def probe() -> None:
             stats: Dict[str, List] = {"out": [], "cached": [], "ttft": [], "tpot": []}
-            first: List[int] = []
-            agents = [asyncio.ensure_future(self._agent(w, i, stats, on_first=lambda: first.append(1)))
+            progress = [0] * w.agents
+            agents = [asyncio.ensure_future(self._agent(w, i, stats, on_tokens=partial(progress.__setitem__, i)))
                       for i in range(w.agents)]
-            while len(first) < w.agents and not all(a.done() for a in agents):
+            while min(progress) < start and not all(a.done() for a in agents):
                 await asyncio.sleep(0.005)
             await self.engine.tokenizer_manager.start_profile(req)
             await asyncio.gather(*agents)
@@ -258,7 +273,7 @@ class EngineChild:
             gpu_idle.keep_trace(trace, Path(keep))
             res = dict(res, trace=keep)
         shutil.rmtree(trace_dir, ignore_errors=True)
-        return dict(res, workload=w.name, agents=w.agents)
+        return dict(res, workload=w.name, agents=w.agents, probe_start_tokens=start)
 
     def _counters(self, before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """GraniKV counters after the row, and their increase over the timed batch."""

@@ -183,10 +183,14 @@ def spread(rec: Optional[Mapping[str, Any]]) -> Optional[float]:
 
 def timed_idle_us(row: Mapping[str, Any], side: str) -> Optional[float]:
     """The GPU's idle time per decode step of the TIMED run, estimated: the engine's TPOT p50
-    there less the GPU busy time per step of its idle probe (kernel time, which the profiler
-    does not stretch). The probe's own idle time comes from a profiled run, whose host work the
-    profiler can slow by more than the difference being measured (a 4-layer forest on an H100:
-    GraniKV's probed step 4.1 ms against its timed 2.9 ms); None without both figures."""
+    there (the run's mean step) less the GPU busy time per step of its idle probe (kernel time,
+    which the profiler does not stretch), whose window sits at the middle of the decode, where
+    the step is the run's mean (``EngineChild.idle_probe``). The probe's own idle time comes from
+    a profiled run, whose host work the profiler can slow by more than the difference being
+    measured (a 4-layer forest on an H100: GraniKV's probed step 4.1 ms against its timed
+    2.9 ms); None without both figures. Rows probed at the first token (before the window
+    moved to the middle) understate the busy time by the step's growth over the run, by more
+    for GraniKV, whose step grows faster in proportion (its prefix reads do not grow)."""
     tpot, busy = _num(row.get(f"{side}_tpot_p50_ms")), _num(row.get(f"gpu_busy_us_{side}"))
     return None if tpot is None or busy is None else round(tpot * 1000.0 - busy, 1)
 

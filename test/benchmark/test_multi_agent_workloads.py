@@ -333,6 +333,50 @@ def test_child_batch_mode_matches_baseline_bench():
     assert row["out_tokens"] == 12 and row["ttft_p50_ms"] is None
 
 
+class PacedEngine(FakeEngine):
+    """A FakeEngine whose streams take real time per chunk and whose profiler records how far
+    every request had got when it started, then writes a trace of one kernel per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.emitted = {}
+        self.tokenizer_manager.start_profile = self._start_profile
+
+    async def async_generate(self, input_ids, sampling_params, stream, routed_dp_rank=None):
+        key, n = len(self.emitted), sampling_params["max_new_tokens"]
+        self.emitted[key] = 0
+
+        async def chunks():
+            for k in range(1, n + 1, engine_child.STREAM_INTERVAL):
+                await asyncio.sleep(0.002)
+                self.emitted[key] = k
+                yield {"output_ids": [2] * k, "meta_info": {"cached_tokens": 0}}
+            self.emitted[key] = n
+            yield {"output_ids": [2] * n, "meta_info": {"cached_tokens": 0}}
+        return chunks()
+
+    async def _start_profile(self, req):
+        self.at_start = sorted(self.emitted.values())
+        events = [{"ph": "X", "cat": "kernel", "ts": 100.0 * i, "dur": 60.0} for i in range(req.num_steps)]
+        Path(req.output_dir, "p.trace.json").write_text(json.dumps({"traceEvents": events}))
+
+
+def test_idle_probe_window_sits_at_the_middle_of_the_decode(tmp_path, monkeypatch):
+    """The probe starts once every agent is half-way through its output less half the window,
+    so its busy time is the run's mean step (a window at the first token fails this)."""
+    monkeypatch.setattr(engine_child.time, "sleep", lambda s: None)
+    child = _fake_child()
+    child.engine = PacedEngine()
+    child.loop = child.engine.loop
+    spec = wl.WorkloadSpec("homogeneous", 4, 16, {"out": 1024, "suffix": 2})
+    res = child.idle_probe(spec, 32, str(tmp_path / "t"))
+    start = engine_child.probe_start_tokens(1024, 32)
+    assert start == 496 and res["probe_start_tokens"] == start
+    assert len(child.engine.at_start) == 4 and start <= min(child.engine.at_start) and max(child.engine.at_start) < 1024
+    assert res["gpu_busy_us_per_step"] == pytest.approx(60.0 * 32 / 32)
+    assert engine_child.probe_start_tokens(16, 32) == 1  # a short decode: from the first token
+
+
 # ---- parent end to end, children importing a fake sglang -----------------------------------------
 
 
