@@ -135,9 +135,9 @@ class EngineChild:
 
     async def _agent(self, w: wl.Workload, i: int, stats: Dict[str, List],
                      routes: Optional[Sequence[int]] = None,
-                     on_tokens: Optional[Callable[[int], None]] = None) -> None:
-        """One agent's turns, streamed; ``on_tokens(n)``: called with the first turn's output
-        token count after each of its chunks (the idle probe starts its window from these)."""
+                     on_tokens: Optional[Callable[[int, int], None]] = None) -> None:
+        """One agent's turns, streamed; ``on_tokens(turn, n)``: called with the turn and its
+        output token count so far after each chunk (the idle probe starts its window from these)."""
         context = list(w.prompts[i])
         params = dict(w.sampling.to_dict(), stream_interval=STREAM_INTERVAL)
         route = {} if routes is None else {"routed_dp_rank": routes[i]}
@@ -150,8 +150,8 @@ class EngineChild:
                 if t_first is None:
                     t_first = time.perf_counter()
                 ids = ids + list(chunk["output_ids"]) if self.incremental else chunk["output_ids"]
-                if on_tokens is not None and turn == 0:
-                    on_tokens(len(ids))
+                if on_tokens is not None:
+                    on_tokens(turn, len(ids))
                 meta = chunk.get("meta_info", {})
             t_end = time.perf_counter()
             n = len(ids)
@@ -224,7 +224,8 @@ class EngineChild:
     def idle_probe(self, spec: wl.WorkloadSpec, steps: int, trace_dir: str, *, host: bool = False,
                    keep: Optional[str] = None) -> Dict[str, Any]:
         """The GPU's idle time between decode steps on one untimed run of ``spec``: once every
-        agent is ``probe_start_tokens`` into its output (prefill done, decode steady), SGLang's
+        agent is ``probe_start_tokens`` into its output (prefill done, decode steady; in an agent
+        loop, into turn ``turns // 2``, the middle turn, or past it), SGLang's
         profiler records the next ``steps`` forward steps (GPU activity only, no stacks or
         shapes); the trace is reduced by harness.gpu_idle. The window is centred on the middle of
         the decode: a step grows with its requests' contexts over the run, and the middle step's
@@ -240,8 +241,7 @@ class EngineChild:
         from sglang.srt.managers.io_struct import ProfileReq
 
         w = spec.build()
-        if w.turns != 1:
-            raise ValueError(f"{spec.label}: the idle probe needs a one-turn workload (has {w.turns})")
+        turn = w.turns // 2
         steps = max(1, min(steps, int(w.sampling.max_new_tokens) // 2))
         start = probe_start_tokens(int(w.sampling.max_new_tokens), steps)
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
@@ -251,10 +251,14 @@ class EngineChild:
 
         async def probe() -> None:
             stats: Dict[str, List] = {"out": [], "cached": [], "ttft": [], "tpot": []}
-            progress = [0] * w.agents
-            agents = [asyncio.ensure_future(self._agent(w, i, stats, on_tokens=partial(progress.__setitem__, i)))
+            progress = [(0, 0)] * w.agents  # (turn, output tokens in it) per agent
+
+            def seen(i: int, t: int, n: int) -> None:
+                progress[i] = (t, n)
+
+            agents = [asyncio.ensure_future(self._agent(w, i, stats, on_tokens=partial(seen, i)))
                       for i in range(w.agents)]
-            while min(progress) < start and not all(a.done() for a in agents):
+            while min(progress) < (turn, start) and not all(a.done() for a in agents):
                 await asyncio.sleep(0.005)
             await self.engine.tokenizer_manager.start_profile(req)
             await asyncio.gather(*agents)
@@ -273,7 +277,7 @@ class EngineChild:
             gpu_idle.keep_trace(trace, Path(keep))
             res = dict(res, trace=keep)
         shutil.rmtree(trace_dir, ignore_errors=True)
-        return dict(res, workload=w.name, agents=w.agents, probe_start_tokens=start)
+        return dict(res, workload=w.name, agents=w.agents, probe_start_tokens=start, probe_turn=turn)
 
     def _counters(self, before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """GraniKV counters after the row, and their increase over the timed batch."""

@@ -120,7 +120,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "the repeat with the median output tok/s (all of them in repeats_out_tok_s; "
                         "the stock ones give baseline_spread). Default 3; ceilings run once.")
     p.add_argument("--idle-probe-steps", type=int, default=0,
-                   help="After a one-turn row's timed repeats, run it once more on each engine with "
+                   help="After a row's timed repeats, run it once more on each engine with "
                         "SGLang's profiler over this many decode steps (GPU activity only) and record "
                         "the GPU's idle time per step (gpu_idle_us_baseline / _granikv). 0: off.")
     p.add_argument("--host-probe-steps", type=int, default=0,
@@ -461,7 +461,7 @@ def measure_row(run: Run, engines: Mapping[str, ResidentEngine], model: grid.Mod
             run.add(median_repeat(reps[config]))
     probes = [(variant, steps) for variant, steps in (("idle", args.idle_probe_steps),
                                                        ("host", args.host_probe_steps)) if steps > 0]
-    for variant, steps in probes if row.turns == 1 else ():
+    for variant, steps in probes:
         for config in CONFIGS:  # untimed: the profiler's own cost stays out of the tok/s above
             try:
                 keep = (str(Path(args.out) / "traces" / f"{model.name}_{row.name}_{config}_host.trace.json.gz")

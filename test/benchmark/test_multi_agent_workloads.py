@@ -343,7 +343,9 @@ class PacedEngine(FakeEngine):
         self.tokenizer_manager.start_profile = self._start_profile
 
     async def async_generate(self, input_ids, sampling_params, stream, routed_dp_rank=None):
-        key, n = len(self.emitted), sampling_params["max_new_tokens"]
+        agent = tuple(input_ids[16:24])  # the agent's private suffix (the workloads below: prefix 16)
+        turn = sum(1 for a, _ in self.emitted if a == agent)
+        key, n = (agent, turn), sampling_params["max_new_tokens"]
         self.emitted[key] = 0
 
         async def chunks():
@@ -356,7 +358,10 @@ class PacedEngine(FakeEngine):
         return chunks()
 
     async def _start_profile(self, req):
-        self.at_start = sorted(self.emitted.values())
+        latest = {}
+        for (agent, turn), n in self.emitted.items():
+            latest[agent] = max(latest.get(agent, (0, 0)), (turn, n))
+        self.at_start = sorted(latest.values())  # (turn, tokens into it) of every agent
         events = [{"ph": "X", "cat": "kernel", "ts": 100.0 * i, "dur": 60.0} for i in range(req.num_steps)]
         Path(req.output_dir, "p.trace.json").write_text(json.dumps({"traceEvents": events}))
 
@@ -372,9 +377,26 @@ def test_idle_probe_window_sits_at_the_middle_of_the_decode(tmp_path, monkeypatc
     res = child.idle_probe(spec, 32, str(tmp_path / "t"))
     start = engine_child.probe_start_tokens(1024, 32)
     assert start == 496 and res["probe_start_tokens"] == start
-    assert len(child.engine.at_start) == 4 and start <= min(child.engine.at_start) and max(child.engine.at_start) < 1024
+    assert len(child.engine.at_start) == 4 and (0, start) <= min(child.engine.at_start)
+    assert max(child.engine.at_start) < (0, 1024) and res["probe_turn"] == 0
     assert res["gpu_busy_us_per_step"] == pytest.approx(60.0 * 32 / 32)
     assert engine_child.probe_start_tokens(16, 32) == 1  # a short decode: from the first token
+
+
+def test_idle_probe_of_an_agent_loop_sits_in_its_middle_turn(tmp_path, monkeypatch):
+    """An agent loop is probed too: once every agent is into turn ``turns // 2`` (or past it) by
+    the probe's start, so the window holds that turn's decode steps, not the first turn's."""
+    monkeypatch.setattr(engine_child.time, "sleep", lambda s: None)
+    child = _fake_child()
+    child.engine = PacedEngine()
+    child.loop = child.engine.loop
+    spec = wl.WorkloadSpec("agent_loop", 3, 16, {"turns": 4, "out": 512, "suffix": 8, "tool": 5})
+    res = child.idle_probe(spec, 32, str(tmp_path / "t"))
+    start = engine_child.probe_start_tokens(512, 32)
+    assert res["probe_turn"] == 2 and res["probe_start_tokens"] == start == 240
+    assert len(child.engine.at_start) == 3 and (2, start) <= min(child.engine.at_start)
+    assert max(child.engine.at_start) < (3, 512)
+    assert len(child.engine.emitted) == 3 * 4  # every turn ran to the end
 
 
 # ---- parent end to end, children importing a fake sglang -----------------------------------------

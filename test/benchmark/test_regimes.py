@@ -687,6 +687,23 @@ def test_idle_probe_runs_untimed_after_the_repeats_and_fills_the_row(regimes, fa
     assert row["baseline_tpot_p50_ms"] is None and row["gpu_idle_us_baseline_timed"] is None  # no latency here
 
 
+def test_idle_probe_covers_agent_loop_rows(regimes, fake_resident, tmp_path):
+    """Multi-turn rows are probed too (the child's window sits in their middle turn)."""
+    def answer(job, tags, k):
+        if tags["variant"] == "idle":
+            return dict(kind="row", config=job["config"], workload="grouped", probe_turn=2,
+                        gpu_idle_us_per_step=20.0, gpu_busy_us_per_step=800.0)
+        return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+    fake_resident.answer = answer
+    argv = ["--models", "llama-3.1-8b", "--rows", "agent_loop_10k_x24", "--out", str(tmp_path), "--time-budget-s", "0",
+            "--repeats", "1", "--idle-probe-steps", "32"]
+    assert regimes.main(argv) == 0
+    assert [v for _, _, v in fake_resident.log if v][-2:] == ["idle", "idle"]
+    row = json.loads((tmp_path / "regimes_flashinfer.json").read_text())["rows"][0]
+    assert row["workload"] == "agent_loop_10k_x24" and row["gpu_idle_us_granikv"] == 20.0
+
+
 def test_timed_idle_is_tpot_less_gpu_busy_and_shown_beside_the_probe(rep):
     row = dict(baseline_tpot_p50_ms=3.54, gpu_busy_us_baseline=2816.2, granikv_tpot_p50_ms=2.92,
                gpu_busy_us_granikv=2083.9)
