@@ -88,20 +88,30 @@ def host_calls_of_events(events: Iterable[Mapping[str, Any]], steps: int, top: i
     ATen op, its calls and µs per step, the ``top`` names by time (e.g. a ``cudaGraphLaunch``
     that blocks on a full launch queue, a ``cudaStreamSynchronize``, a host-side copy).
     ``host_calls``: name -> [calls per step, µs per step], largest first (nested ATen ops are
-    counted inside their callers too)."""
+    counted inside their callers too). ``graph_launch_interval_us``: the median and mean time
+    from one decode graph launch (``cudaGraphLaunch``) to the next, the profiled step's wall time
+    (None with fewer than two launches): with the host profiler on, the host's own step."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     acc: Dict[str, List[float]] = {}
+    launches: List[float] = []
     for e in events:
         if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in HOST_CATEGORIES:
             continue
         dur = e.get("dur")
         if not isinstance(dur, (int, float)) or dur < 0:
             continue
-        a = acc.setdefault(str(e.get("name", "?")), [0.0, 0.0])
+        name = str(e.get("name", "?"))
+        a = acc.setdefault(name, [0.0, 0.0])
         a[0] += 1
         a[1] += float(dur)
-    return dict(host_calls=_per_step(acc, steps, top), profiled_steps=steps)
+        if name == "cudaGraphLaunch" and isinstance(e.get("ts"), (int, float)):
+            launches.append(float(e["ts"]))
+    launches.sort()
+    gaps = sorted(b - a for a, b in zip(launches, launches[1:]))
+    interval = (dict(p50=round(gaps[len(gaps) // 2], 1), mean=round(sum(gaps) / len(gaps), 1), n=len(gaps))
+                if gaps else None)
+    return dict(host_calls=_per_step(acc, steps, top), profiled_steps=steps, graph_launch_interval_us=interval)
 
 
 def python_self_times(events: Iterable[Mapping[str, Any]], steps: int, top: int = 25) -> Dict[str, Any]:

@@ -50,6 +50,13 @@ def test_host_calls_per_step_rank_the_hosts_time_by_call():
         gpu_idle.host_calls_of_events(events, steps=0)
 
 
+def test_host_probe_reports_the_interval_between_graph_launches():
+    launches = [dict(ph="X", cat="cuda_runtime", ts=ts, dur=20, name="cudaGraphLaunch") for ts in (0, 5000, 9000, 15000)]
+    r = gpu_idle.host_calls_of_events(launches + [dict(ph="X", cat="cpu_op", ts=1, dur=3, name="aten::add")], steps=3)
+    assert r["graph_launch_interval_us"] == dict(p50=5000.0, mean=5000.0, n=3)
+    assert gpu_idle.host_calls_of_events(launches[:1], steps=1)["graph_launch_interval_us"] is None
+
+
 def test_python_self_times_subtract_nested_frames_per_thread():
     def py(name, ts, dur, tid=1):
         return dict(ph="X", cat="python_function", ts=ts, dur=dur, name=name, pid=7, tid=tid)
