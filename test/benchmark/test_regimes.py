@@ -756,6 +756,26 @@ def test_planning_verdict_rests_on_idle_evidence(rep):
     assert "plan p50 > 30 us" in rep.verdicts(dict(probed, gpu_idle_us_baseline_timed=724.0))  # one side: probe
 
 
+def test_idle_basis_sets_the_timed_estimate_aside_where_prefill_shares_the_steps(rep):
+    """32-layer short1k_3sharers at 0d9754e: stock's TPOT p50 17.4 ms against its probed step of
+    11.5 ms (prefill chunks in the decode's steps); the timed estimate read 6.4 / 7.1 ms of idle."""
+    row = dict(speedup=1.0, floor_speedup=1.2, floor_fraction=0.95, plan_us_p50=40.0, plan_us_p99=60.0,
+               baseline_tpot_p50_ms=17.40, gpu_busy_us_baseline=11032.0, gpu_idle_us_baseline=483.0,
+               granikv_tpot_p50_ms=18.11, gpu_busy_us_granikv=11045.0, gpu_idle_us_granikv=485.0)
+    for side in ("baseline", "granikv"):
+        row[f"gpu_idle_us_{side}_timed"] = rep.timed_idle_us(row, side)
+    assert rep.idle_basis(row) == "probe" and not rep.verdicts(row)  # the probe: 485 against 483 µs
+    assert "judged by the probe" in rep.markdown_table([dict(row, model="m", backend="b", workload="w")])
+    # the 4-layer forest probed at the middle: stock's TPOT within its probed step, the timed figures hold
+    forest = dict(row, baseline_tpot_p50_ms=3.55, gpu_busy_us_baseline=3372.0, gpu_idle_us_baseline=487.0,
+                  granikv_tpot_p50_ms=2.93, gpu_busy_us_granikv=2770.0, gpu_idle_us_granikv=1168.0)
+    for side in ("baseline", "granikv"):
+        forest[f"gpu_idle_us_{side}_timed"] = rep.timed_idle_us(forest, side)
+    assert rep.idle_basis(forest) == "timed" and not rep.verdicts(forest)  # 160 against 178 µs
+    assert "plan p50 > 30 us" in rep.verdicts(dict(forest, gpu_idle_us_granikv_timed=190.0))
+    assert rep.idle_basis(dict(row, gpu_idle_us_baseline=None, gpu_idle_us_baseline_timed=None)) is None
+
+
 def test_the_fp8_model_serves_the_same_config_on_an_fp8_cache():
     m = {x.name: x for x in regime_grid.MODELS}["llama-3.1-8b+fp8_e4m3"]
     assert m.config() == {x.name: x for x in regime_grid.MODELS}["llama-3.1-8b"].config()
