@@ -412,6 +412,15 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "merge_in_kernels": dict(merge_in_kernels=True),
     "merge32_rows_batch": dict(merge_block_p=32, merge_rows="batch"),
     "sfx_s3": dict(suffix_stages=3),
+    # the SM split between the prefix and suffix launches: the suffix's stream at the highest
+    # priority and / or its launch issued first, with more prefix waves (KernelConfig.suffix_priority,
+    # suffix_first; not yet measured)
+    "sfx_first": dict(suffix_first=True),
+    "sfx_prio": dict(suffix_priority=True),
+    "sfx_prio_first": dict(suffix_priority=True, suffix_first=True),
+    "sfx_prio_pw1.75": dict(suffix_priority=True, prefix_waves=1.75),
+    "sfx_prio_pw2.0": dict(suffix_priority=True, prefix_waves=2.0),
+    "sfx_prio_first_pw1.75": dict(suffix_priority=True, suffix_first=True, prefix_waves=1.75),
     # bandwidth-bound shapes: shorter prefix / suffix chunks (more programs per launch)
     "chunk128": dict(min_prefix_chunk=128),
     "sfx32": dict(min_suffix_chunk=32),

@@ -134,3 +134,48 @@ def test_merge_in_kernels_with_the_descriptor_prefix_kernel(ratio, hkv):
     out = _run("cascade", ws, b, extra_rows=2)
     torch.testing.assert_close(out[: b.bs].double(), _ref(b), atol=TOL[torch.float32], rtol=TOL[torch.float32])
     assert torch.isnan(out[b.bs :]).all() and (ws.counters == 0).all()
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_overlapped_launch_order_and_join(monkeypatch, first):
+    """With a side stream: the suffix launch runs on it, issued after the prefix launch or, with
+    ``suffix_first``, before it; the side stream waits for the current one before any launch,
+    and the current one waits for the side stream before the merge (the order a CUDA graph
+    captures)."""
+    from types import SimpleNamespace
+
+    import granikv.kernels.cascade as cascade
+    from granikv.attention.decode.work_list import KernelConfig
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    cur, side = FakeStream("current"), FakeStream("side")
+    active = [cur]
+
+    class OnStream:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            active.append(self.s)
+
+        def __exit__(self, *exc):
+            active.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cur)
+    monkeypatch.setattr(torch.cuda, "stream", OnStream)
+    monkeypatch.setattr(cascade, "prefix_attention", lambda *a, **k: log.append(f"prefix on {active[-1].name}"))
+    monkeypatch.setattr(cascade, "suffix_attention", lambda *a, **k: log.append(f"suffix on {active[-1].name}"))
+    monkeypatch.setattr(cascade, "merge_state", lambda plan, out, *a: log.append(f"merge on {active[-1].name}") or out)
+    plan = SimpleNamespace(buffers=SimpleNamespace(side_stream=side, config=KernelConfig(suffix_first=first)))
+    q = torch.zeros(2, 4, 16)
+    cascade.cascade_attention(q, q, q, torch.zeros(2, 4, dtype=torch.int32), plan, sm_scale=1.0)
+    launches = ["suffix on side", "prefix on current"] if first else ["prefix on current", "suffix on side"]
+    assert log == ["side waits current", *launches, "current waits side", "merge on current"]

@@ -91,15 +91,21 @@ def test_matches_sglang_triton_decode(path):
     assert _rel_err(out, sgl.double()) < 1e-2
 
 
-def test_overlapped_suffix_eager_and_graph():
+@pytest.mark.parametrize("order", [{}, dict(suffix_first=True), dict(suffix_priority=True),
+                                   dict(suffix_priority=True, suffix_first=True, prefix_waves=2.0)])
+def test_overlapped_suffix_eager_and_graph(order):
     """overlap_suffix (suffix launch on a side stream): bit-identical to the serial launches,
     eager and as a CUDA-graph replay (fork/join captured), and the side work is joined before
-    cascade_attention returns."""
+    cascade_attention returns; likewise with the suffix launch issued first and / or its stream
+    at the highest priority (``order``)."""
     b = _batch(32, groups=((16384, 48), (4096, 16)))
     outs = []
     for overlap in (False, True):
-        ws = CascadeWorkspace(128, 32, 8, 128, "cuda", config=KernelConfig(overlap_suffix=overlap))
+        cfg = KernelConfig(overlap_suffix=overlap, **(order if overlap else {}))
+        ws = CascadeWorkspace(128, 32, 8, 128, "cuda", config=cfg)
         assert (ws.side_stream is not None) == overlap
+        if overlap:
+            assert (ws.side_stream.priority < 0) == cfg.suffix_priority
         fill(ws, b)
         out = torch.full_like(b.q, float("nan"))
         fn = lambda: cascade_attention(b.q, b.k, b.v, b.req_to_token, ws.plan, sm_scale=b.sm_scale, out=out)  # noqa: E731

@@ -60,6 +60,19 @@ class KernelConfig:
     write disjoint partial rows; the merge waits for both). Tensor-core-bound prefix tiles and
     latency-bound suffix gathers then share the SMs instead of running back to back. Captured
     into CUDA graphs as a fork/join. No effect on CPU."""
+    suffix_priority: bool = False
+    """With ``overlap_suffix``: the side stream the suffix launch runs on has CUDA's highest
+    stream priority (captured into CUDA graphs as its kernel nodes' priority), so that as SMs
+    free up the block scheduler places the suffix launch's programs before the prefix launch's
+    remaining ones. The prefix launch alone is faster at more waves (on an H100, 1.75 waves:
+    480 TFLOP/s at 16K x 128 against 403 at 1.5), but the layer was 6-11% slower there, its
+    suffix launch waiting for SMs (docs/results/kernels.md, "The SM split"). Off until
+    measured (sweep variants ``sfx_prio*``)."""
+    suffix_first: bool = False
+    """With ``overlap_suffix``: the suffix launch is issued before the prefix launch (each on
+    its stream, as before), so its programs take SMs first and the prefix launch's fill the
+    rest. Same work and outputs, in another order of launch. Off until measured (sweep variants
+    ``sfx_first*``)."""
     reuse_chunk_factor: float = 1.5
     """``fill`` reuses the previous step's work list, with each request's last suffix chunk
     extended to its new ``seq_len``, while the grouping (hence the prefix items) is unchanged and

@@ -34,6 +34,8 @@ from granikv.kernels.plan import BgemmMembers, CascadeBuffers, CascadePlan, Grou
 
 _NO_REQUEST = Grouping.empty(0)  # the grouping of a step with no request
 _NO_SEQ = np.zeros(0, np.int64)
+# KernelConfig.suffix_priority: torch maps a priority below CUDA's range to its highest
+SIDE_STREAM_HIGHEST = -(1 << 16)
 Rows = Union[np.ndarray, torch.Tensor]  # req_pool_indices: host (numpy) or device
 PrefixKey = Tuple[Union[int, bool, bytes], ...]  # (bs, single chunk, the group arrays' bytes)
 # (n, last_lo1[:n], hi_pos[:n], scratch [n], the scratch as uint64: a negative growth reads as huge)
@@ -143,8 +145,8 @@ class CascadeWorkspace(StagingRing):
         self.fills_built = self.fills_reused = 0  # full work-list builds / reuses (see _advance)
         self.fills_skipped = 0  # empty fills with the empty work list already on the device
         # side stream of the overlapped suffix launch (KernelConfig.overlap_suffix), one per workspace
-        self.side_stream = (torch.cuda.Stream(self.device) if cfg.overlap_suffix and self.device.type == "cuda"
-                            else None)
+        self.side_stream = (torch.cuda.Stream(self.device, priority=SIDE_STREAM_HIGHEST if cfg.suffix_priority else 0)
+                            if cfg.overlap_suffix and self.device.type == "cuda" else None)
         self.buffers = CascadeBuffers(
             config=cfg, max_bs=max_bs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             ratio=self.ratio, prefix_cap=self.prefix_cap, suffix_cap=self.suffix_cap, partial_cap=self.partial_cap,
