@@ -48,10 +48,17 @@ def gpu_name() -> Optional[str]:
         return None
 
 
-def probe_start_tokens(max_new_tokens: int, steps: int) -> int:
-    """Output tokens every agent has before a probe of ``steps`` decode steps starts: its window
-    is then centred on the middle of the decode (at least the first token)."""
-    return max(1, (max_new_tokens - steps) // 2)
+def probe_start_tokens(max_new_tokens: int, steps: int, interval: int = STREAM_INTERVAL) -> int:
+    """Output tokens every agent has before a probe of ``steps`` decode steps starts: the first
+    streamed count (1, then every ``interval`` tokens: what the client sees) at or after the
+    middle of the decode less half the window, so that the window is centred there; or the
+    latest such count that still leaves the window's steps before the end (the first token where
+    none does, e.g. 64 output tokens streamed every 64)."""
+    want = max(1, (max_new_tokens - steps) // 2)
+    k = -(-(want - 1) // interval)  # the first count at or after want: 1 + k * interval
+    while k > 0 and 1 + k * interval + steps > max_new_tokens:
+        k -= 1
+    return 1 + k * interval
 
 
 class EngineChild:

@@ -353,6 +353,7 @@ class PacedEngine(FakeEngine):
                 await asyncio.sleep(0.002)
                 self.emitted[key] = k
                 yield {"output_ids": [2] * k, "meta_info": {"cached_tokens": 0}}
+            await asyncio.sleep(0.02)  # the decode between the last streamed count and the end
             self.emitted[key] = n
             yield {"output_ids": [2] * n, "meta_info": {"cached_tokens": 0}}
         return chunks()
@@ -376,11 +377,21 @@ def test_idle_probe_window_sits_at_the_middle_of_the_decode(tmp_path, monkeypatc
     spec = wl.WorkloadSpec("homogeneous", 4, 16, {"out": 1024, "suffix": 2})
     res = child.idle_probe(spec, 32, str(tmp_path / "t"))
     start = engine_child.probe_start_tokens(1024, 32)
-    assert start == 496 and res["probe_start_tokens"] == start
+    assert start == 513 and res["probe_start_tokens"] == start  # the streamed count at or after 496
     assert len(child.engine.at_start) == 4 and (0, start) <= min(child.engine.at_start)
     assert max(child.engine.at_start) < (0, 1024) and res["probe_turn"] == 0
     assert res["gpu_busy_us_per_step"] == pytest.approx(60.0 * 32 / 32)
+    # 64 output tokens streamed every 64: the probe starts at the first token, not after the end
+    child.engine = PacedEngine()
+    child.loop = child.engine.loop
+    res = child.idle_probe(wl.WorkloadSpec("homogeneous", 4, 16, {"out": 64, "suffix": 2}), 32, str(tmp_path / "u"))
+    assert res["probe_start_tokens"] == 1 and max(child.engine.at_start) < (0, 64)
     assert engine_child.probe_start_tokens(16, 32) == 1  # a short decode: from the first token
+    assert engine_child.probe_start_tokens(64, 32) == 1  # 65 would leave no room: the first token
+    assert engine_child.probe_start_tokens(128, 32) == 65 and engine_child.probe_start_tokens(2048, 32) == 1025
+    for n in range(1, 600):  # the window always fits the decode, from a count the client sees
+        s = engine_child.probe_start_tokens(n, min(32, max(1, n // 2)))
+        assert (s - 1) % engine_child.STREAM_INTERVAL == 0 and (s == 1 or s + min(32, n // 2) <= n)
 
 
 def test_idle_probe_of_an_agent_loop_sits_in_its_middle_turn(tmp_path, monkeypatch):
@@ -393,7 +404,7 @@ def test_idle_probe_of_an_agent_loop_sits_in_its_middle_turn(tmp_path, monkeypat
     spec = wl.WorkloadSpec("agent_loop", 3, 16, {"turns": 4, "out": 512, "suffix": 8, "tool": 5})
     res = child.idle_probe(spec, 32, str(tmp_path / "t"))
     start = engine_child.probe_start_tokens(512, 32)
-    assert res["probe_turn"] == 2 and res["probe_start_tokens"] == start == 240
+    assert res["probe_turn"] == 2 and res["probe_start_tokens"] == start == 257
     assert len(child.engine.at_start) == 3 and (2, start) <= min(child.engine.at_start)
     assert max(child.engine.at_start) < (3, 512)
     assert len(child.engine.emitted) == 3 * 4  # every turn ran to the end
