@@ -93,6 +93,20 @@ def test_recent_times_percentiles():
     assert len(rt) == 100 and p50 == pytest.approx(200.5) and p99 == pytest.approx(249.01)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 4095, 4096, 9000])
+def test_recent_times_percentiles_are_numpys(n):
+    """The partition-based percentiles give np.percentile's floats exactly, over the window."""
+    rng = np.random.default_rng(n)
+    rt = RecentTimes()
+    xs = rng.exponential(3e-5, n)
+    for x in xs:
+        rt.add(float(x))
+    window = xs[-4096:]
+    qs = (0, 1, 25, 50, 90, 99, 99.9, 100)
+    want = tuple(float(v) * 1e6 for v in np.percentile(window, qs))
+    assert rt.percentiles_us(*qs) == want and len(rt) == len(window)
+
+
 def test_build_dispatcher_uses_the_wrapped_backends_paged_coefficients():
     from granikv.config import GraniKVConfig
     from granikv.attention.cost.cost_model import CostModel

@@ -38,11 +38,13 @@ MAXIMA = ("layer_output_max_rel_dev", "layer_output_stock_max_rel_dev", "layer_o
 class RecentTimes:
     """The last ``capacity`` samples (seconds) in a ring buffer; percentiles in microseconds.
 
-    ``add`` is one store into a preallocated list (no allocation, no numpy call on the step's
-    path); ``percentiles`` sorts a copy, at snapshot time only."""
+    ``add`` is one store into a preallocated float64 array (no allocation on the step's path);
+    ``percentiles_us`` partitions a copy around the ranks it needs, at snapshot time only (the
+    scheduler's periodic log and /metrics refresh): a list buffer cost a conversion of the whole
+    window there, ~3x the partition on 4,096 samples (docs/results/kernels.md, "Planning cost")."""
 
     def __init__(self, capacity: int = PLAN_WINDOW):
-        self._buf = [0.0] * capacity
+        self._buf = np.zeros(capacity, np.float64)
         self._cap = capacity
         self._n = 0
 
@@ -55,10 +57,22 @@ class RecentTimes:
         return min(self._n, self._cap)
 
     def percentiles_us(self, *qs: float) -> Tuple[float, ...]:
+        """``np.percentile(window, qs)`` (its default "linear" method, the same floats) in µs."""
         n = len(self)
         if n == 0:
             return tuple(0.0 for _ in qs)
-        return tuple(float(v) * 1e6 for v in np.percentile(np.asarray(self._buf[:n]), qs))
+        pos = [q / 100.0 * (n - 1) for q in qs]
+        lo = [min(int(p), n - 1) for p in pos]
+        hi = [min(i + 1, n - 1) for i in lo]
+        part = np.partition(self._buf[:n], sorted(set(lo + hi)))
+        return tuple(_lerp(float(part[i]), float(part[j]), p - i) * 1e6 for p, i, j in zip(pos, lo, hi, strict=True))
+
+
+def _lerp(a: float, b: float, t: float) -> float:
+    """numpy's linear interpolation between two order statistics (``numpy.lib._function_base_impl
+    ._lerp``: from the upper one where ``t >= 0.5``), so percentiles match ``np.percentile``'s."""
+    d = b - a
+    return b - d * (1.0 - t) if t >= 0.5 else a + d * t
 
 
 class PlanTimeHistogram:
