@@ -71,14 +71,17 @@ def cascade_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
     else:  # fork: suffix on the side stream while the prefix runs here; join before the merge
         cur = torch.cuda.current_stream(q.device)
         side.wait_stream(cur)
+        def prefix() -> None:
+            prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale, merge=target)
+
         first = ws.config.suffix_first  # KernelConfig.suffix_first: the suffix launch issued first
         if not first:
-            prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale, merge=target)
+            prefix()
         with torch.cuda.stream(side):
             suffix_attention(q, k_buffer, v_buffer, req_to_token, plan, sm_scale=sm_scale, k_scale=k_scale,
                              merge=target)
         if first:
-            prefix_attention(q, k_buffer, v_buffer, plan, sm_scale=sm_scale, k_scale=k_scale, merge=target)
+            prefix()
         cur.wait_stream(side)  # also orders any later reuse of q's memory after the side work
     if target is not None:
         return out
