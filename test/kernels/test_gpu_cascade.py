@@ -97,11 +97,13 @@ def test_overlapped_suffix_eager_and_graph(order):
     """overlap_suffix (suffix launch on a side stream): bit-identical to the serial launches,
     eager and as a CUDA-graph replay (fork/join captured), and the side work is joined before
     cascade_attention returns; likewise with the suffix launch issued first and / or its stream
-    at the highest priority (``order``)."""
+    at the highest priority (``order``). Knobs that change the split (``prefix_waves``) apply to
+    the serial launches too: only the launch order may differ between the two."""
     b = _batch(32, groups=((16384, 48), (4096, 16)))
+    split = {k: v for k, v in order.items() if k not in ("suffix_first", "suffix_priority")}
     outs = []
     for overlap in (False, True):
-        cfg = KernelConfig(overlap_suffix=overlap, **(order if overlap else {}))
+        cfg = KernelConfig(overlap_suffix=overlap, **(order if overlap else split))
         ws = CascadeWorkspace(128, 32, 8, 128, "cuda", config=cfg)
         assert (ws.side_stream is not None) == overlap
         if overlap:
