@@ -43,7 +43,7 @@ SIDE_KEYS = ("seconds", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_m
 SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.90
 PLAN_P50_MAX_US, PLAN_P99_MAX_US = 30.0, 80.0
 IDLE_SLACK_US = 5.0  # GraniKV's GPU idle per decode step may exceed stock's by this much
-TIMED_SPAN_MAX = 1.15  # stock's TPOT p50 over its probed step above this: prefill shares the decode's steps
+TIMED_SPAN_MAX = 1.15  # an engine's TPOT p50 over its probed step above this: prefill shares the decode's steps
 SPREAD_MAX = 0.01  # the stock engine's own spread a no-pay row's verdict can rest on
 POOL_TOLERANCE = 0.01  # stock and GraniKV KV pools differing more than this: the row compares nothing
 STOCK_PREFIX = "stock_"  # config of an --also-stock engine: stock_<backend> (regimes.also_stock_config)
@@ -211,16 +211,25 @@ def idle_basis(row: Mapping[str, Any]) -> Optional[str]:
     TPOT p50, which holds prefill chunks where they share the decode's steps (rows with few
     output tokens behind long prompts: stock's TPOT p50 then exceeds its probed step, busy plus
     idle, by more than TIMED_SPAN_MAX; 1.5x on 32-layer short1k_3sharers, where the estimate
-    reads 6-7 ms of idle time per step)."""
+    reads 6-7 ms of idle time per step). The same holds for GraniKV's side: its decode step is
+    the shorter one on a sharing row, so the same prefill chunks weigh more in its TPOT (1.16-1.23x
+    on the 32-layer forest and three_unequal rows, where its estimate read 0.5-0.7 ms of idle time
+    per step more than its probe). Either side above TIMED_SPAN_MAX sets the estimate aside."""
     gb, gg = row.get("gpu_idle_us_baseline_timed"), row.get("gpu_idle_us_granikv_timed")
     if gb is not None and gg is not None:
-        tpot, busy, idle = (_num(row.get("baseline_tpot_p50_ms")), _num(row.get("gpu_busy_us_baseline")),
-                            _num(row.get("gpu_idle_us_baseline")))
-        if tpot is None or busy is None or idle is None or tpot * 1000.0 <= TIMED_SPAN_MAX * (busy + idle):
+        if all(_within_probed_span(row, side) for side in ("baseline", "granikv")):
             return "timed"
     if row.get("gpu_idle_us_baseline") is not None and row.get("gpu_idle_us_granikv") is not None:
         return "probe"
     return None
+
+
+def _within_probed_span(row: Mapping[str, Any], side: str) -> bool:
+    """Whether ``side``'s TPOT p50 is at most TIMED_SPAN_MAX times its probed step (busy plus
+    idle): its TPOT holds little besides decode steps (True when a figure is missing)."""
+    tpot, busy, idle = (_num(row.get(f"{side}_tpot_p50_ms")), _num(row.get(f"gpu_busy_us_{side}")),
+                        _num(row.get(f"gpu_idle_us_{side}")))
+    return tpot is None or busy is None or idle is None or tpot * 1000.0 <= TIMED_SPAN_MAX * (busy + idle)
 
 
 def gpu_waits_not(row: Mapping[str, Any]) -> bool:

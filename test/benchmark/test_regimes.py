@@ -776,6 +776,23 @@ def test_idle_basis_sets_the_timed_estimate_aside_where_prefill_shares_the_steps
     assert rep.idle_basis(dict(row, gpu_idle_us_baseline=None, gpu_idle_us_baseline_timed=None)) is None
 
 
+def test_idle_basis_sets_the_timed_estimate_aside_where_granikvs_tpot_holds_prefill(rep):
+    """Qwen2.5-7B hom16k_x64 at 7205f09: stock's TPOT p50 1.06x its probed step, GraniKV's 1.20x
+    (its shorter decode step, the same prefill chunks); the timed estimate read 1,941 µs of idle
+    per step for GraniKV against its probe's 289."""
+    row = dict(speedup=1.5, floor_speedup=1.6, floor_fraction=0.94, plan_us_p50=25.1, plan_us_p99=411.3,
+               baseline_tpot_p50_ms=14.96, gpu_busy_us_baseline=13547.5, gpu_idle_us_baseline=589.7,
+               granikv_tpot_p50_ms=10.07, gpu_busy_us_granikv=8128.8, gpu_idle_us_granikv=288.9)
+    for side in ("baseline", "granikv"):
+        row[f"gpu_idle_us_{side}_timed"] = rep.timed_idle_us(row, side)
+    assert row["gpu_idle_us_granikv_timed"] > row["gpu_idle_us_baseline_timed"] + 500  # the estimate's verdict
+    assert rep.idle_basis(row) == "probe" and not rep.verdicts(row)  # the probe: 289 against 590 µs
+    # GraniKV's TPOT within its probed step: the timed figures decide, and here they miss
+    within = dict(row, granikv_tpot_p50_ms=9.60)  # 1.14x its probed step: 1,471 against 1,412 µs
+    within["gpu_idle_us_granikv_timed"] = rep.timed_idle_us(within, "granikv")
+    assert rep.idle_basis(within) == "timed" and "plan p99 > 80 us" in rep.verdicts(within)
+
+
 def test_the_fp8_model_serves_the_same_config_on_an_fp8_cache():
     m = {x.name: x for x in regime_grid.MODELS}["llama-3.1-8b+fp8_e4m3"]
     assert m.config() == {x.name: x for x in regime_grid.MODELS}["llama-3.1-8b"].config()
