@@ -213,8 +213,8 @@ def idle_basis(row: Mapping[str, Any]) -> Optional[str]:
     idle, by more than TIMED_SPAN_MAX; 1.5x on 32-layer short1k_3sharers, where the estimate
     reads 6-7 ms of idle time per step). The same holds for GraniKV's side: its decode step is
     the shorter one on a sharing row, so the same prefill chunks weigh more in its TPOT (1.16-1.23x
-    on the 32-layer forest and three_unequal rows, where its estimate read 0.5-0.7 ms of idle time
-    per step more than its probe). Either side above TIMED_SPAN_MAX sets the estimate aside."""
+    on sharing rows of three models, where its estimate read 1.9-3.0 ms of idle time per step
+    against its probe's 0.25-0.49 ms). Either side above TIMED_SPAN_MAX sets the estimate aside."""
     gb, gg = row.get("gpu_idle_us_baseline_timed"), row.get("gpu_idle_us_granikv_timed")
     if gb is not None and gg is not None:
         if all(_within_probed_span(row, side) for side in ("baseline", "granikv")):
