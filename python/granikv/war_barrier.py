@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 
 
 def reads_during_replay(scheduler: "Scheduler") -> bool:
-    """Whether a decode-graph replay of this scheduler's model may run GraniKV's kernels."""
-    return any(b.reads_req_to_token_during_replay() for b in granikv_backends(scheduler))
+    """Whether a decode-graph replay of this scheduler's model may run GraniKV's kernels
+    (asked on every step: a loop, no generator)."""
+    for b in granikv_backends(scheduler):
+        if b.reads_req_to_token_during_replay():
+            return True
+    return False
 
 
 def drop_early_read_done(scheduler: "Scheduler") -> bool:

@@ -59,3 +59,33 @@ def test_rows_held_counts_the_rows_with_a_hot_run():
     t.reset()
     assert t.rows_held == 0
     t.check_integrity()
+
+
+def test_one_row_writes_match_the_array_path():
+    """``set`` / ``clear`` / one-row ``set_many`` take the scalar path, several rows the array
+    path: the same table, ``version`` and ``rows_held`` as a plain model of both, on random ops
+    (no-op writes leave ``version`` alone)."""
+    rng = np.random.default_rng(0)
+    t, model, version = HotPrefixTable(12), {}, 0
+    for _ in range(2000):
+        k = int(rng.integers(1, 4))
+        rows = [int(x) for x in rng.choice(np.arange(1, 12), size=k, replace=False)]
+        starts = [int(x) for x in rng.integers(0, 4, size=k)]
+        lengths = [int(x) for x in rng.integers(0, 3, size=k)]
+        op = int(rng.integers(0, 3))
+        if op == 0 and k == 1:
+            t.set(rows[0], starts[0], lengths[0])
+        elif op == 1:
+            t.clear(rows[0])
+            starts, lengths, rows = [0], [0], rows[:1]
+        else:
+            t.set_many(rows, starts, lengths)
+        new = {r: ((s if n > 0 else 0), n) for r, s, n in zip(rows, starts, lengths)}
+        version += any(model.get(r, (0, 0)) != v for r, v in new.items())
+        model.update(new)
+        assert t.version == version
+        assert [t.get(r) for r in range(12)] == [model.get(r, (0, 0)) for r in range(12)]
+        assert t.rows_held == sum(1 for _, n in model.values() if n)
+    t.check_integrity()
+    with pytest.raises(ValueError, match="rows must be in"):
+        t.set(12, 1, 1)

@@ -41,6 +41,9 @@ class HotPrefixTable:
 
     def set_many(self, rows: ArrayLike, starts: ArrayLike, lengths: ArrayLike) -> None:
         """Set several rows at once."""
+        if len(rows) == 1:  # type: ignore[arg-type]  # one request's publish or release
+            self._set_one(int(rows[0]), int(starts[0]), int(lengths[0]))  # type: ignore[index]
+            return
         row_arr = np.asarray(rows, dtype=np.int64)
         start_arr = np.asarray(starts, dtype=np.int64)
         len_arr = np.asarray(lengths, dtype=np.int64)
@@ -58,6 +61,21 @@ class HotPrefixTable:
         self.start_np[row_arr] = start_arr
         self.length_np[row_arr] = len_arr
         self.rows_held += int(np.count_nonzero(self.length_np[touched]) - before)
+
+    def _set_one(self, row: int, start: int, length: int) -> None:
+        """``set_many`` of one row, on Python ints (a request's publish or release, several per
+        request: the array path's temporaries cost about 10 µs there)."""
+        if not 1 <= row < self.num_rows:
+            raise ValueError(f"HotPrefixTable rows must be in [1, {self.num_rows}), got [{row}, {row}]")
+        if length <= 0:
+            start = 0  # (start, 0) is stored as (0, 0)
+        old_length = int(self.length_np[row])
+        if old_length == length and int(self.start_np[row]) == start:
+            return
+        self.version += 1
+        self.start_np[row] = start
+        self.length_np[row] = length
+        self.rows_held += (length != 0) - (old_length != 0)
 
     def reset(self) -> None:
         self.version += 1
