@@ -12,7 +12,7 @@ uploads what the kernels need into their workspace). Row 0 is SGLang's padding r
 can be grouped, and a decode step's planning is skipped whole (``DecodePlanner.plan_step``).
 """
 
-from typing import Tuple
+from typing import Any, Sequence, Tuple, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -41,8 +41,9 @@ class HotPrefixTable:
 
     def set_many(self, rows: ArrayLike, starts: ArrayLike, lengths: ArrayLike) -> None:
         """Set several rows at once."""
-        if len(rows) == 1:  # type: ignore[arg-type]  # one request's publish or release
-            self._set_one(int(rows[0]), int(starts[0]), int(lengths[0]))  # type: ignore[index]
+        if isinstance(rows, (list, tuple, np.ndarray)) and len(rows) == 1:  # one request's publish or release
+            one = cast(Sequence[Any], rows), cast(Sequence[Any], starts), cast(Sequence[Any], lengths)
+            self._set_one(int(one[0][0]), int(one[1][0]), int(one[2][0]))
             return
         row_arr = np.asarray(rows, dtype=np.int64)
         start_arr = np.asarray(starts, dtype=np.int64)
