@@ -15,6 +15,7 @@ CPU time (what the step costs when the host is shared: preemption excluded). Tar
 
     python -m benchmark.kernels.bench_planning [--steps 3000] [--device cuda] [--fresh | --both] [--micro]
     python -m benchmark.kernels.bench_planning --steady-ab 5 --steps 1000   # the steady replay off / on
+    python -m benchmark.kernels.bench_planning --steps 600 --rows homog:24,forest16:130 --idle-ms 10
 
 ``--device cuda``: the workspace on the GPU (pinned staging buffers, non-blocking copies, events:
 what each CUDA call costs the host). ``--fresh``: new host ``seq_lens`` and rows tensors every
@@ -28,7 +29,11 @@ rather than rebuilt.
 ``--thrash``: between two steps (outside the timing) a pass over ``THRASH_BYTES`` of numpy data and
 ``THRASH_OBJECTS`` Python objects, as SGLang's scheduler runs its own work between two plans: the
 step then finds the host's caches cold, as in serving (where the same steady step measured 4-6x
-its back-to-back time; docs/results/gpu_suite.md). Its p50 is the closer estimate of serving.
+its back-to-back time; docs/results/gpu_suite.md). ``--idle-ms 10``: the host asleep 10 ms before
+every step, as the scheduler waits on a 32-layer decode step; on this repository's CPU machine
+a step after such a wait costs about 1.5x one after ``--thrash`` alone, and its p50 is the
+closest estimate of serving (docs/results/kernels.md, "Planning cost"). ``--rows homog:24,forest16:130``:
+the agent loop's and the forest's decode batches.
 
 ``--micro`` adds the old per-function table: ``group`` = plan.group_requests, ``choose`` =
 Dispatcher.choose, ``plan`` = both; ``work_list`` = build_work_list; ``step full`` /
@@ -41,7 +46,8 @@ import dataclasses
 import math
 import os
 import platform
-from typing import Callable, Optional
+import time
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -139,6 +145,9 @@ class _Cache:
 
     metrics = None
 
+    def __init__(self, hot_prefix_table) -> None:
+        self.hot_prefix_table = hot_prefix_table  # the backend's table, as GraniKVRadixCache holds it
+
     def apply_pending_promotions(self):
         pass
 
@@ -204,7 +213,7 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu", eager_ends: boo
             be.graphs.slots_appended.add(bs)
     reqs = [SimpleNamespace(req_pool_idx=int(r), kv=SimpleNamespace(req_pool_idx=int(r)))  # 0.5.17, 0.5.23
             for r in rows]
-    sched = SimpleNamespace(tree_cache=_Cache(), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
+    sched = SimpleNamespace(tree_cache=_Cache(table), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
                             tp_rank=0)
     sbatch = SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs, req_pool_indices_cpu=torch.from_numpy(rows))
     return be, sched, sbatch, view, cfg, host_buf
@@ -226,7 +235,7 @@ class Thrash:
 
 def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fresh: bool = False,
                 eager_ends: bool = False, thrash: Optional["Thrash"] = None, steady: bool = True,
-                windows: bool = False):
+                windows: bool = False, idle_s: float = 0.0):
     """Per-step plan times (the backend's record) and hook + metadata wall and thread CPU times,
     in us. Each step refills SGLang's buffers first (outside the timing): the persistent host
     seq_lens buffer in place and a new slice of it, as graph replays do; ``fresh``: a NEW host
@@ -235,7 +244,8 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
     run before each step, outside the timing. ``steady=False``: the planner never arms its steady
     replay (attention/decode/steady_step.py), so every step takes the full plan (the A/B of
     ``--steady-ab``). ``windows``: the step clock's measurement cycle imposed on the choice
-    (``clock_windows``)."""
+    (``clock_windows``). ``idle_s``: the host sleeps this long before each step (after
+    ``thrash``), outside the timing, as the scheduler waits on a long GPU step (``--idle-ms``)."""
     import torch
 
     from granikv.scheduler_step import on_run_batch
@@ -262,6 +272,8 @@ def serving_run(bs: int, batch: str, steps: int, rng, *, device: str = "cpu", fr
             torch.cuda.synchronize()  # the GPU keeps up with the host, as in serving
         if thrash is not None:
             thrash()
+        if idle_s:
+            time.sleep(idle_s)
         clock.start()
         on_run_batch(sched, sbatch, cfg)
         be.init_forward_metadata_out_graph(view)
@@ -276,33 +288,35 @@ SECTIONS = ("lookup", "choose", "fill", "upload", "slot_copy", "view")
 
 
 def serving_table(steps: int, *, device: str = "cpu", fresh: bool = False, eager_ends: bool = False,
-                  thrash: bool = False) -> float:
-    """Prints the serving table; returns the worst p50 over all rows."""
+                  thrash: bool = False, idle_ms: float = 0.0,
+                  rows: Sequence[Tuple[str, int]] = ()) -> float:
+    """Prints the serving table (``rows``: (batch, bs) pairs; default every batch kind at 64, 128
+    and 256 requests); returns the worst p50 over all rows."""
     rng = np.random.default_rng(0)
     evict = Thrash() if thrash else None  # built once for every row of the table
     print(f"# device {device}{' (' + _device_name(device) + ')' if device != 'cpu' else ''}, "
           f"{'FRESH host arrays every step' if fresh else 'SGLang buffers reused'}; "
-          f"{'caches COLD (--thrash) at every step; ' if thrash else ''}suffix ends copied "
+          f"{'caches COLD (--thrash) at every step; ' if thrash else ''}"
+          f"{f'host idle {idle_ms:g} ms before every step; ' if idle_ms else ''}suffix ends copied "
           f"{'before each replay' if eager_ends else 'by the cascade graph'}; section columns: mean us "
           f"per step of the backend's sections (upload = staging-buffer wait + copy + event)")
     print(f"{'batch':>9} {'bs':>4} {'path':>8} {'p50':>7} {'p99':>7} {'mean':>7} {'hook p50':>9} {'hook p99':>9} "
           f"{'cpu p50':>8} {'cpu p99':>8} " + " ".join(f"{s:>7}" for s in SECTIONS) + f" {'reuse':>6}")
     worst = [0.0, 0.0]
-    for batch in BATCHES:
-        for bs in (64, 128, 256):
-            snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh, eager_ends=eager_ends,
-                                          thrash=evict)
-            path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
-            p50, p99 = snap["plan_us_p50"], snap["plan_us_p99"]
-            worst = [max(worst[0], p50), max(worst[1], p99)]
-            w50, w99 = np.percentile(wall, [50, 99])
-            c50, c99 = np.percentile(cpu, [50, 99])
-            n = snap["planned_steps"] or 1
-            sec = snap["plan_sections_us_total"]
-            reuse = snap["work_list_reuses"] / max(1, snap["work_list_reuses"] + snap["work_list_builds"])
-            print(f"{batch:>9} {bs:>4} {path:>8} {p50:>7.1f} {p99:>7.1f} {snap['plan_us_mean']:>7.1f} "
-                  f"{w50:>9.1f} {w99:>9.1f} {c50:>8.1f} {c99:>8.1f} "
-                  + " ".join(f"{sec[s] / n:>7.1f}" for s in SECTIONS) + f" {reuse:>6.2f}", flush=True)
+    for batch, bs in rows or [(b, n) for b in BATCHES for n in (64, 128, 256)]:
+        snap, wall, cpu = serving_run(bs, batch, steps, rng, device=device, fresh=fresh, eager_ends=eager_ends,
+                                      thrash=evict, idle_s=idle_ms / 1e3)
+        path = max(snap["steps_per_path"], key=snap["steps_per_path"].get)
+        p50, p99 = snap["plan_us_p50"], snap["plan_us_p99"]
+        worst = [max(worst[0], p50), max(worst[1], p99)]
+        w50, w99 = np.percentile(wall, [50, 99])
+        c50, c99 = np.percentile(cpu, [50, 99])
+        n = snap["planned_steps"] or 1
+        sec = snap["plan_sections_us_total"]
+        reuse = snap["work_list_reuses"] / max(1, snap["work_list_reuses"] + snap["work_list_builds"])
+        print(f"{batch:>9} {bs:>4} {path:>8} {p50:>7.1f} {p99:>7.1f} {snap['plan_us_mean']:>7.1f} "
+              f"{w50:>9.1f} {w99:>9.1f} {c50:>8.1f} {c99:>8.1f} "
+              + " ".join(f"{sec[s] / n:>7.1f}" for s in SECTIONS) + f" {reuse:>6.2f}", flush=True)
     print(f"# worst plan p50 {worst[0]:.1f} us (target <= 30), worst p99 {worst[1]:.1f} us (target <= 80)")
     return worst
 
@@ -409,6 +423,12 @@ def main():
                     help="also the table with the suffix ends copied before each replay (no in-graph copy)")
     ap.add_argument("--thrash", action="store_true",
                     help="also the table with the host's caches made cold before every step (as in serving)")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="also the table with the host asleep this long before every step (the scheduler "
+                         "waiting on a long GPU step; 10 ms: a 32-layer decode step), after --thrash if given")
+    ap.add_argument("--rows", default="", metavar="BATCH:BS[,BATCH:BS]",
+                    help="the serving table's rows (default: every batch kind at 64, 128, 256), e.g. "
+                         "homog:24,forest16:130 (the agent loop's and the forest's decode batches)")
     ap.add_argument("--steady-ab", type=int, default=0, metavar="REPEATS",
                     help="only the steady replay's A/B (off / on in turns, caches cold), REPEATS runs per side")
     ap.add_argument("--clock-windows", action="store_true",
@@ -424,12 +444,16 @@ def main():
     if args.clock_windows:
         windows_table(args.steps, device=args.device)
         return
+    rows = [(b, int(n)) for b, n in (r.split(":") for r in args.rows.split(",") if r.strip())]
     for fresh in ((False, True) if args.both else (args.fresh,)):
-        serving_table(args.steps, device=args.device, fresh=fresh)
+        serving_table(args.steps, device=args.device, fresh=fresh, rows=rows)
         if args.eager_ends:
-            serving_table(args.steps, device=args.device, fresh=fresh, eager_ends=True)
+            serving_table(args.steps, device=args.device, fresh=fresh, eager_ends=True, rows=rows)
         if args.thrash:
-            serving_table(args.steps, device=args.device, fresh=fresh, thrash=True)
+            serving_table(args.steps, device=args.device, fresh=fresh, thrash=True, rows=rows)
+        if args.idle_ms:
+            serving_table(args.steps, device=args.device, fresh=fresh, thrash=args.thrash, idle_ms=args.idle_ms,
+                          rows=rows)
     if not args.micro:
         return
 

@@ -39,11 +39,12 @@ def reads_during_replay(scheduler: "Scheduler") -> bool:
 def drop_early_read_done(scheduler: "Scheduler") -> bool:
     """Before ``Scheduler._apply_war_barrier``: clears the pre-replay read-done event when GraniKV's
     kernels may read ``req_to_token`` during the replay. Returns True if it cleared one. The
-    runner and its event are named per release (``sglang_compat.war_read_done_runner``)."""
+    runner and its event are named per release (``sglang_compat.war_read_done_runner``). The
+    backends are asked first: on most steps no replay reads it, and the runner is not looked up."""
+    if not reads_during_replay(scheduler):
+        return False
     runner = compat.war_read_done_runner(getattr(scheduler, "model_worker", None))
     if getattr(runner, compat.WAR_EVENT_ATTR, None) is None:
-        return False
-    if not reads_during_replay(scheduler):
         return False
     setattr(runner, compat.WAR_EVENT_ATTR, None)
     return True

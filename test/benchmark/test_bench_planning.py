@@ -50,3 +50,26 @@ def test_clock_windows_are_planned_from_the_replay():
     snap, _, _ = bench.serving_run(64, "homog", steps, np.random.default_rng(0), windows=True)
     assert snap["steps_per_path"] == {"cascade": steps - 18, "paged": 18}
     assert snap["planned_steps"] - snap["steady_replays"] == snap["work_list_builds"] >= 1
+
+
+def test_idle_rows_sleep_outside_the_timing():
+    """``--idle-ms``: the host sleeps before every step, outside the timed hook + metadata call."""
+    snap, wall, _ = bench.serving_run(24, "homog", 20, np.random.default_rng(0), idle_s=0.002)
+    assert snap["steps_per_path"] == {"cascade": 20} and (wall < 2000).all()
+
+
+def test_step_hooks_compare_the_same_no_hot_step_on_both_engines():
+    """``bench_step_hooks``: SGLang's real allocator, radix cache, WAR barrier and hook wrapper
+    around one no-HOT decode step on each engine; GraniKV's backend records each of its steps
+    as a no-HOT paged step (it plans nothing)."""
+    pytest.importorskip("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
+    hooks = load("kernels", "bench_step_hooks.py")
+    stock_step, granikv_step, reset, backend = hooks.build_steps()
+    reset()
+    for _ in range(3):
+        stock_step()
+        granikv_step()
+    snap = backend.stats_snapshot()
+    assert snap["no_hot_steps"] == 3 and snap["steps_per_path"] == {"paged": 3}
+    s, g = hooks.composite(5)
+    assert len(s) == len(g) == 5 and (s > 0).all() and (g > 0).all()
