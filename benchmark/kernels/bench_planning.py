@@ -340,6 +340,7 @@ def clock_windows(clock) -> None:
         return Decision(Path.PAGED, d.times, "clock window") if clock.WINDOW <= k < 2 * clock.WINDOW else d
 
     clock.adjust = adjust
+    clock.keeps = lambda *args: False  # every step's choice through the windows (no kept cascade)
 
 
 def windows_table(steps: int, *, device: str = "cpu") -> None:

@@ -464,3 +464,67 @@ def test_debug_integrity_names_a_device_end_that_is_not_the_host_length(where):
     be.stage_batch(rows)
     with pytest.raises(AssertionError, match=f"batch position {p} has host seq_len {host} but device end {host + 1}"):
         be.init_forward_metadata_out_graph(view)
+
+
+def _kept_run(batch, bs, steps, *, kept, interval_s):
+    """``steps`` graph decode steps of the planning bench's ``batch`` under a step clock whose
+    every interval is ``interval_s`` (1 s: the model's saving never dominates the step, so the
+    clock measures cascade against paged and holds its verdict; 1 µs: the model is trusted);
+    ``kept=False``: ``DecodePlanner._kept`` never answers (``choose`` + ``adjust`` every step).
+    Returns each step's path and reason, the stats snapshot, the clock's state and how many
+    steps the kept decision planned."""
+    from benchmark.kernels import bench_planning as bench
+    from granikv.attention.decode.step_clock import StepClock
+    from granikv.scheduler_step import on_run_batch
+
+    be, sched, sbatch, view, cfg, host_buf = bench.serving_setup(bs, batch, np.random.default_rng(0))
+    now = [0.0]
+
+    def fake_time():
+        now[0] += interval_s
+        return now[0]
+
+    d = be.decode
+    d.clock = StepClock(fake_time, probe_paged=d.clock.probe_paged)
+    taken, real = [0], d._kept
+
+    def counted(s, total):
+        out = real(s, total) if kept else None
+        taken[0] += out is not None
+        return out
+
+    d._kept = counted
+    trace = []
+    for _ in range(steps):
+        host_buf[:bs] += 1
+        view.seq_lens_cpu = host_buf[:bs]
+        view.seq_lens_sum += bs
+        on_run_batch(sched, sbatch, cfg)
+        be.init_forward_metadata_out_graph(view)
+        trace.append((d.path, be.ctx.stats.last_reason))
+    snap = be.stats_snapshot()
+    for k in [k for k in snap if k.startswith(("plan_", "dispatch_host")) or k.endswith("_us_total")]:
+        del snap[k]  # host times differ run to run
+    clock = {k: dataclasses.astuple(v) for k, v in d.clock._sizes.items()}
+    counts = (d.clock.overruled_steps, d.clock.verdicts_paged, d.clock.verdicts_model, d.chooser.hits,
+              d.chooser.misses, d.steady_replays)
+    return trace, snap, clock, counts, taken[0]
+
+
+@pytest.mark.parametrize("batch,bs", [("homog", 24), ("forest16", 130)])
+@pytest.mark.parametrize("interval_s", [1.0, 1e-6])
+def test_a_kept_cascade_decides_what_choose_and_adjust_decide(batch, bs, interval_s):
+    """``DecodePlanner._kept`` (``SteadyChooser.kept_saving`` + ``StepClock.keeps``) plans a
+    steady cascade replay without this step's times: every step's path and reason, the stats,
+    the chooser's and the clock's state are those of ``choose`` + ``adjust`` on every step,
+    through the clock's windows (cascade, then paged), its held verdicts and their expiry."""
+    steps = 700  # two of the clock's cycles of 2 x WINDOW + HOLD steps
+    on = _kept_run(batch, bs, steps, kept=True, interval_s=interval_s)
+    off = _kept_run(batch, bs, steps, kept=False, interval_s=interval_s)
+    assert on[:4] == off[:4]
+    paths = {p for p, _ in on[0]}
+    if interval_s == 1.0:  # the clock measured paged in its windows and held cascade in between
+        assert paths == {Path.CASCADE, Path.PAGED} and on[2]
+    else:
+        assert paths == {Path.CASCADE}
+    assert on[4] > steps // 2 and off[4] == 0

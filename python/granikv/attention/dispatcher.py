@@ -308,6 +308,33 @@ class SteadyChooser:
         self._decision = cheapest(times, h, self.dispatcher.floors)
         return self._decision
 
+    def kept_saving(self, grouping: Grouping, *, graph_safe_only: bool, seq_total: Optional[int]) -> Optional[float]:
+        """For a step whose batch stays on the last decision's CASCADE path (a steady replay):
+        the µs by which paged is priced slower (the host term included), from the same times
+        ``choose`` would compute, when ``choose`` would return CASCADE with the last decision's
+        reason; None where that is not known this cheaply (another grouping, a forced path, no
+        sequence total, or another path now cheapest): the caller calls ``choose``. Builds no
+        ``PathTimes`` or ``Decision`` and counts nothing (``kept``)."""
+        key, prev = self._key, self._decision
+        if (key is None or prev is None or key[0] is not grouping or key[1] != graph_safe_only
+                or prev.path is not Path.CASCADE or self.dispatcher.forced is not None
+                or seq_total is None or not self.hint_ok):
+            return None
+        dt = float(seq_total) - self._seq0
+        h = self.dispatcher.host_plan.us
+        (b0, b1, b2, b3), (s0, s1, s2, s3) = self._base, self._slope
+        t0, t1 = b0 + s0 * dt, b1 + s1 * dt + h
+        if not t1 < t0 or b2 + s2 * dt + h < t1 or b3 + s3 * dt + h < t1:  # choose's k == 1, exactly
+            return None
+        return t0 - t1
+
+    def kept(self) -> Decision:
+        """The last decision, for a step ``kept_saving`` priced on it (counted as a hit): its
+        path and reason are those ``choose`` returns for that step; its times are not."""
+        assert self._decision is not None
+        self.hits += 1
+        return self._decision
+
     def _refit(self, grouping: Grouping, desc: BatchDescription, graph_safe_only: bool,
                seq_total: Optional[int] = None) -> Decision:
         self.misses += 1

@@ -47,7 +47,7 @@ from granikv.attention.decode.step_clock import StepClock
 from granikv.attention.decode.step_plan import HeldRows, StepPlan
 from granikv.attention.decode.view_memo import ViewKey, ViewPlanMemo
 from granikv.attention.decode.workspace import CascadeWorkspace
-from granikv.attention.dispatcher import Dispatcher, Path, SteadyChooser
+from granikv.attention.dispatcher import Decision, Dispatcher, Path, SteadyChooser
 from granikv.attention.grouping import BatchDescription, Grouping, GroupingMemo, verify_same_slots
 from granikv.attention.kv_scales import kv_scales
 from granikv.attention.step_stats import NO_HOT_PREFIX
@@ -290,9 +290,11 @@ class DecodePlanner:
             return False, None, None
         tc = time.perf_counter()
         plan, path = s.plan, s.path
-        decision = chooser.choose(plan.grouping, plan.desc, graph_safe_only=s.graph, seq_total=total)
-        if chooser.dispatcher.forced is None:
-            decision = self.clock.adjust(decision, s.clock_key)
+        decision = self._kept(s, total) if path is Path.CASCADE else None
+        if decision is None:
+            decision = chooser.choose(plan.grouping, plan.desc, graph_safe_only=s.graph, seq_total=total)
+            if chooser.dispatcher.forced is None:
+                decision = self.clock.adjust(decision, s.clock_key)
         steps, resumed = 1, False
         if decision.path is not path:
             if path is not Path.PAGED and decision.path is Path.PAGED:  # the build stays for a resume
@@ -331,6 +333,20 @@ class DecodePlanner:
         view = self._finish(fb, cascade, graph, c0, (t0, tc, t1, time.perf_counter()), stage_seconds, 0.0, slot_copy)
         self._steady = s
         return True, view, None
+
+    def _kept(self, s: SteadyReplay, total: int) -> Optional[Decision]:
+        """A cascade replay's decision where it stays cascade, taken without this step's times:
+        the chooser prices cascade cheapest again (``SteadyChooser.kept_saving``, the same
+        floats as ``choose``), the clock keeps it (``StepClock.keeps``) and the workspace's
+        in-place advance holds. The path, reason and counters come out as ``choose`` and
+        ``adjust`` give them; None: the caller runs those two (nothing was changed)."""
+        if s.ws is None or not s.ws.can_repeat_in_place(s.n):
+            return None
+        chooser = self.chooser
+        saving = chooser.kept_saving(s.plan.grouping, graph_safe_only=s.graph, seq_total=total)
+        if saving is None or not self.clock.keeps(s.clock_key, Path.CASCADE, saving):
+            return None
+        return chooser.kept()
 
     def _finish(self, fb: Any, cascade: bool, graph: bool, c0: float, marks: Tuple[float, float, float, float],
                 stage_seconds: float, upload: float, slot_copy: float) -> Any:

@@ -174,6 +174,21 @@ class StepClock:
             want = measured if st.phase == "A" else Path.PAGED
         return decision if want is decision.path else self._overrule(decision, want, st)
 
+    def keeps(self, bs: Hashable, path: Path, saving_us: float) -> bool:
+        """Whether ``adjust`` would return unchanged a decision for the non-paged ``path`` priced
+        ``saving_us`` below paged, at no cost beyond what ``adjust`` changes then: the model is
+        trusted at this step's interval (nothing changes), or a verdict held for ``path`` has
+        steps left (one is counted, as ``adjust`` counts it). False: nothing changed, the caller
+        runs ``adjust``."""
+        step = self._interval
+        if step is None or step <= 0 or saving_us * 1e-6 >= self.TRUST * step:
+            return True
+        st = self._sizes.get(bs)
+        if st is None or st.measured is not path or st.phase != "hold" or st.paged_wins or st.hold_left <= 1:
+            return False
+        st.hold_left -= 1
+        return True
+
     def record(self, path: Path, bs: Hashable) -> None:
         """The path the step just planned finally runs (after every other check)."""
         key = (bs, path)

@@ -392,6 +392,10 @@ class CascadeWorkspace(StagingRing):
         touched the workspace since it was armed."""
         return (self.fills_built, self.fills_reused, self.fills_skipped, self._uploads)
 
+    def can_repeat_in_place(self, n: int) -> bool:
+        """Whether ``repeat_in_place(n)`` would hold (nothing counted)."""
+        return self._dev_ends == n and self._reuse_base is not None
+
     def repeat_in_place(self, n: int) -> bool:
         """A steady replay (``steady_step``): the in-place advance of the last step holds for
         this one too (the kernels read the new ends on the device), counted as one; False when
