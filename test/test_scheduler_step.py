@@ -23,7 +23,8 @@ def _scheduler(sim):
     from granikv.attention.decode.step_clock import StepClock
     from granikv.attention.step_stats import StepStats
 
-    backend.ctx = SimpleNamespace(stats=StepStats())  # what stats_snapshot reads
+    backend.ctx = SimpleNamespace(stats=StepStats(),  # what stats_snapshot reads ...
+                                  hot_prefix_table=sim.cache.hot_prefix_table)  # ... and plans_decode
     backend.decode = object.__new__(DecodePlanner)
     backend.decode.workspace = backend.decode.eager_workspace = None
     backend.decode.grouping_memo = GroupingMemo()

@@ -56,8 +56,8 @@ def on_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", cfg: "GraniKVCo
         cache.apply_pending_promotions()
     if backends:  # every wrapped instance: the one that runs this batch plans it
         rows, seconds = None, 0.0
-        if extend or (decode and cache.hot_prefix_table.rows_held):  # no HOT run held: a decode
-            t0 = time.perf_counter()  # step plans nothing (DecodePlanner.plan_step), reads no rows
+        if extend or (decode and _any_plans_decode(backends)):  # else no rows are read this step
+            t0 = time.perf_counter()
             rows = batch_rows(batch)
             seconds = time.perf_counter() - t0
         for b in backends:
@@ -69,6 +69,15 @@ def on_run_batch(scheduler: "Scheduler", batch: "ScheduleBatch", cfg: "GraniKVCo
         _tp_check(scheduler, cfg).on_decode_step(cache, n)
         if not n % (cfg.log_interval or METRICS_INTERVAL):
             _report(scheduler, cache, backends, cfg.log_interval)
+
+
+def _any_plans_decode(backends: List["GraniKVAttnBackend"]) -> bool:
+    """Whether any backend would plan a decode step now (``plans_decode``: a HOT run is held in
+    its table); a loop, no generator (every decode step)."""
+    for b in backends:
+        if b.plans_decode():
+            return True
+    return False
 
 
 _ROWS_VIEW: List[Any] = [None, None]  # (SGLang's rows tensor, its numpy view) of the last step

@@ -168,6 +168,12 @@ class GraniKVAttnBackend(ForwardingBackend):
         self._staged = req_pool_indices
         self._stage_seconds = seconds
 
+    def plans_decode(self) -> bool:
+        """Whether a decode step staged now would be planned: some request holds a HOT run in
+        the table this backend plans from (else ``DecodePlanner.plan_step`` plans nothing and
+        reads no rows)."""
+        return self.ctx.hot_prefix_table.rows_held > 0
+
     def _take_staged(self) -> Tuple[Optional[np.ndarray], float]:
         staged, self._staged = self._staged, None
         seconds, self._stage_seconds = self._stage_seconds, 0.0
