@@ -414,7 +414,7 @@ SWEEP = {  # measured on the H200 (docs/results/kernels.md; sweeps 1-4 tried til
     "sfx_s3": dict(suffix_stages=3),
     # the SM split between the prefix and suffix launches: the suffix's stream at the highest
     # priority and / or its launch issued first, with more prefix waves (KernelConfig.suffix_priority,
-    # suffix_first; not yet measured)
+    # suffix_first; every one slower than the default on an H100, docs/results/kernels.md)
     "sfx_first": dict(suffix_first=True),
     "sfx_prio": dict(suffix_priority=True),
     "sfx_prio_first": dict(suffix_priority=True, suffix_first=True),

@@ -145,9 +145,6 @@ class _Cache:
 
     metrics = None
 
-    def __init__(self, hot_prefix_table) -> None:
-        self.hot_prefix_table = hot_prefix_table  # the backend's table, as GraniKVRadixCache holds it
-
     def apply_pending_promotions(self):
         pass
 
@@ -213,7 +210,7 @@ def serving_setup(bs: int, batch: str, rng, device: str = "cpu", eager_ends: boo
             be.graphs.slots_appended.add(bs)
     reqs = [SimpleNamespace(req_pool_idx=int(r), kv=SimpleNamespace(req_pool_idx=int(r)))  # 0.5.17, 0.5.23
             for r in rows]
-    sched = SimpleNamespace(tree_cache=_Cache(table), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
+    sched = SimpleNamespace(tree_cache=_Cache(), tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=be)),
                             tp_rank=0)
     sbatch = SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs, req_pool_indices_cpu=torch.from_numpy(rows))
     return be, sched, sbatch, view, cfg, host_buf

@@ -128,21 +128,19 @@ def build_steps() -> Tuple[Callable[[], None], Callable[[], None], Callable[[], 
     g_war = _wrap_fn(Scheduler._apply_war_barrier, plugin._around_apply_war_barrier, HookType.AROUND)
     event = object()  # the graph runner's pre-replay read-done event, set on every graph decode step
 
-    def stock_step() -> None:
-        evict_from_tree_cache(stock_cache, BS)
-        alloc_token_slots(stock_cache, BS)
-        run_batch(stock_sched, batch)
-        load_batch(stock_graph_runner, view)
-        setattr(runner, compat.WAR_EVENT_ATTR, event)
-        Scheduler._apply_war_barrier(stock_sched)
+    def step(cache, run_batch_fn, scheduler, load_batch_fn, graph_runner_, war_fn) -> Callable[[], None]:
+        """One engine's no-HOT decode step: allocation, run_batch, load_batch, the WAR barrier."""
+        def one() -> None:
+            evict_from_tree_cache(cache, BS)
+            alloc_token_slots(cache, BS)
+            run_batch_fn(scheduler, batch)
+            load_batch_fn(graph_runner_, view)
+            setattr(runner, compat.WAR_EVENT_ATTR, event)
+            war_fn(scheduler)
+        return one
 
-    def granikv_step() -> None:
-        evict_from_tree_cache(g_cache, BS)
-        alloc_token_slots(g_cache, BS)
-        g_run_batch(sched, batch)
-        g_load_batch(graph_runner, view)
-        setattr(runner, compat.WAR_EVENT_ATTR, event)
-        g_war(sched)
+    stock_step = step(stock_cache, run_batch, stock_sched, load_batch, stock_graph_runner, Scheduler._apply_war_barrier)
+    granikv_step = step(g_cache, g_run_batch, sched, g_load_batch, graph_runner, g_war)
 
     def reset() -> None:
         stock_alloc.clear()

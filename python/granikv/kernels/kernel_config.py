@@ -66,13 +66,14 @@ class KernelConfig:
     free up the block scheduler places the suffix launch's programs before the prefix launch's
     remaining ones. The prefix launch alone is faster at more waves (on an H100, 1.75 waves:
     480 TFLOP/s at 16K x 128 against 403 at 1.5), but the layer was 6-11% slower there, its
-    suffix launch waiting for SMs (docs/results/kernels.md, "The SM split"). Off until
-    measured (sweep variants ``sfx_prio*``)."""
+    suffix launch waiting for SMs (docs/results/kernels.md, "The SM split"). Off: measured
+    slower with every prefix wave target tried (sweep variants ``sfx_prio*``; kernels.md, "The
+    suffix launch first or at the highest stream priority")."""
     suffix_first: bool = False
     """With ``overlap_suffix``: the suffix launch is issued before the prefix launch (each on
     its stream, as before), so its programs take SMs first and the prefix launch's fill the
-    rest. Same work and outputs, in another order of launch. Off until measured (sweep variants
-    ``sfx_first*``)."""
+    rest. Same work and outputs, in another order of launch. Off: measured slower or equal
+    (sweep variants ``sfx_first``, ``sfx_prio_first*``; kernels.md, same section)."""
     reuse_chunk_factor: float = 1.5
     """``fill`` reuses the previous step's work list, with each request's last suffix chunk
     extended to its new ``seq_len``, while the grouping (hence the prefix items) is unchanged and
