@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from benchmark.harness import replay_gaps
 from benchmark.harness.counters import counter_delta, granikv_of
 from benchmark.harness.latency import latency_stats
 from benchmark.multi_agent import workloads as wl
@@ -239,7 +240,9 @@ class EngineChild:
         busy time is the run's mean, which the row's TPOT p50 is (a window at the first token
         would put a 4-layer forest's GraniKV step at 2.1 ms against its run mean of 2.8 ms, and
         ``regime_report.timed_idle_us`` would read the difference as idle time). The run's tok/s
-        is not reported (the profiler slows it).
+        is not reported (the profiler slows it). With the replay-gap recorder in the engine
+        (``harness.replay_gaps``; not with ``host``), the same run's decode replays are timed
+        by CUDA events outside the profiled steps too (``replay_gaps`` in the result).
         ``host``: CPU activity recorded too, reduced to the host's time per call name
         (``gpu_idle.host_calls_of_events``) instead of the idle time (which the CPU profiler
         would distort). ``keep``: a path; with ``host``, Python frames are recorded too and the
@@ -253,6 +256,10 @@ class EngineChild:
         start = probe_start_tokens(int(w.sampling.max_new_tokens), steps)
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self.warm(w)
+        control = None if host else os.environ.get(replay_gaps.CONTROL_ENV)
+        if control:  # the decode replays' gaps over the same run, outside the profiled steps
+            replay_gaps.arm(control, True)
+            self.server_info()
         req = ProfileReq(output_dir=trace_dir, num_steps=steps, activities=["CPU", "GPU"] if host else ["GPU"],
                          with_stack=bool(host and keep), record_shapes=False, profile_prefix="host" if host else "idle")
 
@@ -271,6 +278,10 @@ class EngineChild:
             await asyncio.gather(*agents)
 
         self.loop.run_until_complete(probe())
+        gaps = None
+        if control:
+            replay_gaps.arm(control, False)
+            gaps = replay_gaps.of_server_info(self.server_info())
         deadline = time.time() + 60
         trace = gpu_idle.newest_trace(Path(trace_dir))
         while trace is None and time.time() < deadline:  # written when the N-th step ends
@@ -284,6 +295,8 @@ class EngineChild:
             gpu_idle.keep_trace(trace, Path(keep))
             res = dict(res, trace=keep)
         shutil.rmtree(trace_dir, ignore_errors=True)
+        if gaps is not None:
+            res = dict(res, replay_gaps=gaps)
         return dict(res, workload=w.name, agents=w.agents, probe_start_tokens=start, probe_turn=turn)
 
     def _counters(self, before: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -43,6 +43,7 @@ SIDE_KEYS = ("seconds", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_m
 SPEEDUP_MIN, NO_PAY_MIN, NO_PAY_FLOOR, FLOOR_FRACTION_MIN = 0.97, 0.99, 1.05, 0.90
 PLAN_P50_MAX_US, PLAN_P99_MAX_US = 30.0, 80.0
 IDLE_SLACK_US = 5.0  # GraniKV's GPU idle per decode step may exceed stock's by this much
+MIN_REPLAY_GAPS = 16  # replay gaps per engine for idle_basis to judge a row by them
 TIMED_SPAN_MAX = 1.15  # an engine's TPOT p50 over its probed step above this: prefill shares the decode's steps
 SPREAD_MAX = 0.01  # the stock engine's own spread a no-pay row's verdict can rest on
 POOL_TOLERANCE = 0.01  # stock and GraniKV KV pools differing more than this: the row compares nothing
@@ -139,6 +140,10 @@ def assemble(records: Sequence[Mapping[str, Any]], meta: Optional[Mapping[str, A
             idle = by.get((side, "idle")) or {}
             row[f"gpu_idle_us_{side}"] = _num(idle.get("gpu_idle_us_per_step"))
             row[f"gpu_busy_us_{side}"] = _num(idle.get("gpu_busy_us_per_step"))
+            gaps = idle.get("replay_gaps") or {}  # harness.replay_gaps: the probe run, by events
+            row[f"replay_gap_us_{side}"] = _num(gaps.get("gap_us_p50"))
+            row[f"replay_us_{side}"] = _num(gaps.get("replay_us_p50"))
+            row[f"replay_gaps_{side}"] = gaps.get("gaps")
             host = by.get((side, "host"))
             if host is not None:  # --host-probe-steps: name -> [calls, µs] per decode step
                 row[f"host_calls_{side}"] = host.get("host_calls")
@@ -204,7 +209,12 @@ def pools_differ(caps: Mapping[str, Any]) -> bool:
 
 
 def idle_basis(row: Mapping[str, Any]) -> Optional[str]:
-    """Which idle figures a row is judged by: "timed" (``timed_idle_us``) where both engines have
+    """Which idle figures a row is judged by: "replay" (``replay_gap_us``: the stream's time
+    between two consecutive decode replays, p50, timed by CUDA events over the probe run outside
+    its profiled steps) where both engines have at least MIN_REPLAY_GAPS of them: nothing
+    stretches either engine's host there and no prefill chunk is counted, so it is preferred
+    to both estimates below; a gap also holds the GPU work between replays, so it bounds the
+    idle time from above. Else "timed" (``timed_idle_us``) where both engines have
     one and the timed run's step is the step the probe saw, "probe" (the profiled run's own
     idle time) otherwise, None without figures. The profiler can stretch one engine's host work
     and not the other's, which the timed estimate does not see. But the timed estimate reads
@@ -215,6 +225,9 @@ def idle_basis(row: Mapping[str, Any]) -> Optional[str]:
     the shorter one on a sharing row, so the same prefill chunks weigh more in its TPOT (1.16-1.23x
     on sharing rows of three models, where its estimate read 1.9-3.0 ms of idle time per step
     against its probe's 0.25-0.49 ms). Either side above TIMED_SPAN_MAX sets the estimate aside."""
+    if all((row.get(f"replay_gaps_{side}") or 0) >= MIN_REPLAY_GAPS
+           and row.get(f"replay_gap_us_{side}") is not None for side in ("baseline", "granikv")):
+        return "replay"
     gb, gg = row.get("gpu_idle_us_baseline_timed"), row.get("gpu_idle_us_granikv_timed")
     if gb is not None and gg is not None:
         if all(_within_probed_span(row, side) for side in ("baseline", "granikv")):
@@ -239,6 +252,9 @@ def gpu_waits_not(row: Mapping[str, Any]) -> bool:
     basis = idle_basis(row)
     if basis is None:
         return False
+    if basis == "replay":
+        gb, gg = row["replay_gap_us_baseline"], row["replay_gap_us_granikv"]
+        return gg <= gb + IDLE_SLACK_US
     suffix = "_timed" if basis == "timed" else ""
     gb, gg = row[f"gpu_idle_us_baseline{suffix}"], row[f"gpu_idle_us_granikv{suffix}"]
     return gg <= gb + IDLE_SLACK_US
@@ -319,7 +335,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     head = ("| model | backend | workload | agents | stock tok/s | GraniKV tok/s | speedup | stock spread " + extra +
             "| ceiling tok/s "
             "| floor_speedup | floor_fraction | plan µs p50 / p99 (row mean) | GPU idle µs/step stock / GraniKV "
-            "(timed: TPOT p50 - GPU busy) "
+            "(timed: TPOT p50 - GPU busy; replay gap: between decode replays, by events) "
             "| decode paths | extend left stock "
             "| targets missed |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -336,7 +352,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             _f(r.get("ceiling_out_tok_s")) + (" (row)" if r.get("ceiling_is_row") else ""),
             _f(r.get("floor_speedup"), "{:.2f}x") + reason, _f(r.get("floor_fraction"), "{:.0%}"), plan,
             f"{_f(r.get('gpu_idle_us_baseline'), '{:.0f}')} / {_f(r.get('gpu_idle_us_granikv'), '{:.0f}')}"
-            + _timed_idle_cell(r),
+            + _timed_idle_cell(r) + _replay_gap_cell(r),
             _counts(r.get("dispatch_paths")), _counts(r.get("extend_fallbacks")),
             "; ".join(verdicts(r)) or "–",
         ]) + " |")
@@ -351,6 +367,15 @@ def _timed_idle_cell(r: Mapping[str, Any]) -> str:
         return ""
     aside = ", judged by the probe" if idle_basis(r) == "probe" else ""
     return f" (timed {_f(b, '{:.0f}')} / {_f(g, '{:.0f}')}{aside})"
+
+
+def _replay_gap_cell(r: Mapping[str, Any]) -> str:
+    """`` [replay gap B / G]``: ``replay_gap_us`` p50 of both engines, where the row has them."""
+    b, g = r.get("replay_gap_us_baseline"), r.get("replay_gap_us_granikv")
+    if b is None and g is None:
+        return ""
+    judged = ", judged by it" if idle_basis(r) == "replay" else ""
+    return f" [replay gap {_f(b, '{:.0f}')} / {_f(g, '{:.0f}')}{judged}]"
 
 
 def _also_stock_cells(side: Optional[Mapping[str, Any]]) -> List[str]:

@@ -67,7 +67,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from benchmark.harness import engine_child, engine_proc, resident_engine
+from benchmark.harness import engine_child, engine_proc, replay_gaps, resident_engine
 from benchmark.harness.engine_args import BASE_ENGINE_KWARGS, apply_extra, parse_engine_args
 from benchmark.harness.model_config import kv_dtype_bytes
 from benchmark.harness.resident_engine import EngineGone, ResidentEngine
@@ -122,7 +122,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--idle-probe-steps", type=int, default=0,
                    help="After a row's timed repeats, run it once more on each engine with "
                         "SGLang's profiler over this many decode steps (GPU activity only) and record "
-                        "the GPU's idle time per step (gpu_idle_us_baseline / _granikv). 0: off.")
+                        "the GPU's idle time per step (gpu_idle_us_baseline / _granikv); the same run's "
+                        "decode replays are timed by CUDA events outside the profiled steps "
+                        "(harness.replay_gaps: replay_gap_us_baseline / _granikv). 0: off.")
     p.add_argument("--host-probe-steps", type=int, default=0,
                    help="Likewise, one more untimed run per engine with the profiler recording CPU "
                         "activity too over this many decode steps: the host's time per CUDA call and "
@@ -402,10 +404,13 @@ def _start_engines(run: Run, model: grid.Model, rows: Sequence[grid.Regime],
                    dp_routing="prefix")
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(job, f)
+        env = engine_proc.engine_env(kw["attention_backend"], engine_proc.repo_env())
+        if args.idle_probe_steps > 0:  # the probe's run also times its decode replays by events
+            env = replay_gaps.plugin_env(env, f.name + ".replay_gaps")
         engines[config] = ResidentEngine(
             engine_proc.module_command("benchmark.multi_agent.regimes", "--child", f.name),
             name=f"{model.name}/{args.backend}/{config}",
-            env=engine_proc.engine_env(kw["attention_backend"], engine_proc.repo_env()),
+            env=env,
             extra=dict(model=model.name, backend=args.backend, config=config),
             on_record=lambda rec: run.add(rec) if rec["kind"] == "info" else None, cwd=engine_proc.REPO_ROOT)
         engines[config].job_path = f.name  # type: ignore[attr-defined]

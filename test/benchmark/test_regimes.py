@@ -294,11 +294,13 @@ class FakeResident:
         # a child of this benchmark module, from the repository root
         assert cmd[1:4] == ["-m", "benchmark.multi_agent.regimes", "--child"] and cwd == engine_proc.REPO_ROOT
         self.job = json.loads(open(cmd[-1]).read())
+        FakeResident.envs.append(env)
         self.extra, self.on_record = extra, on_record
         self.k = {}
 
     pools = None  # config -> KV pool tokens of each start in turn (default 1000 every time)
     starts: list = []
+    envs: list = []  # each start's environment
 
     def wait_ready(self, timeout):
         assert timeout > 0
@@ -329,6 +331,7 @@ class FakeResident:
 @pytest.fixture()
 def fake_resident(regimes, monkeypatch):
     FakeResident.log, FakeResident.probes, FakeResident.starts, FakeResident.pools = [], [], [], None
+    FakeResident.envs = []
     monkeypatch.setattr(regimes, "ResidentEngine", FakeResident)
     monkeypatch.setattr(regimes.engine_proc, "gpu_free_bytes", lambda: None)  # a GPU's memory: unknown
     return FakeResident
@@ -685,6 +688,39 @@ def test_idle_probe_runs_untimed_after_the_repeats_and_fills_the_row(regimes, fa
     assert row["baseline_out_tok_s"] == 1000.0  # the probe's run is not a timed repeat
     assert "host_calls_baseline" not in row  # no host probe asked for
     assert row["baseline_tpot_p50_ms"] is None and row["gpu_idle_us_baseline_timed"] is None  # no latency here
+
+
+def test_idle_probe_engines_carry_the_replay_gap_recorder_and_rows_are_judged_by_it(regimes, fake_resident, tmp_path):
+    """With the idle probe on, every engine starts with the recorder's plugin on its path; the
+    probe's replay gaps fill the row and decide the idle verdict (the probe's own figures, which
+    would fail GraniKV here, are set aside)."""
+    from benchmark.harness import replay_gaps
+
+    def answer(job, tags, k):
+        if tags["variant"] == "idle":
+            gap = 41.0 if job["config"] == "baseline" else 44.0
+            return dict(kind="row", config=job["config"], workload="grouped", gpu_idle_us_per_step=12.0
+                        if job["config"] == "baseline" else 90.0, gpu_busy_us_per_step=900.0,
+                        replay_gaps=dict(replays=300, gaps=290, gap_us_p50=gap, replay_us_p50=880.0))
+        return _rec(job["config"], tags["regime"], 1000.0, tags["variant"], model=job["model"])
+
+    fake_resident.answer = answer
+    argv = ["--models", "qwen2.5-7b", "--rows", "short1k_3sharers", "--out", str(tmp_path), "--time-budget-s", "0",
+            "--repeats", "1", "--idle-probe-steps", "32"]
+    assert regimes.main(argv) == 0
+    envs = [e for e in fake_resident.envs if e is not None]
+    assert envs and all(replay_gaps.CONTROL_ENV in e and str(replay_gaps.PLUGIN_DIR) in e["PYTHONPATH"] for e in envs)
+    row = json.loads((tmp_path / "regimes_flashinfer.json").read_text())["rows"][0]
+    assert (row["replay_gap_us_baseline"], row["replay_gap_us_granikv"], row["replay_gaps_granikv"]) == (41.0, 44.0, 290)
+    assert row["gpu_idle_basis"] == "replay"
+    judged = dict(row, plan_us_p50=45.0, plan_us_p99=90.0)
+    assert regimes_mod.report.gpu_waits_not(judged)  # 44 within 41 + 5, though the probe reads 90 against 12
+    assert not regimes_mod.report.gpu_waits_not(dict(judged, replay_gap_us_granikv=47.0))
+    assert regimes_mod.report.idle_basis(dict(judged, replay_gaps_baseline=3)) != "replay"  # too few gaps
+    assert "[replay gap 41 / 44, judged by it]" in regimes_mod.report.markdown_table([row])
+    fake_resident.envs.clear()
+    assert regimes.main(argv[:-2]) == 0  # no probe: no recorder
+    assert not any(replay_gaps.CONTROL_ENV in (e or {}) for e in fake_resident.envs)
 
 
 def test_idle_probe_covers_agent_loop_rows(regimes, fake_resident, tmp_path):
