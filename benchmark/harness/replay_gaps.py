@@ -1,12 +1,13 @@
 """The stream's time between consecutive decode graph replays, timed by CUDA events, no profiler.
 
-An engine's decode step on the GPU is one ``DecodeCudaGraphRunner.execute`` (input copies and
-the graph replay) followed by what runs between two replays: sampling, the next step's
-metadata work, and the GPU's wait for the host when the host is on the critical path. This
-module records a timing event on the forward stream right before and right after every decode
-``execute`` and reports, per engine::
+An engine's decode step on the GPU is one graph replay (``DecodeCudaGraphRunner.execute`` loads
+the step's inputs, then replays through ``FullCudaGraphBackend.replay``) followed by what runs
+between two replays: sampling, the next step's metadata work and input copies, and the GPU's
+wait for the host when the host is on the critical path. This module records a timing event on
+the forward stream right before and right after every decode graph replay and reports, per
+engine::
 
-    replay_us = end(i) - start(i)          the step's execute on the GPU
+    replay_us = end(i) - start(i)          the step's graph on the GPU
     gap_us    = start(i + 1) - end(i)      the stream between two decode replays
 
 over the pairs of decode forwards that follow each other with no other forward between them
@@ -40,6 +41,7 @@ MAX_RECORDS = 50_000  # decode replays kept per window (two events each)
 STATE_KEY = "replay_gaps"
 
 _TARGETS = {
+    "graph_replay": "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend.replay",
     "execute": "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
     "internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
 }
@@ -107,17 +109,33 @@ class ReplayGapRecorder:
     def __init__(self, new_event: Callable[[], Any], profiling: Callable[[], bool], control: Optional[str]):
         self.new_event, self.profiling, self.control = new_event, profiling, control
         self.armed = False
+        self._pending: Optional[Tuple[int, bool]] = None  # a decode execute's (forward index, profiled)
         self._records: List[Tuple[int, bool, Any, Any]] = []  # (forward index, profiled, start, end)
         self.dropped = 0
 
     def around_execute(self, original: Callable, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """A decode forward's ``execute``: its graph replay (below) is the one to time."""
         if not self.armed or not forward_batch.forward_mode.is_decode():
             return original(runner, forward_batch, *args, **kwargs)
+        # ModelRunner.forward numbers its forwards
+        self._pending = (int(runner.model_runner.forward_pass_id), self.profiling())
+        try:
+            return original(runner, forward_batch, *args, **kwargs)
+        finally:
+            self._pending = None
+
+    def around_graph_replay(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """The graph replay inside a decode ``execute``, after its inputs were loaded (SGLang's
+        ``load_batch`` and GraniKV's hook on it stay in the gap, with the plan before them)."""
+        pending = self._pending
+        if pending is None:
+            return original(*args, **kwargs)
+        self._pending = None
         start = self.new_event()
-        out = original(runner, forward_batch, *args, **kwargs)
+        out = original(*args, **kwargs)
         end = self.new_event()
-        if len(self._records) < MAX_RECORDS:  # ModelRunner.forward numbers its forwards
-            self._records.append((int(runner.model_runner.forward_pass_id), self.profiling(), start, end))
+        if len(self._records) < MAX_RECORDS:
+            self._records.append((pending[0], pending[1], start, end))
         else:
             self.dropped += 1
         return out
@@ -168,6 +186,7 @@ def register() -> None:
 
     rec = ReplayGapRecorder(_cuda_event, _profiling, control)
     HookRegistry.register(_TARGETS["execute"], rec.around_execute, HookType.AROUND)
+    HookRegistry.register(_TARGETS["graph_replay"], rec.around_graph_replay, HookType.AROUND)
     HookRegistry.register(_TARGETS["internal_state"], rec.after_internal_state, HookType.AFTER)
 
 

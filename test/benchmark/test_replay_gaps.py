@@ -45,13 +45,18 @@ class Engine:
         self.model_runner.forward_pass_id += 1
         fb = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: mode == "decode"))
 
-        def execute(runner, forward_batch):
+        def replay(key, static_forward_batch):
             self.t += ms
             return "out"
+
+        def execute(runner, forward_batch):
+            self.t += 0.003  # load_batch: in the gap, not the replay
+            return self.rec.around_graph_replay(replay, "key", forward_batch)
 
         if mode == "decode":
             assert self.rec.around_execute(execute, self, fb) == "out"
         else:
+            assert self.rec.around_graph_replay(lambda *a: "prefill graph", "key", fb) == "prefill graph"
             self.t += ms
         self.t += gap_ms
 
@@ -71,6 +76,7 @@ def test_recorder_times_decode_replays_only_while_armed(tmp_path):
     control = str(tmp_path / "ctl")
     e = Engine(control)
     e.forward("decode", 2.0, 0.05)  # not armed: nothing recorded
+    assert e.rec._pending is None
     assert e.rec.window()["replays"] == 0 and not e.rec.armed  # no control file: stays off
     rg.arm(control, True)
     assert e.rec.window()["replays"] == 0 and e.rec.armed
@@ -88,7 +94,7 @@ def test_recorder_times_decode_replays_only_while_armed(tmp_path):
     rg.arm(control, False)
     w = e.rec.window()
     assert w["replays"] == 28 and w["replay_us_p50"] == pytest.approx(2000.0)
-    assert w["gaps"] == 9 + 9 + 4 and w["gap_us_p50"] == pytest.approx(50.0) and w["gap_us_p90"] == pytest.approx(50.0)
+    assert w["gaps"] == 9 + 9 + 4 and w["gap_us_p50"] == pytest.approx(53.0) and w["gap_us_p90"] == pytest.approx(53.0)
     assert not e.rec.armed and e.rec.window()["replays"] == 0  # disarmed: a new, empty window
 
 
