@@ -172,6 +172,8 @@ def floor_of(shape: Optional[Shape], *, baseline: Optional[float], granikv: Opti
         return Floor(None, None, None, "no ceiling row of the same shape (prefixes cut to 256 tokens)")
     if model is None:
         return Floor(None, None, None, "model shape unknown (no config under configs/)")
+    if ceiling < baseline:  # the same engine with the long prefixes cut cannot be slower
+        return Floor(None, None, None, "ceiling below the stock row (its one run was slowed)")
     tokens = shape.agents * shape.turns * shape.out
     wall = floor_wall_of(shape, tokens / ceiling, model, flops, bw)
     best = max(tokens / wall, baseline)
