@@ -21,9 +21,9 @@ chunks inside the decode are left out.
 
 The recorder reaches the scheduler process as an SGLang plugin (``register``, entry point
 ``replay_gaps`` of the ``replay_gaps_plugin`` folder's metadata, found once the folder is on
-``PYTHONPATH``; :func:`plugin_env`). It records only while armed: the benchmark writes ``on`` or
-``off`` into the control file named by ``BENCH_REPLAY_GAPS_CONTROL`` and asks for the server
-info; ``Scheduler.get_internal_state`` then reads the file, reports the window that ends there
+``PYTHONPATH``; :func:`plugin_env`). It records only while armed: the benchmark writes ``on``
+into the control file named by ``BENCH_REPLAY_GAPS_CONTROL`` (or removes it) and asks for the
+server info; ``Scheduler.get_internal_state`` then reads the file, reports the window that ends there
 (``internal_states[i]["replay_gaps"]``) and starts a new one. A disarmed step costs one
 attribute read.
 """
@@ -58,8 +58,12 @@ def plugin_env(env: Mapping[str, str], control: str) -> Dict[str, str]:
 
 
 def arm(control: str, on: bool) -> None:
-    """Benchmark side: the next server-info call starts (``on``) or ends a recording window."""
-    Path(control).write_text("on\n" if on else "off\n")
+    """Benchmark side: the next server-info call starts (``on``) or ends a recording window.
+    Off removes the control file (no file reads as off), so none is left between probes."""
+    if on:
+        Path(control).write_text("on\n")
+    else:
+        Path(control).unlink(missing_ok=True)
 
 
 def armed_in(control: Optional[str]) -> bool:

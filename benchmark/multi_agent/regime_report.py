@@ -252,12 +252,8 @@ def gpu_waits_not(row: Mapping[str, Any]) -> bool:
     basis = idle_basis(row)
     if basis is None:
         return False
-    if basis == "replay":
-        gb, gg = row["replay_gap_us_baseline"], row["replay_gap_us_granikv"]
-        return gg <= gb + IDLE_SLACK_US
-    suffix = "_timed" if basis == "timed" else ""
-    gb, gg = row[f"gpu_idle_us_baseline{suffix}"], row[f"gpu_idle_us_granikv{suffix}"]
-    return gg <= gb + IDLE_SLACK_US
+    key = {"replay": "replay_gap_us_{}", "timed": "gpu_idle_us_{}_timed", "probe": "gpu_idle_us_{}"}[basis]
+    return row[key.format("granikv")] <= row[key.format("baseline")] + IDLE_SLACK_US
 
 
 def verdicts(row: Mapping[str, Any]) -> List[str]:

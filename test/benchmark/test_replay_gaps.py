@@ -92,6 +92,7 @@ def test_recorder_times_decode_replays_only_while_armed(tmp_path):
     for _ in range(5):
         e.forward("decode", 2.0, 0.05)
     rg.arm(control, False)
+    assert not Path(control).exists()  # disarmed: no control file left behind
     w = e.rec.window()
     assert w["replays"] == 28 and w["replay_us_p50"] == pytest.approx(2000.0)
     assert w["gaps"] == 9 + 9 + 4 and w["gap_us_p50"] == pytest.approx(53.0) and w["gap_us_p90"] == pytest.approx(53.0)
