@@ -67,11 +67,14 @@ UNGROUPED_LEN = 2048
 PATHS = ("paged", "cascade", "fused", "bgemm")
 
 
-def describe(groups, suffix: int, ungrouped: int):
+def describe(groups, suffix: int, ungrouped: int, order_seed: Optional[int] = None):
     """The batch of a case: ``(BatchDescription, req_to_token rows as numpy, label)``.
 
     Slot layout: 0 = padding | COLD slots (randomly permuted) | HOT prefixes, one after another.
-    Ungrouped requests have ``UNGROUPED_LEN`` COLD tokens.
+    Ungrouped requests have ``UNGROUPED_LEN`` COLD tokens. Batch order: each group's members
+    adjacent, groups in turn, then the ungrouped requests; with ``order_seed`` a seeded
+    permutation of that (every group's members spread over the batch, as a running batch holds
+    requests in arrival order).
     """
     rng = np.random.default_rng(0)
     bs = sum(n for _, n in groups) + ungrouped
@@ -81,6 +84,9 @@ def describe(groups, suffix: int, ungrouped: int):
     starts = 1 + n_cold + np.cumsum([0] + [p for p, _ in groups])[:-1]
     hot_start = np.array([s for s, (_, n) in zip(starts, groups) for _ in range(n)] + [0] * ungrouped,
                          np.int64)  # fmt: skip
+    if order_seed is not None:
+        perm = np.random.default_rng(order_seed).permutation(bs)
+        hot_len, seq_lens, hot_start = hot_len[perm], seq_lens[perm], hot_start[perm]
     cold = rng.permutation(n_cold) + 1
     rows = np.zeros((bs + 1, int(seq_lens.max())), np.int32)
     c = 0
@@ -93,15 +99,16 @@ def describe(groups, suffix: int, ungrouped: int):
     label = ("+".join(f"{p}x{n}" for p, n in groups) if len(set(groups)) > 1 or len(groups) == 1
              else f"{len(groups)}*({groups[0][0]}x{groups[0][1]})")  # fmt: skip
     label += f" sfx{suffix}" + (f" +{ungrouped}cold" if ungrouped else "")
+    label += " interleaved" if order_seed is not None else ""
     return desc, rows, label
 
 
 class Case:
     """One synthetic decode batch on the GPU and ``layers`` copies of its KV (one per layer)."""
 
-    def __init__(self, groups, suffix, ungrouped, heads, dtype, l2_bytes):
+    def __init__(self, groups, suffix, ungrouped, heads, dtype, l2_bytes, order_seed: Optional[int] = None):
         hq, hkv, d = heads
-        self.desc, rows, self.label = describe(groups, suffix, ungrouped)
+        self.desc, rows, self.label = describe(groups, suffix, ungrouped, order_seed)
         self.grouping = group_requests(self.desc, min_group_size=1)
         self.bs, self.heads, self.dtype = self.desc.batch_size, heads, dtype
         slots = 1 + int(self.desc.seq_lens.sum() - self.desc.hot_len.sum()) + sum(p for p, _ in groups)
