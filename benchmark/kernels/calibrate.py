@@ -535,12 +535,20 @@ def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostM
                                     f"{len(rows)} cases of {os.path.basename(extend_path)}")
     extend = dataclasses.replace(extend, paged_call_us=fallback.paged_launch_us,
                                  dense_call_us=2 * fallback.paged_launch_us)
+    stock_by_backend = {}
+    if extend_path:  # SGLang's fa3 backend's own prefix part (bench_extend's sgl_fa3_paged), where measured
+        fa3 = [r["sgl_fa3_paged_TFLOPs"] for r in rows if r.get("sgl_fa3_paged_TFLOPs")]
+        if fa3:
+            stock_by_backend["fa3"] = {"paged_tflops": statistics.median(fa3), "paged_call_us": extend.paged_call_us}
+            how["extend_stock_fa3"] = (f"median TFLOP/s of sgl_fa3_paged over {len(fa3)} cases of "
+                                       f"{os.path.basename(extend_path)}; call as flashinfer's paged call")
     how["extend_call_us"] = ("not measured (every extend case is compute-bound): paged call = the decode "
                              "paged_launch_us, dense call = 2x it (plan + run of a ragged call), merge "
                              f"{extend.merge_us} us; to refit on the GPU")
     served = ServedTerms(eager_launch_us=statistics.median(eager) if eager else ServedTerms.eager_launch_us,
                          paged_by_backend=by_backend, extend=extend,
-                         launch_floor_us=fallback.served.launch_floor_us, host_plan_us=fallback.served.host_plan_us)
+                         launch_floor_us=fallback.served.launch_floor_us, host_plan_us=fallback.served.host_plan_us,
+                         extend_stock_by_backend=stock_by_backend)
     return served, how
 
 

@@ -283,6 +283,37 @@ def test_served_terms_round_trip_and_validation(tmp_path):
             CostModel.load(write(tmp_path, dict(m, served=bad), "bad.json"))
 
 
+def test_a_backends_own_stock_prefill_terms_round_trip_and_apply_under_it(tmp_path):
+    """served.extend_stock_by_backend: fa3's own stock prefill rate replaces flashinfer's in the
+    extend gate's terms under fa3 only (CostModel.for_backend); bad entries name their field."""
+    m = valid_mapping()
+    m["served"]["extend_stock_by_backend"] = {"fa3": {"paged_tflops": 500.0}}
+    loaded = CostModel.load(write(tmp_path, m))
+    assert loaded.served.to_mapping()["extend_stock_by_backend"] == {"fa3": {"paged_tflops": 500.0}}
+    fa3, fi = loaded.for_backend("fa3"), loaded.for_backend("flashinfer")
+    assert fa3.served.extend.paged_tflops == 500.0 and fa3.served.extend.dense_tflops == loaded.served.extend.dense_tflops
+    assert fi.served.extend == loaded.served.extend and loaded.for_backend("triton").served.extend == loaded.served.extend
+    big = 4 * 32 * 128 * 16384 * (64 * 256)
+    assert fa3.served.extend.stock_us(big) < fi.served.extend.stock_us(big)  # a faster stock prefill
+    assert "extend_stock_by_backend" not in valid_mapping()["served"]  # files without it: unchanged
+    for bad in ({"fa3": {"dense_tflops": 1.0}}, {"fa3": {}}, {"fa3": {"paged_tflops": -2.0}}):
+        with pytest.raises(ValueError, match=r"served\.extend_stock_by_backend\.fa3"):
+            CostModel.load(write(tmp_path, dict(m, served=dict(m["served"], extend_stock_by_backend=bad)), "b.json"))
+
+
+def test_full_extend_charges_the_causal_call_and_its_merge():
+    """A backend whose stock extend is one call (triton, fa3): GraniKV's whole extend adds one
+    dense causal call and one merge; the causal FLOPs count on both sides at their rates."""
+    t = cm_mod.ExtendTerms()
+    hot, causal = 1e9, 2e8
+    extra = t.hot_full_us(2, hot, None, causal) - t.hot_us(2, hot, None)
+    assert extra == pytest.approx(t.dense_call_us + t.merge_us + causal / (t.dense_tflops * 1e6))
+    assert t.stock_full_us(hot, causal) == pytest.approx(t.stock_us(hot + causal))
+    # a prefix part that pays by less than the extra call and merge no longer pays in full
+    flops = (t.dense_call_us + 0.5 * (t.dense_call_us + t.merge_us)) / (1 / (t.paged_tflops * 1e6) - 1 / (t.dense_tflops * 1e6))
+    assert t.hot_us(1, flops, None) < t.stock_us(flops) and t.hot_full_us(1, flops, None, 0.0) > t.stock_full_us(flops, 0.0)
+
+
 def test_extend_terms_price_dense_calls_per_group():
     t = cm_mod.ExtendTerms()
     big = 4 * 32 * 128 * 16384 * (64 * 256)  # 16K prefix x 64 agents x 256 new tokens

@@ -303,3 +303,28 @@ def test_the_sink_convention_is_sglangs_triton_extend_kernel():
                          pool.v_buffer[0], qo_indptr, kv_indptr, kv_indices, None, True, None, max(new),
                          1.0, 1.0, sm_scale=SCALE, sinks=sinks)
     torch.testing.assert_close(out.view(-1, HQ * D).double(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_the_auto_gate_charges_the_whole_extends_causal_call_and_merge():
+    """--granikv-extend-path auto under a one-call stock extend (triton): the gate prices the
+    whole extend GraniKV would run (ExtendTerms.hot_full_us: + one causal call + one merge), not
+    the prefix part alone. Terms where the prefix part pays (two dense calls of ~0 us against a
+    3 us stock call) but the extra merge (5 us) does not: stock; with the merge ~0 us: HOT."""
+    import dataclasses
+
+    def run(merge_us):
+        runner, fb, rows, q, k, v = _setup(["A", "A", "B"], [3, 5, 4])
+        be = _backend(runner, extend_path="auto")
+        cm = be.dispatcher.cost_model
+        ext = dataclasses.replace(cm.served.extend, dense_call_us=1e-6, paged_call_us=3.0, merge_us=merge_us)
+        assert ext.hot_us(2, 0.0, None) < ext.stock_us(0.0)  # the prefix part alone would pay
+        be.dispatcher.cost_model = dataclasses.replace(cm, served=dataclasses.replace(cm.served, extend=ext))
+        out = _run(be, fb, rows, q, k, v)
+        torch.testing.assert_close(out, _expected(runner, fb, q, k, v), atol=ATOL, rtol=RTOL)
+        return be
+
+    be = run(5.0)
+    assert be.inner.calls == 1 and be.stats.extend_hot_batches == 0
+    assert list(be.stats.extend_fallbacks) == ["the cost model puts the stock prefill first for this shape"]
+    be = run(1e-6)
+    assert be.inner.calls == 0 and be.stats.extend_hot_batches == 1

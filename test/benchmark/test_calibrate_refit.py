@@ -88,3 +88,24 @@ def test_refit_keeps_the_served_step_terms_and_takes_overrides(tmp_path):
     assert (new.launch_floor_us, new.host_plan_us) == (2.5, old.host_plan_us)
     with pytest.raises(SystemExit, match="--host-plan-us=-1.0 must be a positive"):
         cal.served_overrides(None, -1.0)
+
+
+def test_served_terms_take_fa3s_own_stock_prefill_from_extend_json(tmp_path):
+    """--served-into: bench_extend's sgl_fa3_paged (SGLang's fa3 call over the prefix) becomes
+    served.extend_stock_by_backend.fa3 (median TFLOP/s); without it, no fa3 entry."""
+    grid = {"meta": {"shapes": {"hq": 32, "hkv": 8, "d": 128}},
+            "rows": [{"groups": [[4096, 8]], "suffix": 256, "sgl_triton_ms": 0.05, "gkv_cascade_ms": 0.027,
+                      "gkv_cascade_eager_ms": 0.07}]}
+    ext_rows = [{"fi_paged_fa2_TFLOPs": 350.0, "fi_ragged_fa3_TFLOPs": 640.0, "sgl_fa3_paged_TFLOPs": t}
+                for t in (480.0, 520.0, 500.0)]
+    (tmp_path / "kernels.json").write_text(json.dumps(grid))
+    (tmp_path / "extend.json").write_text(json.dumps({"rows": ext_rows}))
+    model = CostModel.load(str(H200))
+    served, how = cal.served_from_grid(str(tmp_path / "kernels.json"), str(tmp_path / "extend.json"), model)
+    assert served.extend_stock_by_backend == {"fa3": {"paged_tflops": 500.0, "paged_call_us": served.extend.paged_call_us}}
+    assert served.extend.paged_tflops == 350.0 and "extend_stock_fa3" in how
+    for r in ext_rows:
+        del r["sgl_fa3_paged_TFLOPs"]
+    (tmp_path / "extend.json").write_text(json.dumps({"rows": ext_rows}))
+    served, how = cal.served_from_grid(str(tmp_path / "kernels.json"), str(tmp_path / "extend.json"), model)
+    assert served.extend_stock_by_backend == {} and "extend_stock_fa3" not in how

@@ -140,10 +140,15 @@ class CostModel:
         return 0.0 if path == "paged" else num_layers * LAUNCHES[path] * self.served.launch_floor_us
 
     def for_backend(self, backend: Optional[str]) -> "CostModel":
-        """This model with ``backend``'s own paged coefficients, when the file has them."""
+        """This model with ``backend``'s own paged coefficients and stock prefill terms
+        (``served.extend``), where the file has them."""
+        model = self
+        extend = self.served.extend_for(backend)
+        if extend is not self.served.extend:
+            model = dataclasses.replace(model, served=dataclasses.replace(self.served, extend=extend))
         coefs = self.served.paged_by_backend.get(backend or "")
         # its keys are PAGED_NAMES (float fields; ServedTerms.from_mapping checks them)
-        return self if coefs is None else dataclasses.replace(self, **cast(Dict[str, Any], coefs))
+        return model if coefs is None else dataclasses.replace(model, **cast(Dict[str, Any], coefs))
 
     # ---- estimates (microseconds per decode step of `num_layers` layers) --------------------
 

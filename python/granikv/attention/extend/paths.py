@@ -131,7 +131,7 @@ class ExtendPaths:
         plan, reason = plan_extend(staged, prefix_lens, extend_lens, table.start_np, table.length_np,
                                    cover_all=exact)
         if plan is not None and not exact and ctx.cfg.extend_path == "auto" and not self.hot_extend_pays(
-                plan, prefix_lens, extend_lens):
+                plan, prefix_lens, extend_lens, full=full):
             plan, reason = None, "the cost model puts the stock prefill first for this shape"
         if plan is None:
             return reason
@@ -154,10 +154,15 @@ class ExtendPaths:
                                for w in md.prefill_wrappers]  # a new list: SGLang's stays
         return None
 
-    def hot_extend_pays(self, plan: ExtendPlan, prefix_lens: np.ndarray, extend_lens: np.ndarray) -> bool:
+    def hot_extend_pays(self, plan: ExtendPlan, prefix_lens: np.ndarray, extend_lens: np.ndarray, *,
+                        full: bool = False) -> bool:
         """The extend gate: True iff ``ExtendTerms`` puts the prefix part over HOT extents (one
         dense call per group, plus the COLD remainder's paged call and a merge) below the stock
-        paged call for this batch's shape. Runs under ``--granikv-extend-path auto`` only."""
+        paged call for this batch's shape; with ``full`` (a backend whose stock extend is one
+        call, GraniKV computing the whole extend), the new tokens' causal part on both sides
+        (``ExtendTerms.hot_full_us``, ``stock_full_us``). The stock terms are the wrapped
+        backend's where the cost model has them (``CostModel.for_backend``). Runs under
+        ``--granikv-extend-path auto`` only."""
         dispatcher = self.ctx.dispatcher
         terms = dispatcher.cost_model.served.extend
         per_pair = dispatcher.geometry.flops_per_query_token
@@ -165,6 +170,10 @@ class ExtendPaths:
         flops_hot = per_pair * float(sum(g.length * g.num_tokens for g in plan.groups))
         rem = plan.paged
         flops_cold = None if rem is None else per_pair * float(np.dot(rem.hi - rem.lo, rem.qo_lens))
+        if full:  # each new token attends to the new tokens up to itself: n (n + 1) / 2 pairs a request
+            flops_causal = per_pair * float(np.dot(extend_lens, extend_lens + 1)) / 2
+            return (terms.hot_full_us(len(plan.groups), flops_hot, flops_cold, flops_causal)
+                    < terms.stock_full_us(flops_all, flops_causal))
         return terms.hot_us(len(plan.groups), flops_hot, flops_cold) < terms.stock_us(flops_all)
 
     def failed(self, exc: Exception) -> None:
