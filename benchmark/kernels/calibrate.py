@@ -233,6 +233,9 @@ def main():
     ap.add_argument("--with-grid", metavar="KERNELS_JSON",
                     help="with --refit-from: also fit to every point of a full bench_attention.py grid "
                          "(its kernels.json: single layers, paged = FlashInfer tensor-core decode)")
+    ap.add_argument("--with-order", metavar="BATCH_ORDER_JSON",
+                    help="with --refit-from: also fit to the forests of a batch_order.py run (its paged and "
+                         "cascade times per layer, sharers adjacent and interleaved)")
     ap.add_argument("--launch-floor-us", type=float, metavar="US",
                     help="served.launch_floor_us to write: GPU-side floor of one GraniKV launch per layer "
                          "of a served step (default: the file's, else 3 us)")
@@ -245,10 +248,10 @@ def main():
         if not args.with_grid:
             ap.error("--served-into needs --with-grid")
         return served_into(args.served_into, args.with_grid, args.extend_json, overrides)
-    if args.with_grid and not args.refit_from:
-        ap.error("--with-grid needs --refit-from")
+    if (args.with_grid or args.with_order) and not args.refit_from:
+        ap.error("--with-grid and --with-order need --refit-from")
     if args.refit_from:
-        return refit_from(args.refit_from, args.out, grid=args.with_grid, overrides=overrides)
+        return refit_from(args.refit_from, args.out, grid=args.with_grid, overrides=overrides, order=args.with_order)
     t_start = time.time()
     torch.manual_seed(0)
     heads = tuple(int(x) for x in args.heads.split(","))
@@ -446,6 +449,32 @@ def rows_from_grid(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
     return rows
 
 
+def rows_from_order(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
+    """``(label, layers, {paged, cascade} us per layer, Workload)`` per batch of a
+    ``batch_order.py`` run (forests with sharers adjacent and interleaved), rebuilt from its
+    ``SHAPES``; a run of other heads is refused."""
+    from benchmark.kernels.batch_order import ORDERS, SHAPES
+
+    with open(path) as f:
+        run = json.load(f)
+    if tuple(run["meta"]["heads"]) != tuple(heads):
+        raise ValueError(f"{path}: heads {run['meta']['heads']} differ from the calibration's {list(heads)}")
+    fallback = CostModel.load(None, None)
+    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+                            kv_dtype_bytes=kv_dtype_bytes)  # fmt: skip
+    shapes = {(name, order): (groups, suffix, seed) for name, groups, suffix in SHAPES for order, seed in ORDERS}
+    rows = []
+    for r in run["rows"]:
+        key = (r["shape"], r["order"])
+        if key not in shapes:
+            raise ValueError(f"{path}: batch {key} is not one of batch_order.SHAPES")
+        groups, suffix, seed = shapes[key]
+        desc, _, label = describe(groups, suffix, 0, seed)
+        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
+        rows.append(("order " + label, r["layers"], {"paged": r["paged_us"], "cascade": r["cascade_us"]}, w))
+    return rows
+
+
 def served_overrides(launch_floor_us: Optional[float], host_plan_us: Optional[float]) -> dict:
     """The ``ServedTerms`` fields given on the command line (checked: positive, finite)."""
     out = {}
@@ -465,10 +494,11 @@ def kept_served(old: dict, source: str, overrides: dict) -> dict:
     return {"launch_floor_us": served.launch_floor_us, "host_plan_us": served.host_plan_us, **overrides}
 
 
-def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overrides: Optional[dict] = None) -> int:
+def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overrides: Optional[dict] = None,
+               order: Optional[str] = None) -> int:
     """Refit the coefficients and choose the disabled paths from ``path``'s measurements (and,
-    with ``grid``, a full kernel grid's); the file's launch floor and host planning prior are
-    kept (or replaced by ``overrides``)."""
+    with ``grid``, a full kernel grid's; with ``order``, a ``batch_order.py`` run's forests); the
+    file's launch floor and host planning prior are kept (or replaced by ``overrides``)."""
     with open(path) as f:
         old = json.load(f)
     cal = old["calibration"]
@@ -476,11 +506,14 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overri
     rows = rows_from(cal, heads, 2)  # calibrations are bf16 or fp16 (--dtype)
     if grid:
         rows += rows_from_grid(grid, heads, 2)
+    if order:
+        rows += rows_from_order(order, heads, 2)
     model, fitted = fit_and_choose(rows, float(old["coefficients"]["plan_us"]))
     model = dataclasses.replace(model, served=dataclasses.replace(
         model.served, **kept_served(old, path, overrides or {})))
     meta = dict(cal, **fitted,
                 refit={"from": os.path.basename(path), "grid": grid and os.path.basename(grid),
+                       "order": order and os.path.basename(order),
                        "date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "command": " ".join(sys.argv)})  # fmt: skip
     out = write_model(model, old["gpu_name"], meta, out)

@@ -109,3 +109,30 @@ def test_served_terms_take_fa3s_own_stock_prefill_from_extend_json(tmp_path):
     (tmp_path / "extend.json").write_text(json.dumps({"rows": ext_rows}))
     served, how = cal.served_from_grid(str(tmp_path / "kernels.json"), str(tmp_path / "extend.json"), model)
     assert served.extend_stock_by_backend == {} and "extend_stock_fa3" not in how
+
+
+def test_refit_with_a_batch_order_run_fits_its_forests_too(tmp_path):
+    """--refit-from FILE --with-order RUN: the forests of a batch_order.py run join the samples
+    (their paged and cascade times, workloads rebuilt from its SHAPES); a run of other heads or
+    an unknown batch is refused."""
+    from benchmark.kernels.batch_order import ORDERS, SHAPES
+
+    run = {"meta": {"heads": [32, 8, 128]},
+           "rows": [{"shape": name, "order": order, "layers": 2, "paged_us": 100.0 + i, "cascade_us": 80.0 + i}
+                    for i, ((name, _, _), (order, _)) in enumerate((s, o) for s in SHAPES for o in ORDERS)]}
+    p = tmp_path / "batch_order.json"
+    p.write_text(json.dumps(run))
+    rows = cal.rows_from_order(str(p))
+    assert len(rows) == len(SHAPES) * len(ORDERS)
+    label, layers, measured, w = rows[1]
+    assert label.startswith("order ") and label.endswith(" interleaved") and layers == 2
+    assert measured == {"paged": 101.0, "cascade": 81.0} and w.num_groups == len(SHAPES[0][1])
+    out = tmp_path / "model.json"
+    assert cal.refit_from(str(H200), str(out), order=str(p)) == 0
+    assert json.loads(out.read_text())["calibration"]["refit"]["order"] == "batch_order.json"
+    with pytest.raises(ValueError, match="heads"):
+        p.write_text(json.dumps(dict(run, meta={"heads": [40, 8, 128]})))
+        cal.rows_from_order(str(p))
+    with pytest.raises(ValueError, match="not one of"):
+        p.write_text(json.dumps(dict(run, rows=[dict(run["rows"][0], shape="nope")])))
+        cal.rows_from_order(str(p))
