@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -101,6 +101,20 @@ def describe(groups, suffix: int, ungrouped: int, order_seed: Optional[int] = No
     label += f" sfx{suffix}" + (f" +{ungrouped}cold" if ungrouped else "")
     label += " interleaved" if order_seed is not None else ""
     return desc, rows, label
+
+
+def workload_of(heads=(32, 8, 128), kv_dtype_bytes: int = 2, model: Optional[CostModel] = None):
+    """``of(groups, suffix, ungrouped=0, order_seed=None) -> (Workload, label)``: one decode layer
+    of ``describe``'s batch with every group counted (CPU only). The workload is pure accounting:
+    ``model`` (default: the default file) only builds the dispatcher that computes it."""
+    dispatcher = Dispatcher(model or CostModel.load(None, None), num_q_heads=heads[0], num_kv_heads=heads[1],
+                            head_dim=heads[2], kv_dtype_bytes=kv_dtype_bytes)  # fmt: skip
+
+    def of(groups, suffix: int, ungrouped: int = 0, order_seed: Optional[int] = None):
+        desc, _, label = describe(groups, suffix, ungrouped, order_seed)
+        return dispatcher.workload(group_requests(desc, min_group_size=1), desc), label
+
+    return of
 
 
 class Case:
@@ -407,18 +421,15 @@ def check_decisions(rows, model: CostModel, num_layers: int = 32):
 def rows_from(calibration: dict, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
     """``(label, layers, measured, Workload)`` per case of an earlier calibration's
     ``calibration`` section (CPU only: the workloads are rebuilt from ``CASES``)."""
-    fallback = CostModel.load(None, None)
-    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
-                            kv_dtype_bytes=kv_dtype_bytes)  # fmt: skip
+    of = workload_of(heads, kv_dtype_bytes)
     cases = calibration["cases"]
     if len(cases) != len(CASES):
         raise ValueError(f"{len(cases)} measured cases, CASES has {len(CASES)}: not the same calibration set")
     rows = []
     for (groups, suffix, ungrouped), c in zip(CASES, cases):
-        desc, _, label = describe(groups, suffix, ungrouped)
+        w, label = of(groups, suffix, ungrouped)
         if label != c["case"]:
             raise ValueError(f"measured case {c['case']!r} is not CASES' {label!r}")
-        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
         rows.append((label, c["layers"], dict(c["us"]), w))
     return rows
 
@@ -435,16 +446,12 @@ def rows_from_grid(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
     shapes = grid["meta"]["shapes"]
     if (shapes["hq"], shapes["hkv"], shapes["d"]) != tuple(heads):
         raise ValueError(f"{path}: grid heads {shapes} differ from the calibration's {heads}")
-    fallback = CostModel.load(None, None)
-    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
-                            kv_dtype_bytes=kv_dtype_bytes)  # fmt: skip
+    of = workload_of(heads, kv_dtype_bytes)
     rows = []
     for r in grid["rows"]:
         if "error" in r or r.get("n_ungrouped") or any(r.get(k) is None for k in GRID_PATHS.values()):
             continue
-        groups = [tuple(g) for g in r["groups"]]
-        desc, _, label = describe(groups, r["suffix"], 0)
-        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
+        w, label = of([tuple(g) for g in r["groups"]], r["suffix"])
         rows.append(("grid " + label, 1, {p: 1e3 * r[k] for p, k in GRID_PATHS.items()}, w))
     return rows
 
@@ -459,9 +466,7 @@ def rows_from_order(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
         run = json.load(f)
     if tuple(run["meta"]["heads"]) != tuple(heads):
         raise ValueError(f"{path}: heads {run['meta']['heads']} differ from the calibration's {list(heads)}")
-    fallback = CostModel.load(None, None)
-    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
-                            kv_dtype_bytes=kv_dtype_bytes)  # fmt: skip
+    of = workload_of(heads, kv_dtype_bytes)
     shapes = {(name, order): (groups, suffix, seed) for name, groups, suffix in SHAPES for order, seed in ORDERS}
     rows = []
     for r in run["rows"]:
@@ -469,8 +474,7 @@ def rows_from_order(path: str, heads=(32, 8, 128), kv_dtype_bytes: int = 2):
         if key not in shapes:
             raise ValueError(f"{path}: batch {key} is not one of batch_order.SHAPES")
         groups, suffix, seed = shapes[key]
-        desc, _, label = describe(groups, suffix, 0, seed)
-        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
+        w, label = of(groups, suffix, order_seed=seed)
         rows.append(("order " + label, r["layers"], {"paged": r["paged_us"], "cascade": r["cascade_us"]}, w))
     return rows
 
@@ -539,14 +543,12 @@ def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostM
         grid = json.load(f)
     shapes = grid["meta"]["shapes"]
     heads = (shapes["hq"], shapes["hkv"], shapes["d"])
-    dispatcher = Dispatcher(fallback, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
-                            kv_dtype_bytes=2)  # fmt: skip
+    of = workload_of(heads, 2, fallback)
     triton, eager = [], []
     for r in grid["rows"]:
         if "error" in r or r.get("n_ungrouped"):
             continue
-        desc, _, _ = describe([tuple(g) for g in r["groups"]], r["suffix"], 0)
-        w = dispatcher.workload(group_requests(desc, min_group_size=1), desc)
+        w, _ = of([tuple(g) for g in r["groups"]], r["suffix"])
         if r.get("sgl_triton_ms") is not None:
             triton.append((w, 1e3 * r["sgl_triton_ms"]))
         if r.get("gkv_cascade_eager_ms") is not None and r.get("gkv_cascade_ms") is not None:
@@ -556,6 +558,7 @@ def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostM
                               f"launches, {os.path.basename(grid_path)}"}  # fmt: skip
     by_backend = {"flashinfer": {n: getattr(fallback, n) for n in PAGED_NAMES}, "triton": paged_fit(triton, fallback)}
     extend = ExtendTerms()
+    stock_by_backend: Dict[str, Dict[str, float]] = {}
     if extend_path:
         with open(extend_path) as f:
             ext = json.load(f)
@@ -566,15 +569,14 @@ def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostM
             extend = dataclasses.replace(extend, paged_tflops=tf["fi_paged_fa2"], dense_tflops=tf["fi_ragged_fa3"])
             how["extend_tflops"] = (f"median TFLOP/s of fi_paged_fa2 (stock) and fi_ragged_fa3 (dense) over "
                                     f"{len(rows)} cases of {os.path.basename(extend_path)}")
-    extend = dataclasses.replace(extend, paged_call_us=fallback.paged_launch_us,
-                                 dense_call_us=2 * fallback.paged_launch_us)
-    stock_by_backend = {}
-    if extend_path:  # SGLang's fa3 backend's own prefix part (bench_extend's sgl_fa3_paged), where measured
+        # SGLang's fa3 backend's own prefix part (bench_extend's sgl_fa3_paged), where measured
         fa3 = [r["sgl_fa3_paged_TFLOPs"] for r in rows if r.get("sgl_fa3_paged_TFLOPs")]
         if fa3:
-            stock_by_backend["fa3"] = {"paged_tflops": statistics.median(fa3), "paged_call_us": extend.paged_call_us}
+            stock_by_backend["fa3"] = {"paged_tflops": statistics.median(fa3), "paged_call_us": fallback.paged_launch_us}
             how["extend_stock_fa3"] = (f"median TFLOP/s of sgl_fa3_paged over {len(fa3)} cases of "
                                        f"{os.path.basename(extend_path)}; call as flashinfer's paged call")
+    extend = dataclasses.replace(extend, paged_call_us=fallback.paged_launch_us,
+                                 dense_call_us=2 * fallback.paged_launch_us)
     how["extend_call_us"] = ("not measured (every extend case is compute-bound): paged call = the decode "
                              "paged_launch_us, dense call = 2x it (plan + run of a ragged call), merge "
                              f"{extend.merge_us} us; to refit on the GPU")
