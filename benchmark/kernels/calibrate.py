@@ -336,12 +336,16 @@ def fit_and_choose(rows, plan: float):
     return model, {"decisions_num_layers_32": check_decisions(rows, model), "max_abs_rel_err": max_err}
 
 
-def write_model(model: CostModel, gpu: str, meta: dict, out: Optional[str]) -> str:
-    """The cost-model JSON (``data/cost_model_<gpu>.json`` unless ``out``); returns its path."""
+def write_model(model: CostModel, gpu: str, meta: dict, out: Optional[str], served_note: Optional[dict] = None) -> str:
+    """The cost-model JSON (``data/cost_model_<gpu>.json`` unless ``out``; ``served_note``: how
+    the served terms were derived, kept from the file they came from); returns its path."""
     out = out or calibrated_path(gpu)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    values = model.to_mapping(gpu, calibration=meta)
+    if served_note:
+        values["served"]["note"] = served_note
     with open(out, "w") as f:
-        json.dump(model.to_mapping(gpu, calibration=meta), f, indent=2)
+        json.dump(values, f, indent=2)
         f.write("\n")
     return out
 
@@ -491,11 +495,11 @@ def served_overrides(launch_floor_us: Optional[float], host_plan_us: Optional[fl
     return out
 
 
-def kept_served(old: dict, source: str, overrides: dict) -> dict:
-    """The per-step served terms a rewrite keeps from the file ``old`` (launch floor, host
-    planning prior), with ``overrides`` on top."""
-    served = CostModel.from_mapping(old, source=source).served
-    return {"launch_floor_us": served.launch_floor_us, "host_plan_us": served.host_plan_us, **overrides}
+def kept_served(old: dict, source: str, overrides: dict) -> ServedTerms:
+    """The served terms a rewrite of the kernel coefficients keeps from the file ``old`` (all
+    of them: per-backend paged coefficients, extend terms, launch floor, host planning prior),
+    with ``overrides`` on top."""
+    return dataclasses.replace(CostModel.from_mapping(old, source=source).served, **overrides)
 
 
 def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overrides: Optional[dict] = None,
@@ -513,14 +517,18 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overri
     if order:
         rows += rows_from_order(order, heads, 2)
     model, fitted = fit_and_choose(rows, float(old["coefficients"]["plan_us"]))
-    model = dataclasses.replace(model, served=dataclasses.replace(
-        model.served, **kept_served(old, path, overrides or {})))
+    served = kept_served(old, path, overrides or {})
+    if "flashinfer" in served.paged_by_backend and str(cal.get("paged_kernel", "")).startswith("flashinfer"):
+        # that entry is the calibrated paged kernel's: it takes the refitted coefficients
+        by_backend = dict(served.paged_by_backend, flashinfer={n: getattr(model, n) for n in PAGED_NAMES})
+        served = dataclasses.replace(served, paged_by_backend=by_backend)
+    model = dataclasses.replace(model, served=served)
     meta = dict(cal, **fitted,
                 refit={"from": os.path.basename(path), "grid": grid and os.path.basename(grid),
                        "order": order and os.path.basename(order),
                        "date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "command": " ".join(sys.argv)})  # fmt: skip
-    out = write_model(model, old["gpu_name"], meta, out)
+    out = write_model(model, old["gpu_name"], meta, out, served_note=(old.get("served") or {}).get("note"))
     print(f"# wrote {out} (refit from {path}, no GPU)")
     return 0
 

@@ -198,6 +198,23 @@ def test_fit_recovers_a_known_model():
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
 
 
+def test_fit_takes_the_cascades_shared_terms_from_its_own_samples():
+    """The cascade's bandwidths come from its own samples: fused and bgemm samples measured far
+    slower than the model that made the cascade's do not move them (a joint fit would split
+    the difference), and only their own throughputs absorb it."""
+    truth = dataclasses.replace(default_model(), prefix_gbps=2900.0, suffix_gbps=2600.0)
+    slow = dataclasses.replace(truth, prefix_gbps=1200.0, suffix_gbps=1100.0)
+    samples = [(p, w, getattr(truth if p in ("paged", "cascade") else slow, f"{p}_time")(w)
+                - (0.0 if p == "paged" else truth.plan_us))
+               for w in sample_workloads() for p in PATHS]  # fmt: skip
+    fitted, rel_err = CostModel.fit(samples, plan_us=truth.plan_us, fallback=default_model())
+    assert fitted.prefix_gbps == pytest.approx(2900.0, rel=1e-4)
+    assert fitted.suffix_gbps == pytest.approx(2600.0, rel=1e-4)
+    for (p, w, t), e in zip(samples, rel_err):
+        if p == "cascade":
+            assert abs(e) < 1e-6
+
+
 def test_fit_keeps_fallback_for_unmeasured_paths():
     samples = [("paged", w, default_model().paged_time(w) * 1.1) for w in sample_workloads()]
     fallback = default_model()

@@ -76,14 +76,23 @@ def test_rows_from_grid_rebuild_the_grid_points(tmp_path):
 
 
 def test_refit_keeps_the_served_step_terms_and_takes_overrides(tmp_path):
-    """A refit keeps the file's launch floor and host planning prior; --launch-floor-us /
-    --host-plan-us replace them (checked: positive microseconds)."""
+    """A refit keeps every served term of the file (per-backend paged coefficients, extend
+    terms, a backend's own prefill terms, launch floor, host planning prior, how they were
+    derived); --launch-floor-us / --host-plan-us replace theirs (checked: positive microseconds)."""
     out = tmp_path / "model.json"
-    old = CostModel.load(str(H200)).served
-    assert cal.refit_from(str(H200), str(out)) == 0
+    doc = json.loads(H200.read_text())
+    doc["served"]["extend_stock_by_backend"] = {"fa3": {"paged_tflops": 555.0}}
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps(doc))
+    old = CostModel.load(str(src)).served
+    assert old.paged_by_backend and old.extend_stock_by_backend
+    assert cal.refit_from(str(src), str(out)) == 0
     kept = CostModel.load(str(out)).served
-    assert (kept.launch_floor_us, kept.host_plan_us) == (old.launch_floor_us, old.host_plan_us)
-    assert cal.refit_from(str(H200), str(out), overrides=cal.served_overrides(2.5, None)) == 0
+    fi = CostModel.load(str(out))
+    assert kept == dataclasses.replace(old, paged_by_backend=dict(old.paged_by_backend, flashinfer={
+        n: getattr(fi, n) for n in ("paged_launch_us", "paged_gbps", "paged_reuse_gbps")}))  # the calibrated kernel's
+    assert json.loads(out.read_text())["served"]["note"] == doc["served"]["note"]
+    assert cal.refit_from(str(src), str(out), overrides=cal.served_overrides(2.5, None)) == 0
     new = CostModel.load(str(out)).served
     assert (new.launch_floor_us, new.host_plan_us) == (2.5, old.host_plan_us)
     with pytest.raises(SystemExit, match="--host-plan-us=-1.0 must be a positive"):

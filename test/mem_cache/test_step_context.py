@@ -126,6 +126,30 @@ def test_a_hot_group_with_live_holders_is_context_a_finished_one_is_not():
     sim.check()
 
 
+def test_candidates_past_the_hot_cap_are_not_counted_in_the_step():
+    """Three groups of 2 that pay only together, and a HOT cap that holds one 40-token extent:
+    the candidates after the first do not fit, so they are not context for it, and nothing is
+    promoted (a lone group does not pay). Counted, they would promote the first alone."""
+    from support.scheduler_sim import SimConfig
+
+    sim = Sim(SimConfig(hot_fraction=60 / 384))
+    sim.cache.policy = PaysOffPolicy(_StepEstimate(), min_tokens=16, min_sharers=2, default_steps=200)
+    for first in (1, 2, 3):
+        _group(sim, first, 2)
+    assert sim.promote() == 0
+    assert [c for _, c in sim.cache.policy.estimate.contexts] == [[], [], []]
+    assert sim.cache.metrics.skip_reasons["does_not_pay"] == 3
+    sim.check()
+
+    sim = Sim(SimConfig(hot_fraction=100 / 384))  # room for two: the first two pay together
+    sim.cache.policy = PaysOffPolicy(_StepEstimate(), min_tokens=16, min_sharers=2, default_steps=200)
+    for first in (1, 2, 3):
+        _group(sim, first, 2)
+    assert sim.promote() == 2
+    assert [c for _, c in sim.cache.policy.estimate.contexts][:2] == [[(40, 2)], [(40, 2)]]
+    sim.check()
+
+
 def test_the_same_calls_give_the_same_decisions():
     """Two ranks fed the same calls: equal storage state (the context is tree state only)."""
     states = []

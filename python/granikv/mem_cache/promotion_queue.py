@@ -123,8 +123,28 @@ class PromotionQueue:
             hot = [n for n in self.hot.start if n.lock_ref > 0]
             queued = [n for n in self.candidates if n not in self.hot.start and is_attached(n)
                       and self.policy.may_promote(self.hot.depth(n) + len(n.key), n.lock_ref)]
-            self.step = StepContext([*hot, *queued, node], root=self.hot.root())
+            self.step = StepContext([*hot, *self.within_cap(node, queued)], root=self.hot.root())
         return dict(context=self.step.context_for(node), within=self.step.within(node))
+
+    def within_cap(self, node: TreeNode, queued: List[TreeNode]) -> List[TreeNode]:
+        """``node`` and the queued candidates after it, in queue order, that the HOT cap can
+        hold beside ``node`` and the live HOT extents (unlocked extents can be evicted to make
+        room): the ones past the cap would be refused there (skip ``hot_cap``), so the step
+        ``node`` is priced in does not count them as groups. Each takes at least its own
+        tokens, and its depth too unless its parent's HOT run covers it (``HotPlacement.place``)."""
+        room = self.allocator.hot_capacity - self.hot.hot_slots(locked=True) - self.slots_needed(node)
+        kept = [node]
+        for n in queued:
+            need = self.slots_needed(n)
+            if n is not node and need <= room:
+                kept.append(n)
+                room -= need
+        return kept
+
+    def slots_needed(self, node: TreeNode) -> int:
+        """The fewest HOT slots promoting ``node`` takes."""
+        depth = self.hot.depth(node)
+        return len(node.key) + (0 if depth > 0 and self.hot.run_of(node.parent).length == depth else depth)
 
     def superseded_by(self, node: TreeNode, holders: List["Req"]) -> Optional[List[TreeNode]]:
         """``None`` if some holder's deepest accepted node is ``node``; otherwise the holders'

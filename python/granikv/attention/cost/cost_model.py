@@ -80,6 +80,7 @@ def _coef(help: str) -> Any:
 
 
 LAUNCHES = {"cascade": 3, "fused": 1, "bgemm": 2}  # GraniKV kernel launches per layer (beyond the wrapped call)
+FIT_STAGES = (("paged", "cascade"), ("fused", "bgemm"))  # CostModel.fit: each stage fixes what it uses
 
 
 @dataclass(frozen=True)
@@ -241,27 +242,42 @@ class CostModel:
             fallback: CostModel) -> Tuple[CostModel, np.ndarray]:
         """Least-squares coefficients from measured ``(path, Workload, layer_us)`` samples.
 
-        Non-negative least squares on relative error (rows weighted by 1/measured). A
-        coefficient the samples do not determine (its column is zero, or the fit puts it at 0 =
-        an infinite rate) keeps ``fallback``'s value; a fitted 0 overhead becomes 1e-3 us.
+        Non-negative least squares on relative error (rows weighted by 1/measured), in two
+        stages (``FIT_STAGES``): the paged and cascade samples first, which fix every
+        coefficient they use, the cascade's launch, per-group, bandwidth and throughput terms
+        included; then the fused and bgemm samples, for what only they use (their throughputs,
+        bgemm's per-group overhead). The cascade is the path the dispatcher and the promotion
+        estimate price; fitted jointly, the terms it shares with the other two paths served all
+        three and overpriced it by 1.3-1.5x on forest batches (docs/results/kernels.md). A
+        coefficient no stage determines (its column is zero, or the fit puts it at 0 = an
+        infinite rate) keeps ``fallback``'s value; a fitted 0 overhead becomes 1e-3 us.
         Returns ``(model, relative_errors)`` with one error per sample.
         """
         import numpy as np
 
         names = cls.fit_names()
-        a = np.array([cls.features(p, w) for p, w, _ in samples], dtype=np.float64)
+        a = np.array([cls.features(p, w) for p, w, _ in samples], dtype=np.float64).reshape(len(samples), len(names))
         t = np.array([m for _, _, m in samples], dtype=np.float64)
-        weighted = a / t[:, None]
-        scale = np.linalg.norm(weighted, axis=0)
-        used = scale > 0
         u = np.zeros(len(names))
-        u[used] = nnls(weighted[:, used] / scale[used], np.ones(len(t))) / scale[used]
+        fixed = np.zeros(len(names), dtype=bool)
+        for stage in FIT_STAGES:
+            rows = np.array([p in stage for p, _, _ in samples], dtype=bool)
+            if not rows.any():
+                continue
+            rest = t[rows] - a[rows][:, fixed] @ u[fixed]  # what the terms fixed earlier leave
+            weighted = a[rows] / t[rows, None]
+            scale = np.linalg.norm(weighted, axis=0)
+            free = (scale > 0) & ~fixed
+            if not free.any():
+                continue
+            u[free] = nnls(weighted[:, free] / scale[free], rest / t[rows]) / scale[free]
+            fixed |= free
         values: Dict[str, Any] = {}  # the float coefficients, by name (cls's keyword arguments)
         for j, name in enumerate(names):
             if name.endswith("_us"):
-                values[name] = max(u[j], 1e-3) if used[j] else getattr(fallback, name)
+                values[name] = max(u[j], 1e-3) if fixed[j] else getattr(fallback, name)
             else:
-                values[name] = 1.0 / u[j] if used[j] and u[j] > 0 else getattr(fallback, name)
+                values[name] = 1.0 / u[j] if fixed[j] and u[j] > 0 else getattr(fallback, name)
         model = cls(plan_us=plan_us, **values)
         pred = a @ np.array(model.unknowns())
         return model, (pred - t) / t
