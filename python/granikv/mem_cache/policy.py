@@ -16,7 +16,8 @@ yet):
 Before executing the queued promotions it asks ``should_promote`` once per candidate, with the
 holders' expected remaining decode steps and the ``context``: the step's other groups as
 ``(prefix_len, sharers)`` pairs (HOT groups with live holders, the other queued candidates
-that pass ``may_promote``; mem_cache/step_context.py builds it from the tree) and ``within``:
+that pass ``may_promote`` and fit the HOT cap beside it; mem_cache/step_context.py builds it
+from the tree) and ``within``:
 the group above the candidate on its path that serves its holders without it, if any. A
 policy that prices a promotion in its step (``uses_context``) sees what the candidate adds to
 a step that already serves the others.

@@ -116,7 +116,8 @@ class PromotionQueue:
 
     def step_context(self, node: TreeNode) -> Dict[str, Any]:
         """``context`` / ``within`` of the step ``node`` would be served in (``StepContext``):
-        HOT nodes with live holders + the queued candidates that pass ``may_promote``."""
+        HOT nodes with live holders + the queued candidates that pass ``may_promote`` and fit
+        the HOT cap beside ``node`` (``within_cap``)."""
         if not self.policy.uses_context:
             return {}
         if self.step is None or node not in self.step:
