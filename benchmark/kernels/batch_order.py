@@ -26,17 +26,16 @@ import sys
 
 import torch
 
-from benchmark.kernels.calibrate import Case, granikv_paths, pick_paged
+from benchmark.kernels.calibrate import FOREST16_LIKE, SMALL_GROUPS, Case, granikv_paths, pick_paged
 from granikv.attention.cost.cost_model import CostModel, default_path
 from granikv.attention.dispatcher import Dispatcher
 
-SMALL_GROUPS = [(2048 + round(i * 2048 / 31), 2 + i % 2) for i in range(32)]  # the grid's small_groups32 row
 #: (name, groups [(prefix_len, sharers)], suffix tokens per request)
 SHAPES = [
     ("small_groups32_2to3sharers", SMALL_GROUPS, 160),
     ("16 x 2K x 4", [(2048, 4)] * 16, 256),
     ("4 x 4K x 8", [(4096, 8)] * 4, 256),
-    ("forest16_like", [(1536 + 283 * i, 4 + i % 6) for i in range(16)], 256),
+    ("forest16_like", FOREST16_LIKE, 256),
 ]
 ORDERS = (("adjacent", None), ("interleaved", 1))
 

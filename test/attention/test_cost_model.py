@@ -275,7 +275,10 @@ def test_checked_in_h200_file_has_per_backend_paged_coefficients():
     tri = h200.for_backend("triton")
     assert tri.paged_launch_us == h200.served.paged_by_backend["triton"]["paged_launch_us"] != h200.paged_launch_us
     assert h200.for_backend("flashinfer").paged_gbps == h200.paged_gbps
-    assert h200.for_backend("fa3") is h200  # no own coefficients: the calibrated ones
+    fa3 = h200.for_backend("fa3")  # no own decode coefficients: the calibrated ones; its own prefill rate
+    assert (fa3.paged_launch_us, fa3.paged_gbps) == (h200.paged_launch_us, h200.paged_gbps)
+    assert fa3.served.extend.paged_tflops == h200.served.extend_stock_by_backend["fa3"]["paged_tflops"]
+    assert fa3.served.extend.paged_tflops != h200.served.extend.paged_tflops
     w = one_group(64, 16384)
     assert tri.paged_time(w) != h200.paged_time(w)
 

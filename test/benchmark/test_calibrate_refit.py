@@ -21,7 +21,7 @@ def _rows():
 
 def test_checked_in_h200_model_never_picks_below_paged_on_its_measurements():
     rows = _rows()
-    assert len(rows) == len(cal.CASES)
+    assert len(rows) == len(json.loads(H200.read_text())["calibration"]["cases"]) >= 19
     d = cal.decisions(rows, CostModel.load(str(H200)))
     assert min(x["speedup_vs_paged"] for x in d) >= 0.97
     assert any(x["pick"] == "cascade" for x in d)  # not a model that only ever says "paged"
@@ -45,15 +45,20 @@ def test_refit_from_writes_a_loadable_model(tmp_path):
     assert cal.refit_from(str(H200), str(out)) == 0
     model = CostModel.load(str(out))
     meta = json.loads(out.read_text())["calibration"]
-    assert meta["refit"]["from"] == H200.name and len(meta["cases"]) == len(cal.CASES)
+    assert meta["refit"]["from"] == H200.name
+    assert len(meta["cases"]) == len(json.loads(H200.read_text())["calibration"]["cases"])
     assert min(x["speedup_vs_paged"] for x in meta["decisions_num_layers_32"]) >= 0.97
     assert model.plan_us == CostModel.load(str(H200)).plan_us
 
 
 def test_rows_from_rejects_another_case_set():
+    """Cases are matched by label: a calibration from before a case was added loads (the
+    checked-in files lack the forest cases), a case CASES does not know is refused."""
     cal_meta = json.loads(H200.read_text())["calibration"]
+    labels = [r[0] for r in cal.rows_from(dict(cal_meta, cases=cal_meta["cases"][:-1]))]
+    assert labels == [c["case"] for c in cal_meta["cases"][:-1]]
     with pytest.raises(ValueError, match="not the same calibration set"):
-        cal.rows_from(dict(cal_meta, cases=cal_meta["cases"][:-1]))
+        cal.rows_from(dict(cal_meta, cases=cal_meta["cases"] + [dict(cal_meta["cases"][0], case="8x1 sfx1")]))
 
 
 def test_rows_from_grid_rebuild_the_grid_points(tmp_path):
