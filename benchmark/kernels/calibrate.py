@@ -514,7 +514,8 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overri
                order: Optional[str] = None) -> int:
     """Refit the coefficients and choose the disabled paths from ``path``'s measurements (and,
     with ``grid``, a full kernel grid's; with ``order``, a ``batch_order.py`` run's forests); the
-    file's launch floor and host planning prior are kept (or replaced by ``overrides``)."""
+    file's served terms are kept (``kept_served``; ``overrides`` replace the launch floor and the
+    host planning prior), the ``flashinfer`` paged entry taking the refitted coefficients."""
     with open(path) as f:
         old = json.load(f)
     cal = old["calibration"]
@@ -528,7 +529,7 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overri
     served = kept_served(old, path, overrides or {})
     if "flashinfer" in served.paged_by_backend and str(cal.get("paged_kernel", "")).startswith("flashinfer"):
         # that entry is the calibrated paged kernel's: it takes the refitted coefficients
-        by_backend = dict(served.paged_by_backend, flashinfer={n: getattr(model, n) for n in PAGED_NAMES})
+        by_backend = dict(served.paged_by_backend, flashinfer=paged_coefs(model))
         served = dataclasses.replace(served, paged_by_backend=by_backend)
     model = dataclasses.replace(model, served=served)
     meta = dict(cal, **fitted,
@@ -544,11 +545,16 @@ def refit_from(path: str, out: Optional[str], grid: Optional[str] = None, overri
 # ---- served-step terms from measured data files (no GPU) ----------------------------------------
 
 
+def paged_coefs(model: CostModel) -> Dict[str, float]:
+    """``model``'s paged coefficients (``PAGED_NAMES``), as ``served.paged_by_backend`` holds them."""
+    return {n: getattr(model, n) for n in PAGED_NAMES}
+
+
 def paged_fit(samples, fallback: CostModel) -> dict:
     """The paged coefficients (``PAGED_NAMES``) fitted to ``(Workload, us)`` samples of one
     paged kernel."""
     model, _ = CostModel.fit([("paged", w, t) for w, t in samples], plan_us=fallback.plan_us, fallback=fallback)
-    return {n: getattr(model, n) for n in PAGED_NAMES}
+    return paged_coefs(model)
 
 
 def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostModel):
@@ -572,7 +578,7 @@ def served_from_grid(grid_path: str, extend_path: Optional[str], fallback: CostM
     how = {"triton_paged": f"fit to sgl_triton_ms of {len(triton)} points of {os.path.basename(grid_path)}",
            "eager_launch_us": f"median over {len(eager)} points of (gkv_cascade_eager_ms - gkv_cascade_ms) / 3 "
                               f"launches, {os.path.basename(grid_path)}"}  # fmt: skip
-    by_backend = {"flashinfer": {n: getattr(fallback, n) for n in PAGED_NAMES}, "triton": paged_fit(triton, fallback)}
+    by_backend = {"flashinfer": paged_coefs(fallback), "triton": paged_fit(triton, fallback)}
     extend = ExtendTerms()
     stock_by_backend: Dict[str, Dict[str, float]] = {}
     if extend_path:

@@ -128,7 +128,7 @@ class PromotionQueue:
         return dict(context=self.step.context_for(node), within=self.step.within(node))
 
     def within_cap(self, node: TreeNode, queued: List[TreeNode]) -> List[TreeNode]:
-        """``node`` and the queued candidates after it, in queue order, that the HOT cap can
+        """``node``, then the other queued candidates, in queue order, that the HOT cap can
         hold beside ``node`` and the live HOT extents (unlocked extents can be evicted to make
         room): the ones past the cap would be refused there (skip ``hot_cap``), so the step
         ``node`` is priced in does not count them as groups. Each takes at least its own
